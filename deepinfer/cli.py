@@ -1,0 +1,121 @@
+"""`deepinfer generate | chat | serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from deepinfer.args import add_engine_args, add_server_args, config_from_args
+from deepinfer.config import Config, ConfigError
+from deepinfer.errors import DeepInferError
+from deepinfer.request import SamplingParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print it")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message")
+    _add_sampling_args(gen)
+    add_engine_args(gen)
+    chat = sub.add_parser("chat", help="an interactive conversation, streamed")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+    serve = sub.add_parser("serve", help="the OpenAI/Anthropic compatible HTTP server")
+    add_engine_args(serve)
+    add_server_args(serve)
+    return parser
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default=None)
+
+
+def _sampling(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.sample_seed
+    )
+
+
+async def _generate(config: Config, ns: argparse.Namespace) -> None:
+    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.text.recipe import ChatMessage
+
+    params = _sampling(ns)
+    prompt = [ChatMessage("user", ns.prompt)] if ns.chat else ns.prompt
+    async with AsyncEngine(config) as engine:
+        async for out in engine.generate(prompt, params, reasoning_effort=ns.reasoning_effort):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+async def _chat(config: Config, ns: argparse.Namespace) -> None:
+    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.text.recipe import ChatMessage
+
+    history = [ChatMessage("system", ns.system)] if ns.system else []
+    async with AsyncEngine(config) as engine:
+        while True:
+            line = await asyncio.to_thread(_read_line, "> ")
+            if line is None or line.strip() in {"/exit", "/quit"}:
+                return
+            history.append(ChatMessage("user", line))
+            parts = []
+            gen = engine.generate(history, _sampling(ns), reasoning_effort=ns.reasoning_effort)
+            async for out in gen:
+                parts.append(out.text)
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            history.append(ChatMessage("assistant", "".join(parts)))
+
+
+def _read_line(prompt: str) -> str | None:
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def _run(coro_fn, config: Config, ns: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+
+        uvloop.run(coro_fn(config, ns))
+    except ImportError:
+        asyncio.run(coro_fn(config, ns))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(ns)
+        if ns.command == "serve":
+            from deepinfer.api.server import serve_forever
+
+            serve_forever(config)
+        elif ns.command == "generate":
+            _run(_generate, config, ns)
+        else:
+            _run(_chat, config, ns)
+    except (ConfigError, DeepInferError) as exc:
+        print(f"deepinfer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

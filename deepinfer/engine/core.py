@@ -1,0 +1,128 @@
+"""`EngineCore`: the synchronous heart (scheduler + cache manager + runner), no asyncio.
+
+`AsyncEngine` drives it from the event loop, running `execute` on its forward thread. Tests and
+offline users may call `step()` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.config import Config
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.attention import select_attention_backend
+from deepinfer.model.loader import LoadedModel, load_model, model_fingerprint
+from deepinfer.model.llama import allocate_kv_caches, kv_bytes_per_block
+from deepinfer.outputs import RunnerOutput, TokenDelta
+from deepinfer.request import Request
+from deepinfer.runner.device import resolve_device, resolve_dtype
+from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.text.recipe import ChatRecipe
+from deepinfer.text.tokenizer import Tokenizer
+
+log = logging.getLogger("deepinfer.engine")
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What start-up discovered (never written back into Config)."""
+
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    fingerprint: str
+    attention_backend: str
+
+
+def _build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
+    if loaded.gguf_reader is not None:
+        return Tokenizer.from_gguf(loaded.gguf_reader)
+    return Tokenizer.from_dir(path)
+
+
+def _num_blocks(config: Config, bytes_per_block: int) -> int:
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    return max(2, config.cache.kv_memory_bytes // bytes_per_block)
+
+
+class EngineCore:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        path = config.model.resolved_path()
+        device = resolve_device(config.runtime.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        if config.runtime.num_threads and device.type == "cpu":
+            torch.set_num_threads(config.runtime.num_threads)
+        loaded = load_model(path, dtype, device)
+        self.tokenizer = _build_tokenizer(loaded, path)
+        self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
+        block_size = config.cache.block_size
+        num_blocks = _num_blocks(config, kv_bytes_per_block(loaded.arch, block_size, dtype))
+        backend = select_attention_backend(config.runtime.attention_backend, device)
+        model = loaded.model
+        model.bind_kv_caches(allocate_kv_caches(loaded.arch, num_blocks, block_size, dtype, device))
+        model.set_attention_backend(backend)
+        fingerprint = model_fingerprint(loaded, dtype, block_size)
+        max_len = min(loaded.arch.max_position_embeddings, (num_blocks - 1) * block_size)
+        if config.model.max_model_len is not None:
+            max_len = min(max_len, config.model.max_model_len)
+        if max_len < 16:
+            raise ModelLoadError(f"the KV pool of {num_blocks} blocks is too small to serve")
+        self.info = RuntimeInfo(
+            model_name=config.server.served_model_name or path.stem,
+            device=device,
+            dtype=dtype,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_model_len=max_len,
+            fingerprint=fingerprint,
+            attention_backend=backend.name,
+        )
+        self.kv = KVCacheManager(
+            num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        self.runner = ModelRunner(model, block_size, device, config.runtime.seed)
+        log.info("engine ready: %s", self.info)
+
+    # -- the three phases of a step (the async engine runs `execute` off the loop) --
+    def schedule(self) -> ScheduleOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, so: ScheduleOutput) -> RunnerOutput:
+        return self.runner.execute(so)
+
+    def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        deltas = self.scheduler.update(so, out)
+        self.runner.release([d.request_id for d in deltas if d.finished])
+        return deltas
+
+    def step(self) -> list[TokenDelta]:
+        so = self.schedule()
+        return self.update(so, self.execute(so))
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort(request_id)
+        self.runner.release([request_id])
+        return aborted
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

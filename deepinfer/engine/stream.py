@@ -1,0 +1,142 @@
+"""`RequestStream`: one request's output mailbox, turning token deltas into text deltas.
+
+A one-slot mailbox: the engine merges new output into the pending delta, so a slow reader gets
+fewer, larger deltas and memory stays bounded by the request's own output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deepinfer.engine.types import GenerationOutput, Usage
+from deepinfer.outputs import SampledToken, TokenDelta
+from deepinfer.request import FinishReason
+from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.stop import StopStringMatcher
+
+
+@dataclass
+class _Pending:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+
+
+class RequestStream:
+    """Async iterator of `GenerationOutput` for one request; closing it early aborts the request."""
+
+    def __init__(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        detokenizer: IncrementalDetokenizer,
+        stops: tuple[str, ...],
+        stop_token_ids: frozenset[int],
+        on_abort: Callable[[str], None],
+    ) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._detok = detokenizer
+        self._matcher = StopStringMatcher(stops) if stops else None
+        self._stop_token_ids = stop_token_ids
+        self._on_abort = on_abort
+        self._pending = _Pending()
+        self._has_pending = False
+        self._event = asyncio.Event()
+        self._usage = Usage(num_prompt_tokens, 0, 0)
+        self._finish: FinishReason | None = None
+        self._stop_reason: str | int | None = None
+        self._error: BaseException | None = None
+        self._delivered_final = False
+
+    @property
+    def finished(self) -> bool:
+        """True once the engine delivered the final delta (the reader may not have read it)."""
+        return self._finish is not None or self._error is not None
+
+    def push(self, delta: TokenDelta) -> bool:
+        """Merge an engine delta. Returns True when a stop string ended the request here
+        (the engine must then abort it in the scheduler)."""
+        if self.finished:
+            return False
+        if delta.num_prompt_tokens:
+            self._usage = Usage(
+                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
+            )
+        p = self._pending
+        p.token_ids.extend(delta.token_ids)
+        p.logprobs.extend(delta.logprobs)
+        text_ids = list(delta.token_ids)
+        if delta.finish_reason is FinishReason.STOP and text_ids and text_ids[-1] in self._stop_token_ids:
+            self._stop_reason = text_ids.pop()
+        text = self._detok.push(text_ids)
+        matched = self._match(text)
+        if matched is not None:
+            self._finish, self._stop_reason = FinishReason.STOP, matched
+        elif delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+            self._flush()
+        self._has_pending = True
+        self._event.set()
+        return matched is not None
+
+    def _match(self, text: str) -> str | None:
+        if self._matcher is None:
+            self._pending.text.append(text)
+            return None
+        result = self._matcher.push(text)
+        self._pending.text.append(result.text_to_emit)
+        return result.matched
+
+    def _flush(self) -> None:
+        tail = self._detok.flush()
+        if self._matcher is not None:
+            result = self._matcher.push(tail)
+            self._pending.text.append(result.text_to_emit)
+            if result.matched is not None:
+                self._finish, self._stop_reason = FinishReason.STOP, result.matched
+            else:
+                self._pending.text.append(self._matcher.flush())
+        else:
+            self._pending.text.append(tail)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with an error (engine shutdown or an internal failure)."""
+        if not self.finished:
+            self._error = error
+            self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        while not self._has_pending:
+            if self._error is not None:
+                raise self._error
+            if self._delivered_final:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+        return self._take()
+
+    def _take(self) -> GenerationOutput:
+        p, self._pending, self._has_pending = self._pending, _Pending(), False
+        self._delivered_final = self._finish is not None
+        return GenerationOutput(
+            request_id=self.request_id,
+            text="".join(p.text),
+            token_ids=tuple(p.token_ids),
+            logprobs=tuple(p.logprobs),
+            finish_reason=self._finish,
+            stop_reason=self._stop_reason if self._finish is not None else None,
+            usage=self._usage,
+        )
+
+    async def aclose(self) -> None:
+        """Stop reading: an unfinished request is aborted and its KV blocks freed."""
+        if not self.finished:
+            self._on_abort(self.request_id)
+        self._delivered_final = True
+        self._has_pending = False

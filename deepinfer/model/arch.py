@@ -1,0 +1,67 @@
+"""`ModelArch`: the shape of a decoder-only model, read once from the weights' metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Everything the model code and the KV cache need to know about an architecture.
+
+    Invariants (checked at construction, violations raise `ModelLoadError`): all sizes positive,
+    `num_heads` a multiple of `num_kv_heads`, `head_dim` even (rotate-half RoPE).
+    """
+
+    architecture: str
+    """Registry key: `llama`, `qwen2`, `qwen3`."""
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    """The LM head reuses the token embedding matrix."""
+    qkv_bias: bool = False
+    """Q, K and V projections carry biases (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        bad = [f"{name}={value}" for name, value in sizes.items() if value <= 0]
+        if bad:
+            raise ModelLoadError(f"invalid model metadata: {', '.join(bad)} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"invalid model metadata: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"invalid model metadata: head_dim={self.head_dim} must be even")
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (or value) projection: num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim

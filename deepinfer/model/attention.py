@@ -1,0 +1,138 @@
+"""Kernel backends for the forward pass, chosen once at start-up.
+
+`torch` runs the kernels' plain-torch `*_reference` functions (the CPU path). `triton` runs the
+Triton launchers of the same kernel modules (same signatures, named without `_reference`); a
+launcher that does not exist yet falls back to its reference, announced in one log line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from deepinfer.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# op name -> (kernel module, reference function); the Triton launcher drops `_reference`.
+_OPS: dict[str, tuple[str, str]] = {
+    "rms_norm": ("norm", "rms_norm_reference"),
+    "fused_add_rms_norm": ("norm", "fused_add_rms_norm_reference"),
+    "apply_rotary": ("rotary", "apply_rotary_reference"),
+    "store_kv": ("kv_store", "store_kv_reference"),
+    "paged_decode_attention": ("paged_attention", "paged_decode_attention_reference"),
+    "paged_prefill_attention": ("paged_attention", "paged_prefill_attention_reference"),
+}
+
+
+class AttentionBackend(Protocol):
+    """The kernels one forward pass calls; signatures are those of `deepinfer.kernels`."""
+
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def apply_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> None: ...
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """An `AttentionBackend` made of plain functions, one per op."""
+
+    name: str
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    apply_rotary: Callable[..., None]
+    store_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+
+
+def _kernel_module(name: str):
+    return importlib.import_module(f"deepinfer.kernels.{name}")
+
+
+def torch_backend() -> KernelBackend:
+    ops = {op: getattr(_kernel_module(mod), ref) for op, (mod, ref) in _OPS.items()}
+    return KernelBackend(name="torch", **ops)
+
+
+def triton_backend() -> KernelBackend:
+    """Triton launchers where the kernel modules define them, references elsewhere."""
+    ops: dict[str, Callable] = {}
+    missing: list[str] = []
+    for op, (mod, ref) in _OPS.items():
+        module = _kernel_module(mod)
+        launcher = getattr(module, ref.removesuffix("_reference"), None)
+        if launcher is None:
+            missing.append(op)
+            launcher = getattr(module, ref)
+        ops[op] = launcher
+    if missing:
+        logger.info("triton backend: no launcher for %s; using torch references", ", ".join(missing))
+    return KernelBackend(name="triton", **ops)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_attention_backend(name: str, device: torch.device) -> KernelBackend:
+    """Pick the backend once: `auto` is triton on CUDA when triton is importable, else torch."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        return torch_backend()
+    if name == "triton":
+        if not _triton_available():
+            raise ConfigError("attention backend 'triton' needs the triton package installed")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                f"attention backend 'triton' on {device.type} needs TRITON_INTERPRET=1; "
+                "use 'torch' or 'auto' instead"
+            )
+        return triton_backend()
+    raise ConfigError(f"unknown attention backend {name!r}; choose auto, torch or triton")

@@ -1,0 +1,47 @@
+"""Paged KV cache tensors in the layout every attention kernel shares (see deepinfer.kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.model.arch import ModelArch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+"""One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.kv_size * element_bytes
+
+
+def allocate_kv_caches(
+    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> KVCaches:
+    """Zero-filled caches for every layer (zeros: padded reads never see NaN garbage)."""
+    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(arch.num_layers)
+    ]
+
+
+def check_kv_caches(arch: ModelArch, kv_caches: KVCaches, dtype: torch.dtype) -> None:
+    """Raise ValueError unless `kv_caches` matches `arch` (count, shape, dtype)."""
+    if len(kv_caches) != arch.num_layers:
+        raise ValueError(f"expected {arch.num_layers} (k, v) cache pairs, got {len(kv_caches)}")
+    for layer, (k_cache, v_cache) in enumerate(kv_caches):
+        for cache in (k_cache, v_cache):
+            if cache.dim() != 4 or tuple(cache.shape[2:]) != (arch.num_kv_heads, arch.head_dim):
+                raise ValueError(
+                    f"layer {layer}: KV cache shape {tuple(cache.shape)} is not "
+                    f"[num_blocks, block_size, {arch.num_kv_heads}, {arch.head_dim}]"
+                )
+            if cache.dtype != dtype:
+                raise ValueError(f"layer {layer}: KV cache dtype {cache.dtype}, expected {dtype}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"layer {layer}: k and v caches differ in shape")

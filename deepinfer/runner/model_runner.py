@@ -1,0 +1,79 @@
+"""Runs one `ScheduleOutput` through the model and the sampler. Called from the worker thread."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.outputs import RunnerOutput, SampledToken
+from deepinfer.request import Request
+from deepinfer.runner.batch_builder import build_forward_batch
+from deepinfer.sampling.sampler import Sampler, SamplingRow
+from deepinfer.scheduler.output import ScheduleOutput
+
+
+class ModelRunner:
+    """Owns the model, its KV tensors and per-request sampling state (seeded generators).
+
+    Only the engine's single forward thread calls `execute`; `release` is called between steps.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(seed=seed, device=device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, so: ScheduleOutput) -> RunnerOutput:
+        start = time.perf_counter()
+        if so.is_empty:
+            return RunnerOutput(step=so.step)
+        batch, sampled_ids = build_forward_batch(so, self.block_size, self.device)
+        sampled: dict[str, SampledToken] = {}
+        if sampled_ids:
+            logits = self._forward(batch)  # [B_sample, V]
+            requests = {c.request_id: c.request for c in so.chunks if c.sample}
+            rows = [self._row(requests[rid]) for rid in sampled_ids]
+            tokens = self.sampler.sample(logits, rows)
+            sampled = dict(zip(sampled_ids, tokens, strict=True))
+        else:
+            self._forward(batch)
+        return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=time.perf_counter() - start)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def _row(self, request: Request) -> SamplingRow:
+        params = request.sampling
+        suppress: frozenset[int] = frozenset()
+        if len(request.output_token_ids) < params.min_tokens:
+            suppress = request.stop_token_ids
+        return SamplingRow(
+            params=params,
+            output_token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            generator=self._generator(request),
+            suppress_token_ids=suppress,
+        )
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling.seed
+        if seed is None or request.sampling.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests' sampling state."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)

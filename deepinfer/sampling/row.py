@@ -1,0 +1,42 @@
+"""`SamplingRow`: everything the sampler needs to know about one request for one step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.request import SamplingParams
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (argmax): dividing by them would overflow float32."""
+
+
+@dataclass(frozen=True, eq=False)
+class SamplingRow:
+    """One row of the logits batch: a request's parameters and the tokens it has seen.
+
+    The token sequences are read during `Sampler.sample` only, so the engine may pass the
+    request's own lists without copying them.
+    """
+
+    params: SamplingParams
+    output_token_ids: Sequence[int] = ()
+    """Tokens generated so far (presence/frequency and repetition penalties)."""
+    prompt_token_ids: Sequence[int] = ()
+    """Prompt tokens (repetition penalty only)."""
+    generator: torch.Generator | None = None
+    """This request's own random stream (see `make_generator`), on the sampler's device;
+    None draws from the sampler's shared generator."""
+    suppress_token_ids: frozenset[int] = frozenset()
+    """Token ids that may not be sampled this step (e.g. end-of-turn before min_tokens).
+    Ids outside the vocabulary are ignored: they cannot be sampled anyway."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None

@@ -1,0 +1,223 @@
+"""The tokenizer: HF `tokenizers` rebuilt from GGUF metadata or loaded from a model directory.
+
+Two `tokenizers.Tokenizer` instances back every `Tokenizer`:
+
+- `content` has `encode_special_tokens = True`: text that spells a control token (`<|im_start|>`)
+  encodes as ordinary pieces. Every piece of untrusted text goes through it (`encode`).
+- `special` parses control tokens; it is used for decoding and by tests that render a chat template.
+
+The flag is per instance, so the two are never shared or flipped at run time. All heavy work
+(vocabulary, merges) happens once, at build time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from deepinfer.errors import ModelLoadError
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEXES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", *_SPLIT_REGEXES)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: every byte spelled as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The split rules of llama.cpp's `tokenizer.ggml.pre` values, as `tokenizers` pre-tokenizers."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2"):
+        return byte_level
+    if pre == "smollm":  # llama.cpp: `\p{N}` first, then the GPT-2 regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLIT_REGEXES:
+        split = pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated")
+        no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, no_regex])
+    raise ModelLoadError(
+        f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+        f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+    )
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A GGUF metadata value (str, bool, int, or list of those); None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+class Tokenizer:
+    """Text <-> token ids. `encode` never produces a control token from text; build with
+    `from_gguf` or `from_dir`."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        serialized = hf.to_str()
+        self._special = HFTokenizer.from_str(serialized)
+        self._content = HFTokenizer.from_str(serialized)
+        self._content.encode_special_tokens = True
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        added = self._special.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        """Control tokens: never produced by `encode`, dropped by `decode(skip_special_tokens=True)`."""
+        self.added_token_ids: frozenset[int] = frozenset(added)
+        """Every added token, special or not (user-defined ones like `<think>` match in text)."""
+        self.vocab_size: int = self._special.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> Tokenizer:
+        """Rebuild from an open `gguf.GGUFReader` (a byte-level BPE `gpt2` vocabulary).
+
+        Matches transformers' GGUF conversion, except for `pre=smollm`, where the file's own rule
+        (digits split one by one, as llama.cpp and the model's `tokenizer.json` do) is applied.
+        """
+        model = _field(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ModelLoadError(
+                f"unsupported GGUF tokenizer tokenizer.ggml.model={model!r}; supported: 'gpt2' "
+                "(byte-level BPE)"
+            )
+        tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+        merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
+        types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []
+        if not tokens or not merges:
+            raise ModelLoadError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        hf = _byte_level_bpe(tokens, merges, types, _field(reader, "tokenizer.ggml.pre") or "default")
+        add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+        return cls(
+            hf,
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+            add_bos=bool(add_bos) if add_bos is not None else False,
+            chat_template=_field(reader, "tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load a Hugging Face directory: `tokenizer.json`, plus `tokenizer_config.json` (and
+        `chat_template.jinja` when present) for the chat template, BOS/EOS and `add_bos_token`."""
+        root = Path(path)
+        if not (root / "tokenizer.json").is_file():
+            raise ModelLoadError(f"{root} has no tokenizer.json")
+        hf = HFTokenizer.from_file(str(root / "tokenizer.json"))
+        config_path = root / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_path = root / "chat_template.jinja"
+        if jinja_path.is_file():
+            template = jinja_path.read_text()
+        bos_id = _named_token_id(hf, config.get("bos_token"))
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # no flag: does the post-processor put BOS first?
+            ids = hf.encode("", add_special_tokens=True).ids
+            add_bos = bos_id is not None and ids[:1] == [bos_id]
+        return cls(
+            hf,
+            bos_token_id=bos_id,
+            eos_token_id=_named_token_id(hf, config.get("eos_token")),
+            add_bos=bool(add_bos),
+            chat_template=template,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` as content: control tokens spelled in it stay plain text; no BOS/EOS."""
+        return list(self._content.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` on each text, in parallel inside `tokenizers`."""
+        encodings = self._content.encode_batch(list(texts), add_special_tokens=False)
+        return [list(e.ids) for e in encodings]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Ids of trusted text, parsing control tokens. Never use this on user input."""
+        return list(self._special.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
+        return str(self._special.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token as the vocabulary spells it (byte-level: `Ġ` for a space)."""
+        token_id = self._special.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary spelling of `token_id`; None when out of range."""
+        token = self._special.id_to_token(token_id)
+        return None if token is None else str(token)
+
+
+def _named_token_id(hf: HFTokenizer, token: Any) -> int | None:
+    """Id of a token given as in tokenizer_config.json: a string or `{"content": ...}`."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    if not isinstance(token, str):
+        return None
+    token_id = hf.token_to_id(token)
+    return None if token_id is None else int(token_id)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre: str) -> HFTokenizer:
+    """The BPE tokenizer a GGUF `gpt2` vocabulary describes (transformers' conversion rules)."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token spelled outside the byte alphabet is raw text: respell it byte by byte.
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    if len(vocab) != len(tokens):
+        raise ModelLoadError("GGUF vocabulary has duplicate tokens after byte-level respelling")
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = _pre_tokenizer(pre)
+    hf.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, types, strict=False))
+    # A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
+    control = [t for t, k in typed if k == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, k in typed if k == TOKEN_TYPE_USER_DEFINED and t in vocab]
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return hf
