@@ -23,7 +23,9 @@ NULL_BLOCK_ID = 0
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
-            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+            raise ValueError(
+                f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -109,6 +111,10 @@ class BlockPool:
             block.block_hash = None
             self.num_evictions += 1
 
+    def free_block_ids(self) -> list[int]:
+        """The free queue, next to be reused first (O(blocks): for tests and debugging)."""
+        return [b.block_id for b in self._free]
+
     def reset_prefix_cache(self) -> int:
         """Drop the hashes of all free blocks (in-use blocks keep theirs). Returns how many."""
         dropped = [b for b in self._free if b.block_hash is not None]
@@ -138,5 +144,7 @@ class BlockPool:
                     f"block {block.block_id} has a hash the map does not point back from",
                 )
         for block_hash, block in self._cached.items():
-            require(block.block_hash == block_hash, f"map entry for block {block.block_id} is stale")
+            require(
+                block.block_hash == block_hash, f"map entry for block {block.block_id} is stale"
+            )
         require(self.enable_caching or not self._cached, "blocks cached with caching disabled")

@@ -31,7 +31,8 @@ class SamplingRow:
     None draws from the sampler's shared generator."""
     suppress_token_ids: frozenset[int] = frozenset()
     """Token ids that may not be sampled this step (e.g. end-of-turn before min_tokens).
-    Ids outside the vocabulary are ignored: they cannot be sampled anyway."""
+    Ids outside the vocabulary are ignored: they cannot be sampled anyway. At least one token
+    must stay allowed (the engine suppresses only end-of-turn and stop tokens)."""
 
     @property
     def greedy(self) -> bool:

@@ -121,7 +121,9 @@ class Tokenizer:
         types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []
         if not tokens or not merges:
             raise ModelLoadError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        hf = _byte_level_bpe(tokens, merges, types, _field(reader, "tokenizer.ggml.pre") or "default")
+        hf = _byte_level_bpe(
+            tokens, merges, types, _field(reader, "tokenizer.ggml.pre") or "default"
+        )
         add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
         return cls(
             hf,
@@ -140,7 +142,9 @@ class Tokenizer:
             raise ModelLoadError(f"{root} has no tokenizer.json")
         hf = HFTokenizer.from_file(str(root / "tokenizer.json"))
         config_path = root / "tokenizer_config.json"
-        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config: dict[str, Any] = (
+            json.loads(config_path.read_text()) if config_path.is_file() else {}
+        )
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -159,6 +163,19 @@ class Tokenizer:
             add_bos=bool(add_bos),
             chat_template=template,
         )
+
+    def save_dir(self, path: str | Path) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` that `from_dir` reads back."""
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        self._special.save(str(root / "tokenizer.json"))
+        config = {
+            "bos_token": None if self.bos_token_id is None else self.id_to_token(self.bos_token_id),
+            "eos_token": None if self.eos_token_id is None else self.id_to_token(self.eos_token_id),
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        (root / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as content: control tokens spelled in it stay plain text; no BOS/EOS."""
@@ -198,7 +215,9 @@ def _named_token_id(hf: HFTokenizer, token: Any) -> int | None:
     return None if token_id is None else int(token_id)
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre: str) -> HFTokenizer:
+def _byte_level_bpe(
+    tokens: list[str], merges: list[str], types: list[int], pre: str
+) -> HFTokenizer:
     """The BPE tokenizer a GGUF `gpt2` vocabulary describes (transformers' conversion rules)."""
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())

@@ -1,0 +1,221 @@
+"""`KVCacheManager`: the scheduler's only door to KV blocks (per-request block tables, prefix hits).
+
+Lifecycle of a request's blocks, driven by the scheduler:
+
+1. `get_computed_blocks(req)` on admission: the longest run of cached full blocks matching the
+   request's tokens (never all of them: the last token is always computed, to get logits).
+2. `allocate_slots(req, n, hit_blocks)`: take references on the hits and allocate blocks so that
+   the first `num_computed + n` tokens have room. Returns False (changing nothing) when the pool
+   is short: the scheduler then preempts or waits.
+3. `cache_blocks(req)` after the step that computed the tokens: register the hashes of the blocks
+   that became full and computed. Registration waits for the computation on purpose: a block is
+   never visible to other requests before its KV exists, whatever the runner does within a step
+   (separate prefill and decode passes, split batches, overlapped steps). The price: two identical
+   prompts admitted in the same step both compute the shared prefix; later ones hit.
+4. `free(req)` on finish, abort or preemption: blocks return to the LRU free queue with their
+   content and hashes, so a preempted request's recompute and a follow-up turn hit them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.cache.block_hash import BlockHash, block_hashes_for, seed_bytes
+from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.free_queue import Block, require
+from deepinfer.request import Request
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    num_total_blocks: int
+    """Usable blocks (the reserved null block excluded)."""
+    num_used_blocks: int
+    """Blocks referenced by at least one request."""
+    num_free_blocks: int
+    """Blocks allocatable now (some still hold cached content)."""
+    num_cached_blocks: int
+    """Blocks whose hash is registered (in use or free)."""
+    num_query_tokens: int
+    """Tokens of requests admitted (or readmitted after preemption) with prefix caching on."""
+    num_hit_tokens: int
+    """Of those, tokens served from cache."""
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, hash_seed: str, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._seed = seed_bytes(hash_seed)
+        self._blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
+        """Leading blocks of each request already offered to the cache map."""
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Most tokens one request can ever hold (the whole pool)."""
+        return self.pool.num_usable_blocks * self.block_size
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.pool.num_usable_blocks - self.pool.num_free_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now (some still hold cached content)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose hash is registered (in use or free)."""
+        return self.pool.num_cached_blocks
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks (kept per request, extended as blocks fill)."""
+        rid = request.request_id
+        hashes = self._hashes.get(rid, [])
+        if request.num_tokens // self.block_size > len(hashes):
+            hashes = block_hashes_for(
+                request.all_token_ids, self.block_size, self._seed, request.cache_salt, hashes
+            )
+        self._hashes[rid] = hashes
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest cached prefix in full blocks, and its length in tokens (a multiple of the
+        block size, at most `num_tokens - 1`). The blocks are not referenced until
+        `allocate_slots` takes them, which must follow before any other allocation."""
+        if not self.enable_prefix_caching or request.request_id in self._blocks:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def _num_blocks_short(
+        self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block]
+    ) -> tuple[int, int]:
+        """(blocks to allocate, free blocks they may come from) for this allocation."""
+        held = self._blocks.get(request.request_id, [])
+        assert not (held and hit_blocks), "prefix hits are only taken on admission"
+        num_tokens = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        num_tokens += num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(held) - len(hit_blocks)
+        # Touching a free cached hit takes it out of the free queue: it no longer counts as free.
+        free = self.pool.num_free_blocks - sum(1 for b in hit_blocks if b.ref_count == 0)
+        return max(needed, 0), free
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block] = ()
+    ) -> bool:
+        needed, free = self._num_blocks_short(request, num_new_tokens, hit_blocks)
+        return needed <= free
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (counting
+        `hit_blocks`, the prefix hits from `get_computed_blocks`, as computed). All or nothing:
+        on False nothing changed."""
+        needed, free = self._num_blocks_short(request, num_new_tokens, hit_blocks)
+        if needed > free:
+            return False
+        rid = request.request_id
+        if rid not in self._blocks and self.enable_prefix_caching:
+            self.num_query_tokens += request.num_tokens
+            self.num_hit_tokens += len(hit_blocks) * self.block_size
+        table = self._blocks.setdefault(rid, [])
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            table.extend(hit_blocks)
+            self._num_registered[rid] = len(hit_blocks)
+        table.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the hashes of the request's blocks that are full and fully computed
+        (call after the step that advanced `num_computed_tokens` has run)."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self._blocks[rid]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks (finish, abort, preemption). Idempotent."""
+        rid = request.request_id
+        table = self._blocks.pop(rid, None)
+        if table is not None:
+            self.pool.free(table)
+        self._hashes.pop(rid, None)
+        self._num_registered.pop(rid, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every free block's cached content (in-use blocks keep theirs). Returns how many
+        blocks were dropped."""
+        return self.pool.reset_prefix_cache()
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self._blocks.get(request_id, ()))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    def usage(self) -> CacheUsage:
+        pool = self.pool
+        return CacheUsage(
+            num_total_blocks=pool.num_usable_blocks,
+            num_used_blocks=self.num_used_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_query_tokens=self.num_query_tokens,
+            num_hit_tokens=self.num_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: each block's ref count equals the number of tables holding it,
+        no table holds a block twice, and registered blocks carry their request's hash."""
+        self.pool.check_integrity()
+        holders = [0] * self.pool.num_blocks
+        for rid, table in self._blocks.items():
+            require(len({id(b) for b in table}) == len(table), f"{rid} holds a block twice")
+            for block in table:
+                holders[block.block_id] += 1
+            hashes = self._hashes.get(rid, [])
+            for i in range(self._num_registered.get(rid, 0)):
+                h = table[i].block_hash
+                require(h is None or h == hashes[i], f"{rid} block {i} has a foreign hash")
+        for block in self.pool.blocks:
+            require(
+                block.ref_count == holders[block.block_id],
+                f"block {block.block_id}: ref_count {block.ref_count} but "
+                f"{holders[block.block_id]} holders",
+            )
+        require(
+            set(self._num_registered) <= set(self._blocks), "registration state of a freed request"
+        )

@@ -1,0 +1,104 @@
+"""`Sampler`: turns one step's logits `[B, V]` into one `SampledToken` per row.
+
+The pipeline, per row (vLLM / HF semantics):
+
+1. suppression, repetition penalty, presence/frequency penalties (`penalties.py`): the
+   *processed logits*, which decide greedy picks and logprobs;
+2. rows with temperature 0 (below `GREEDY_TEMPERATURE`): argmax of the processed logits;
+3. other rows: temperature, top-k, top-p, min-p (`filters.py`), softmax, then one draw from the
+   row's generator by the exponential race (`generators.py`).
+
+Logprobs (when `params.logprobs` is not None) are `log_softmax` of the processed logits: after
+suppression and penalties, before temperature and the filters. They are the model's distribution
+under the request's hard constraints, the same whatever temperature or top-p a client picks (as
+vLLM's default reports the unshaped distribution), and the sampled token always has a finite
+logprob (it was never suppressed). `top_logprobs` holds the `params.logprobs` most likely tokens
+of that distribution, most likely first.
+
+Work is grouped, not looped: all greedy rows share one argmax, all sampled rows one softmax and
+one argmax over the noise-divided probabilities, all logprob rows one log_softmax and one topk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.outputs import SampledToken
+from deepinfer.sampling.filters import warp
+from deepinfer.sampling.generators import exponential_noise
+from deepinfer.sampling.penalties import apply_penalties, apply_suppression
+from deepinfer.sampling.row import SamplingRow
+
+__all__ = ["Sampler", "SamplingRow"]
+
+
+class Sampler:
+    """Stateless but for the shared generator, used by rows that bring none of their own."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._shared = torch.Generator(device=self.device)
+        self._shared.manual_seed(seed % (1 << 64))
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified)."""
+        processed = self.process_logits(logits, rows)  # [B, V]
+        token_ids = self.choose(processed, rows)  # [B]
+        return _package(processed, token_ids, rows)
+
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """A float32 copy of `logits` with suppression and penalties applied (step 1)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
+        assert logits.device.type == self.device.type, "logits on the sampler's device"
+        processed = logits.to(torch.float32, copy=True)
+        apply_suppression(processed, rows)
+        apply_penalties(processed, rows)
+        return processed
+
+    def choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids `[B]` (int64) from processed logits: argmax or a draw (steps 2 and 3)."""
+        greedy = [i for i, row in enumerate(rows) if row.greedy]
+        if len(greedy) == len(rows):
+            return processed.argmax(dim=1)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if len(sampled) == len(rows):
+            return self._draw(processed, rows)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
+        greedy_index = torch.tensor(greedy, device=processed.device)
+        sampled_index = torch.tensor(sampled, device=processed.device)
+        token_ids[greedy_index] = processed[greedy_index].argmax(dim=1)
+        token_ids[sampled_index] = self._draw(processed[sampled_index], [rows[i] for i in sampled])
+        return token_ids
+
+    def _draw(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        probs = warp(processed, [row.params for row in rows]).softmax(dim=1)  # [S, V]
+        noise = exponential_noise(
+            probs.shape[1], [row.generator for row in rows], self._shared, probs.device
+        )
+        return (probs / noise).argmax(dim=1)  # [S]
+
+
+def _package(
+    processed: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[SampledToken]:
+    ids: list[int] = token_ids.tolist()
+    wanted = [i for i, row in enumerate(rows) if row.wants_logprobs]
+    if not wanted:
+        return [SampledToken(token_id=t) for t in ids]
+    index = torch.tensor(wanted, device=processed.device)
+    logprobs = torch.log_softmax(processed[index], dim=1)  # [L, V]
+    chosen: list[float] = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if num_top > 0:
+        top = logprobs.topk(min(num_top, logprobs.shape[1]), dim=1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    out = [SampledToken(token_id=t) for t in ids]
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs or 0
+        pairs = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        out[i] = SampledToken(token_id=ids[i], logprob=chosen[j], top_logprobs=pairs)
+    return out

@@ -1,0 +1,219 @@
+"""`Scheduler`: pure, synchronous continuous batching over the KV cache manager.
+
+One rule drives everything: each request's `num_computed_tokens` catches up with its
+`num_tokens`. A step schedules, within `max_num_batched_tokens`:
+
+1. running requests, oldest first (decodes, and the next chunk of prefills already under way).
+   When blocks run out, the newest running request is preempted by recompute: its blocks are
+   freed (their cached content stays hittable), `num_computed_tokens` goes back to 0 and it
+   rejoins the front of the waiting queue;
+2. then, if nobody was preempted, waiting requests in FCFS order up to `max_num_seqs` running,
+   each starting after its prefix-cache hit, chunked to the budget left (chunked prefill).
+   The queue head blocks those behind it (no overtaking: FCFS is the fairness rule).
+
+Steps are strictly sequential: `update(so, out)` applies the latest `schedule()` before the next.
+
+A lone request always fits: `add_request` refuses requests whose prompt plus `max_tokens`
+exceed the smaller of `max_model_len` and the whole pool, with `ContextLengthError`. So the
+oldest running request can always progress, and every request eventually finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.cache.free_queue import require
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.config import SchedulerConfig
+from deepinfer.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from deepinfer.outputs import RunnerOutput, TokenDelta
+from deepinfer.request import FinishReason, Request, RequestStatus
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
+from deepinfer.scheduler.stop import check_finished
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, kv: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_waiting = scheduler_config.max_waiting
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.max_request_tokens = min(max_model_len, kv.capacity_tokens)
+        """Prompt plus max_tokens must fit here: the context and the whole KV pool."""
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._step = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises `InvalidRequestError` (empty prompt, duplicate id),
+        `ContextLengthError` (cannot fit), `OverloadedError` (queue full)."""
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        max_tokens = request.sampling.max_tokens
+        if request.num_prompt_tokens + max_tokens > self.max_request_tokens:
+            raise ContextLengthError(request.num_prompt_tokens, max_tokens, self.max_request_tokens)
+        if len(self.waiting) >= self.max_waiting:
+            raise OverloadedError(f"{len(self.waiting)} requests are already waiting; retry later")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request with ABORT and free its blocks. False if unknown
+        (already finished or never added)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running = [r for r in self.running if r is not request]
+        else:
+            self.waiting = deque(r for r in self.waiting if r is not request)
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def schedule(self) -> ScheduleOutput:
+        """Plan one step. Mutates request state (status, computed prefix) and block tables."""
+        self._step += 1
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                i += 1
+        if not preempted:
+            budget = self._admit(budget, chunks)
+        return ScheduleOutput(step=self._step, chunks=tuple(chunks), preempted_ids=tuple(preempted))
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request=request,
+            start_position=start,
+            num_new_tokens=num_new,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        """Apply a step's results: advance computed prefixes, register newly computed blocks in
+        the prefix cache, append sampled tokens, finish requests. Returns one delta per request
+        that got a token (requests aborted while the step ran are skipped)."""
+        assert so.step == self._step, "update() must follow the schedule() that made `so`"
+        deltas: list[TokenDelta] = []
+        finished = False
+        for chunk in so.chunks:
+            request = chunk.request
+            if self._requests.get(request.request_id) is not request:
+                continue
+            assert request.status is RequestStatus.RUNNING
+            assert chunk.start_position == request.num_computed_tokens, "chunk out of order"
+            request.num_computed_tokens = chunk.end_position
+            self.kv.cache_blocks(request)
+            if not chunk.sample:
+                continue
+            sampled = out.sampled[request.request_id]
+            request.output_token_ids.append(sampled.token_id)
+            reason = check_finished(request, self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                finished = True
+            deltas.append(
+                TokenDelta(
+                    request_id=request.request_id,
+                    token_ids=(sampled.token_id,),
+                    logprobs=(sampled,) if request.sampling.logprobs is not None else (),
+                    finish_reason=reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_output_tokens=len(request.output_token_ids),
+                )
+            )
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return deltas
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Release everything the request holds; the caller removes it from its queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+
+    def check_integrity(self) -> None:
+        """Queues partition the live requests, statuses match queues, budgets hold, and the
+        cache manager's own invariants hold."""
+        self.kv.check_integrity()
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        require(len(ids) == len(set(ids)), "a request is queued twice")
+        require(set(ids) == set(self._requests), "queues and the request table disagree")
+        require(len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs")
+        for r in self.running:
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} running as {r.status}")
+            require(r.num_computed_tokens < r.num_tokens, f"{r.request_id} has nothing to compute")
+            blocks_needed = -(-r.num_computed_tokens // self.kv.block_size)
+            require(self.kv.num_blocks_of(r.request_id) >= blocks_needed, "computed KV lost")
+        for r in self.waiting:
+            require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), "bad status")
+            require(r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens")
+            require(
+                self.kv.num_blocks_of(r.request_id) == 0, f"waiting {r.request_id} holds blocks"
+            )

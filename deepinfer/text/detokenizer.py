@@ -1,0 +1,73 @@
+"""Incremental detokenization: token ids in, only new complete text out.
+
+Byte-level BPE tokens can cut a multi-byte character in two, and some decoders change a token's
+text depending on what precedes it (SentencePiece's leading space). So each push decodes a small
+window twice, once up to the last emitted token (`prefix`) and once to the end, and emits the
+difference, and only when the window does not end in a partial character (U+FFFD). The window is
+the tokens since the previous emission plus the batch before them, so a push costs O(new tokens),
+not O(all tokens). This is the prefix-offset/read-offset technique of vLLM and TGI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.text.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing stream of ids into text; the concatenation of every `push` and the final
+    `flush` equals `tokenizer.decode(all_ids, skip_special_tokens)`."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        """Ids from `_prefix_offset` on; older ids are dropped (they never enter a window again)."""
+        self._prefix_offset = 0
+        """Start of the decode window, relative to `_ids` (always 0 after trimming)."""
+        self._read_offset = 0
+        """End of what has been emitted, relative to `_ids`."""
+        self.num_tokens = 0
+        """Ids pushed so far."""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
+        if not token_ids:
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+            return ""  # a character is still incomplete, or nothing visible yet
+        # Keep the batch just emitted as left context for the next window; drop the rest.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """The text held back (incomplete characters become U+FFFD); the stream then restarts
+        empty."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        self._ids.clear()
+        self._read_offset = 0
+        return full[len(prefix) :]
+
+    @property
+    def num_window_tokens(self) -> int:
+        """Ids still kept for decoding (held back plus the last emitted batch)."""
+        return len(self._ids)
+
+    def check_integrity(self) -> None:
+        """The window never outgrows the held-back tokens plus one emitted batch."""
+        assert self._prefix_offset == 0
+        assert 0 <= self._read_offset <= len(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

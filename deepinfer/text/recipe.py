@@ -1,0 +1,209 @@
+"""The chat encoder: messages -> token ids, with no way for text to become a control token.
+
+The recipe never renders a conversation to one string. It emits structural markers (`<|im_start|>`,
+`<|im_end|>`) as ids and encodes every stretch of text between two markers with the content
+tokenizer, which spells control-token text as plain pieces. On ordinary text the ids equal the
+model's Jinja template rendered and tokenized; on text that spells a control token they differ, on
+purpose (that is the injection this module prevents).
+
+Rendering rules (ChatML):
+- Each message is `<|im_start|>` + encode(f"{role}\\n{body}") + `<|im_end|>` + encode("\\n"),
+  where the role header and body share one encode call, as render-then-tokenize would.
+- `name` is written plainly at the start of the body: `f"{name}: {content}"`. ChatML has no name
+  field and the shipped templates drop it; a prefix keeps it visible to the model.
+- Roles: system, user, assistant, tool (`tool` is a ChatML turn of its own, as SmolLM2's template
+  renders any role). Anything else raises `InvalidRequestError(param="messages[i].role")`.
+- Default system prompt: when the template inserts one (a string literal
+  `<|im_start|>system\\n...<|im_end|>` in the template) and the first message is not a system
+  message, it is inserted the same way.
+- Reasoning effort: the line `Reasoning effort: {effort}.` is appended to the system prompt (the
+  given one, else the default one) after a blank line (`"\\n\\n"`); with neither, it is the whole
+  system prompt.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from deepinfer.errors import InvalidRequestError, ModelLoadError
+from deepinfer.text.tokenizer import Tokenizer
+
+ReasoningEffort = Literal["low", "medium", "high"]
+ROLES = ("system", "user", "assistant", "tool")
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+_STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
+_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n(.+?)<\|im_end\|>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a conversation, as the API hands it over (text only)."""
+
+    role: str
+    content: str
+    name: str | None = None
+
+
+def reasoning_effort_line(effort: ReasoningEffort) -> str:
+    """The exact line added to the system prompt for a reasoning effort."""
+    return f"Reasoning effort: {effort}."
+
+
+def find_default_system_prompt(template: str) -> str | None:
+    """The system prompt a ChatML template inserts on its own, read from its string literals."""
+    for match in _STRING_LITERAL.finditer(template):
+        try:
+            # Jinja literals may hold raw newlines, which Python literals may not.
+            literal = ast.literal_eval(match.group(0).replace("\n", "\\n"))
+        except (SyntaxError, ValueError):
+            continue
+        found = _DEFAULT_SYSTEM.search(literal) if isinstance(literal, str) else None
+        if found:
+            return found.group(1)
+    return None
+
+
+class ChatRecipe:
+    """Encodes chat messages for one model. Pick the format with `for_tokenizer`."""
+
+    end_of_turn_ids: frozenset[int]
+    """Ids that end an assistant turn (generation stops on them)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        self.end_of_turn_ids = frozenset([] if eos is None else [eos])
+
+    @staticmethod
+    def for_tokenizer(tokenizer: Tokenizer) -> ChatRecipe:
+        """The recipe for the tokenizer's chat template: ChatML, or plain text when there is no
+        template. Other templates raise `ModelLoadError` rather than being guessed at."""
+        template = tokenizer.chat_template
+        if template is None or not template.strip():
+            return PlainRecipe(tokenizer)
+        if IM_START in template and IM_END in template:
+            return ChatMLRecipe(tokenizer)
+        raise ModelLoadError(
+            "unsupported chat template: deepinfer's injection-safe encoder knows ChatML "
+            "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2) and models without a template"
+        )
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        reasoning_effort: ReasoningEffort | None = None,
+    ) -> list[int]:
+        """Prompt ids for `messages`, ending with the assistant header when asked."""
+        raise NotImplementedError
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids for a raw completion prompt: BOS when the model wants it, then the text as content
+        (control-token text stays plain)."""
+        return self._bos() + self.tokenizer.encode(text)
+
+    def _bos(self) -> list[int]:
+        bos = self.tokenizer.bos_token_id
+        return [bos] if self.tokenizer.add_bos and bos is not None else []
+
+    @staticmethod
+    def _validated(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role is {m.role!r}; expected one of {', '.join(ROLES)}",
+                    param=f"messages[{i}].role",
+                )
+        return list(messages)
+
+    @staticmethod
+    def _body(message: ChatMessage) -> str:
+        return message.content if message.name is None else f"{message.name}: {message.content}"
+
+    @staticmethod
+    def _with_effort(system: str | None, effort: ReasoningEffort | None) -> str | None:
+        if effort is None:
+            return system
+        if effort not in ("low", "medium", "high"):
+            raise InvalidRequestError(
+                f"reasoning_effort is {effort!r}; expected low, medium or high",
+                param="reasoning_effort",
+            )
+        line = reasoning_effort_line(effort)
+        return line if system is None else f"{system}\n\n{line}"
+
+
+class ChatMLRecipe(ChatRecipe):
+    """`<|im_start|>role\\ncontent<|im_end|>\\n` turns (SmolLM2, Qwen2/2.5)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        start, end = tokenizer.token_to_id(IM_START), tokenizer.token_to_id(IM_END)
+        if start is None or end is None or not {start, end} <= tokenizer.special_token_ids:
+            raise ModelLoadError(
+                "ChatML template, but <|im_start|>/<|im_end|> are not control tokens"
+            )
+        self.im_start_id, self.im_end_id = start, end
+        self.newline_ids = tokenizer.encode("\n")
+        self.default_system_prompt = find_default_system_prompt(tokenizer.chat_template or "")
+        stops = {end, *self.end_of_turn_ids, tokenizer.token_to_id("<|endoftext|>")}
+        self.end_of_turn_ids = frozenset(i for i in stops if i is not None)
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        reasoning_effort: ReasoningEffort | None = None,
+    ) -> list[int]:
+        turns = self._validated(messages)
+        system: str | None = None
+        if turns and turns[0].role == "system":
+            system = self._body(turns.pop(0))
+        elif turns:  # the templates insert their default only ahead of a first message
+            system = self.default_system_prompt
+        system = self._with_effort(system, reasoning_effort)
+        texts = [] if system is None else [f"system\n{system}"]
+        texts += [f"{m.role}\n{self._body(m)}" for m in turns]
+        ids = self._bos()
+        for encoded in self.tokenizer.encode_batch(texts):
+            ids += [self.im_start_id, *encoded, self.im_end_id, *self.newline_ids]
+        if add_generation_prompt:
+            ids += [self.im_start_id, *self.tokenizer.encode("assistant\n")]
+        return ids
+
+
+class PlainRecipe(ChatRecipe):
+    """No template (base models): `System: ...\\n\\nUser: ...\\n\\nAssistant:` as plain text.
+
+    There are no control tokens to protect; everything is content."""
+
+    _LABELS: ClassVar[dict[str, str]] = {
+        "system": "System",
+        "user": "User",
+        "assistant": "Assistant",
+        "tool": "Tool",
+    }
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        reasoning_effort: ReasoningEffort | None = None,
+    ) -> list[int]:
+        turns = self._validated(messages)
+        system = self._body(turns.pop(0)) if turns and turns[0].role == "system" else None
+        system = self._with_effort(system, reasoning_effort)
+        parts = [] if system is None else [f"System: {system}"]
+        parts += [f"{self._LABELS[m.role]}: {self._body(m)}" for m in turns]
+        if add_generation_prompt:
+            parts.append("Assistant:")
+        return self._bos() + self.tokenizer.encode("\n\n".join(parts))

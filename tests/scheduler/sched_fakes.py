@@ -1,0 +1,93 @@
+"""A fake runner that simulates the paged KV pool, so scheduler tests check what the KV holds.
+
+Each KV slot stores (position, digest of all tokens up to and including it): what a real model's
+KV at that position depends on. Before computing a chunk, the runner checks that every earlier
+position of the request reads back the right content through the chunk's block table, from the
+pool as it was before the step (a step may not read what the same step writes). A prefix hit on
+a wrong block, a block reused while still in use, or a lost write all fail here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.outputs import RunnerOutput, SampledToken
+from deepinfer.request import Request, SamplingParams
+from deepinfer.scheduler.output import ScheduleOutput
+
+_MOD = (1 << 61) - 1
+
+
+def prefix_digests(token_ids: Sequence[int]) -> list[int]:
+    """digests[p] depends on token_ids[: p + 1] (a rolling polynomial hash)."""
+    out, h = [], 0
+    for t in token_ids:
+        h = (h * 1_000_003 + t + 1) % _MOD
+        out.append(h)
+    return out
+
+
+def next_token(digest: int, vocab: int) -> int:
+    """The fake model: the next token is a fixed function of all previous tokens."""
+    return (digest * 2_654_435_761 >> 7) % vocab
+
+
+def reference_output(req: Request, vocab: int) -> list[int]:
+    """What the fake model generates for `req` run alone, token by token."""
+    tokens = list(req.prompt_token_ids)
+    out: list[int] = []
+    stop = req.stop_token_ids
+    while True:
+        tok = next_token(prefix_digests(tokens)[-1], vocab)
+        out.append(tok)
+        tokens.append(tok)
+        if len(out) > req.sampling.min_tokens and tok in stop:
+            return out
+        if len(out) >= req.sampling.max_tokens:
+            return out
+
+
+class FakeRunner:
+    def __init__(self, block_size: int, vocab: int = 50) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}
+        self.num_steps = 0
+
+    def run(self, so: ScheduleOutput) -> RunnerOutput:
+        bs = self.block_size
+        before = dict(self.kv)
+        written: set[tuple[int, int]] = set()
+        sampled: dict[str, SampledToken] = {}
+        for chunk in so.chunks:
+            tokens = chunk.request.all_token_ids
+            digests = prefix_digests(tokens[: chunk.end_position])
+            table = chunk.block_ids
+            assert len(table) >= -(-chunk.end_position // bs), "block table too short"
+            assert 0 not in table, "the null block was handed out"
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for p in range(chunk.start_position):
+                got = before.get((table[p // bs], p % bs))
+                assert got == (p, digests[p]), f"{chunk.request_id}: wrong KV at position {p}"
+            for p in range(chunk.start_position, chunk.end_position):
+                slot = (table[p // bs], p % bs)
+                assert slot not in written, f"two chunks write slot {slot} in one step"
+                written.add(slot)
+                self.kv[slot] = (p, digests[p])
+            if chunk.sample:
+                tok = next_token(digests[-1], self.vocab)
+                sampled[chunk.request_id] = SampledToken(tok, logprob=-1.0)
+        self.num_steps += 1
+        return RunnerOutput(step=so.step, sampled=sampled)
+
+
+def make_request(
+    rid: str,
+    prompt: Sequence[int],
+    max_tokens: int = 8,
+    eos: frozenset[int] = frozenset(),
+    salt: str | None = None,
+    **sampling: object,
+) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
+    return Request(rid, list(prompt), params, eos_token_ids=eos, cache_salt=salt)

@@ -1,0 +1,72 @@
+"""Incremental detokenizer: streamed text equals one-shot decoding, never half a character."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from text_samples import SAMPLES, random_texts
+
+from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.tokenizer import Tokenizer
+
+MULTIBYTE = [
+    "🤗🚀👩‍👩‍👧‍👦 🏳️‍🌈 🇫🇷🇯🇵",
+    "日本語のテキスト、中文字符，한국어 文字化け",
+    "e\u0301 a\u0308 n\u0303 \u0915\u094d\u0937 Z\u0351\u0352\u0353",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟘𝟙𝟚 \U0001f9ec",
+]
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random) -> list[str]:
+    pieces, k = [], 0
+    while k < len(ids):
+        n = rng.choice([1, 1, 1, 2, 3, 7])
+        pieces.append(detok.push(ids[k : k + n]))
+        detok.check_integrity()
+        k += n
+    pieces.append(detok.flush())
+    return pieces
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip", [True, False])
+def test_concatenation_equals_decode(smollm_tokenizer: Tokenizer, skip: bool) -> None:
+    rng = random.Random(1)
+    texts = SAMPLES + MULTIBYTE + random_texts(seed=2, count=200)
+    for text in texts:
+        ids = smollm_tokenizer.encode_with_specials(text)
+        pieces = stream(IncrementalDetokenizer(smollm_tokenizer, skip), ids, rng)
+        assert "".join(pieces) == smollm_tokenizer.decode(ids, skip_special_tokens=skip), text
+        assert all("\ufffd" not in p for p in pieces), text  # no half characters, ever
+
+
+@pytest.mark.slow
+def test_holds_partial_characters(smollm_tokenizer: Tokenizer) -> None:
+    ids = smollm_tokenizer.encode("🤗")
+    assert len(ids) > 1  # byte-level BPE cuts this emoji
+    detok = IncrementalDetokenizer(smollm_tokenizer)
+    assert [detok.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push(ids[-1:]) == "🤗"
+    detok.push(ids[:1])
+    assert detok.flush() == "\ufffd"  # an unfinished character becomes U+FFFD at the end
+
+
+@pytest.mark.slow
+def test_random_ids_match_decode(smollm_tokenizer: Tokenizer) -> None:
+    """Arbitrary ids (invalid UTF-8 included) still concatenate to the one-shot decode."""
+    rng = random.Random(3)
+    for _ in range(100):
+        ids = [rng.randrange(smollm_tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
+        pieces = stream(IncrementalDetokenizer(smollm_tokenizer), ids, rng)
+        assert "".join(pieces) == smollm_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_window_stays_small(smollm_tokenizer: Tokenizer) -> None:
+    ids = smollm_tokenizer.encode(" ".join(SAMPLES) * 4)
+    detok = IncrementalDetokenizer(smollm_tokenizer)
+    for i in ids:
+        detok.push([i])
+        assert detok.num_window_tokens <= 8  # O(new tokens): the window never grows with the stream
+    assert detok.num_tokens == len(ids)
