@@ -1,0 +1,166 @@
+"""`StepCostModel`: prior, budget solving, non-negative fit, convergence on synthetic steps."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from prefill_fakes import GroundTruth
+
+from deepinfer.config import ConfigError
+from deepinfer.scheduler.cost_model import (
+    ChunkShape,
+    CostCoefficients,
+    CostModelConfig,
+    StepCostModel,
+    _nnls_by_active_sets,
+    features,
+)
+
+PRIOR = CostCoefficients(step_s=2e-3, token_s=5e-5, attention_s=2e-9)
+
+
+def _random_step(rng: random.Random) -> list[ChunkShape]:
+    return [
+        ChunkShape(rng.randint(1, 4096), rng.choice([0, rng.randint(0, 60000)]))
+        for _ in range(rng.randint(1, 4))
+    ]
+
+
+def test_prior_predicts_before_any_data() -> None:
+    model = StepCostModel(CostModelConfig(prior=PRIOR))
+    step = [ChunkShape(100, 0), ChunkShape(50, 1000)]
+    expected = 2e-3 + 5e-5 * 150 + 2e-9 * (100 * 50 + 50 * (1000 + 25))
+    assert model.predict(step) == pytest.approx(expected, rel=1e-12)
+    assert model.predict([]) == 0.0
+    assert math.isnan(model.stats().mean_abs_rel_error)
+
+
+def test_features_count_tokens_and_attention_pairs() -> None:
+    assert features([ChunkShape(10, 0), ChunkShape(4, 6)]) == (1.0, 14.0, 10 * 5 + 4 * 8)
+
+
+@pytest.mark.parametrize("context_before", [0, 100, 30000, 500000])
+@pytest.mark.parametrize("budget_s", [1e-4, 2.5e-3, 0.05, 1.0])
+@pytest.mark.parametrize("include_overhead", [True, False])
+def test_max_tokens_within_is_the_largest_fit(
+    context_before: int, budget_s: float, include_overhead: bool
+) -> None:
+    model = StepCostModel(CostModelConfig(prior=PRIOR))
+    n = model.max_tokens_within(budget_s, context_before, include_overhead=include_overhead)
+
+    def cost(k: int) -> float:
+        chunk = model.chunk_cost_s(k, context_before)
+        return chunk + (model.step_overhead_s if include_overhead else 0.0)
+
+    assert n >= 0
+    if n > 0:
+        assert cost(n) <= budget_s
+        assert model.predict([ChunkShape(n, context_before)]) == pytest.approx(
+            cost(n) + (0.0 if include_overhead else model.step_overhead_s)
+        )
+    assert cost(n + 1) > budget_s
+
+
+def test_budget_below_overhead_fits_nothing() -> None:
+    model = StepCostModel(CostModelConfig(prior=PRIOR))
+    assert model.max_tokens_within(1e-3, 0) == 0
+    assert model.max_tokens_within(1e-3, 0, include_overhead=False) > 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_nnls_matches_scipy(seed: int) -> None:
+    np = pytest.importorskip("numpy")
+    optimize = pytest.importorskip("scipy.optimize")
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(12, 3))
+    y = rng.normal(size=12)
+    gram, rhs = (x.T @ x).tolist(), (x.T @ y).tolist()
+    ours = _nnls_by_active_sets(gram, rhs)
+    assert ours is not None
+    ref, _ = optimize.nnls(x, y)
+    assert ours == pytest.approx(ref.tolist(), abs=1e-9)
+
+
+def test_converges_on_synthetic_steps(record_property: object) -> None:
+    truth = GroundTruth(step_s=4e-3, token_s=3e-5, attention_s=1.5e-9, noise=0.05, seed=1)
+    model = StepCostModel(CostModelConfig(prior=PRIOR))
+    rng = random.Random(1)
+    errors = []
+    for _ in range(400):
+        step = _random_step(rng)
+        measured = truth.measure_s(step)
+        errors.append(abs(model.predict(step) - measured) / measured)
+        model.observe(step, measured)
+        model.check_integrity()
+    # noise-free error of the fitted model on fresh steps: what is left is model error
+    fresh = [_random_step(rng) for _ in range(200)]
+    fit_error = sum(abs(model.predict(s) / truth.exact_s(s) - 1) for s in fresh) / len(fresh)
+    early, late = sum(errors[:20]) / 20, sum(errors[-100:]) / 100
+    coef = model.coefficients
+    print(
+        f"\ncost model: prediction error first 20 steps {early:.1%}, last 100 {late:.1%}, "
+        f"vs noise-free truth {fit_error:.2%}; fitted {coef}"
+    )
+    record_property("prediction_error_last_100", late)  # type: ignore[operator]
+    assert late < 0.10
+    assert fit_error < 0.03
+    assert model.stats().mean_abs_rel_error < 0.10
+    assert coef.token_s == pytest.approx(truth.token_s, rel=0.15)
+    assert coef.attention_s == pytest.approx(truth.attention_s, rel=0.15)
+
+
+def test_follows_a_device_that_slows_down() -> None:
+    """Forgetting: after the device turns 2x slower, predictions recover."""
+    model = StepCostModel(CostModelConfig(prior=PRIOR, forgetting=0.97))
+    fast = GroundTruth(noise=0.02, seed=2)
+    slow = GroundTruth(step_s=8e-3, token_s=6e-5, attention_s=3e-9, noise=0.02, seed=3)
+    rng = random.Random(2)
+    for _ in range(200):
+        step = _random_step(rng)
+        model.observe(step, fast.measure_s(step))
+    errors = []
+    for _ in range(200):
+        step = _random_step(rng)
+        measured = slow.measure_s(step)
+        errors.append(abs(model.predict(step) - measured) / measured)
+        model.observe(step, measured)
+    assert sum(errors[:5]) / 5 > 0.3
+    assert sum(errors[-50:]) / 50 < 0.05
+
+
+def test_coefficients_stay_non_negative() -> None:
+    """Data that a plain least-squares fit would explain with a negative intercept."""
+    model = StepCostModel(CostModelConfig(prior=PRIOR, prior_weight=1e-3))
+    rng = random.Random(4)
+    for _ in range(100):
+        n = rng.randint(100, 4000)
+        model.observe([ChunkShape(n, 0)], max(1e-5 * n - 5e-3, 1e-6))
+        model.check_integrity()
+    assert min(model.coefficients.as_tuple()) >= 0.0
+
+
+def test_bad_measurements_are_ignored() -> None:
+    model = StepCostModel(CostModelConfig(prior=PRIOR))
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        model.observe([ChunkShape(10, 0)], bad)
+    model.observe([], 1.0)
+    assert model.num_observations == 0
+    assert model.coefficients == PRIOR
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prior": CostCoefficients(-1.0, 1e-5, 0.0)},
+        {"prior": CostCoefficients(0.0, 0.0, 1e-9)},
+        {"prior_weight": 0.0},
+        {"forgetting": 0.0},
+        {"forgetting": 1.5},
+        {"error_smoothing": 0.0},
+    ],
+)
+def test_config_validation(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        CostModelConfig(**kwargs)
