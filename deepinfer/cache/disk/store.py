@@ -1,0 +1,249 @@
+"""`DiskStore`: segments and index composed, synchronously; the crash-safety rules live here.
+
+Write order: a segment is registered in the index before its file exists; payloads are appended
+and fsynced before the index transaction naming them commits; an entry is removed from the index
+before its segment file is deleted. So after a crash at any point, every index entry points at
+durable bytes, and the only leftovers are unindexed bytes (reclaimed with their segment) or files
+the index does not know (deleted at open).
+
+Not thread-safe for writers: one thread at a time may call `write`, `sweep` and `recover` (the
+tier's writer lock). `load` and `contains_prefix` may run on any thread concurrently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from deepinfer.cache.block_hash import BlockHash
+from deepinfer.cache.disk.config import DiskTierConfig
+from deepinfer.cache.disk.index import BlockIndex
+from deepinfer.cache.disk.records import BlockRecord, time_key
+from deepinfer.cache.disk.segments import SegmentStore, record_bytes
+
+SWEEP_BATCH = 256
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A full block offered to the disk tier, waiting in the write-behind queue."""
+
+    block_hash: BlockHash
+    payload: bytes
+    num_tokens: int
+    retention: str
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    num_expired: int
+    num_evicted: int
+    num_segments_reclaimed: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    payloads: list[bytes | None]
+    num_checksum_failures: int
+
+
+def _template(w: PendingWrite, now_s: float) -> BlockRecord:
+    """A new block's record, less its location (filled in when appended)."""
+    return BlockRecord(
+        0, 0, len(w.payload), b"", w.num_tokens, now_s, now_s, w.retention, now_s + w.ttl_s
+    )
+
+
+class DiskStore:
+    def __init__(self, directory: Path, config: DiskTierConfig, readonly: bool = False) -> None:
+        self.config = config
+        self.readonly = readonly
+        seg_dir = directory / "segments"
+        if not readonly:
+            seg_dir.mkdir(parents=True, exist_ok=True)
+        self.segments = SegmentStore(seg_dir, config.segment_bytes)
+        self.index = BlockIndex(directory / "index", config.map_bytes(), readonly=readonly)
+
+    def close(self) -> None:
+        self.segments.close()
+        self.index.close()
+
+    def recover(self) -> int:
+        """Reconcile files and index after open (writer only). Returns files/segments dropped."""
+        known, on_disk = self.index.segments(), set(self.segments.list_segments())
+        dropped = 0
+        for segment in on_disk - set(known):
+            self.segments.delete(segment)  # created by a process that crashed before indexing
+            dropped += 1
+        for segment, info in known.items():
+            if segment not in on_disk or info.num_live == 0:
+                self._drop_segment(segment)
+                dropped += 1
+            elif (size := self.segments.file_bytes(segment)) != info.size_bytes:
+                self.index.put_many([], segment, size)  # an unindexed (possibly torn) tail
+        return dropped
+
+    def contains_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        return self.index.contains_prefix(hashes)
+
+    def load(self, hashes: Sequence[BlockHash]) -> LoadResult:
+        """Payloads (None: absent or failed verification; a failed entry is dropped)."""
+        records = self.index.get_many(hashes)
+        out: list[bytes | None] = []
+        failures = 0
+        for block_hash, record in zip(hashes, records, strict=True):
+            payload = None if record is None else self._read(block_hash, record)
+            if record is not None and payload is None and self._still_indexed(block_hash, record):
+                failures += 1
+                if not self.readonly:
+                    self.index.remove_many([block_hash])
+            out.append(payload)
+        return LoadResult(out, failures)
+
+    def _read(self, block_hash: BlockHash, r: BlockRecord) -> bytes | None:
+        return self.segments.read(r.segment, r.offset, r.length, block_hash, r.checksum)
+
+    def _still_indexed(self, block_hash: BlockHash, record: BlockRecord) -> bool:
+        """False when a concurrent reclaim removed the entry (and its file) while we read."""
+        now = self.index.get_many([block_hash])[0]
+        return now is not None and (now.segment, now.offset) == (record.segment, record.offset)
+
+    def write(self, items: Sequence[PendingWrite], now_s: float) -> int:
+        """Append, fsync, then index `items` (already-present hashes are only touched).
+        Returns blocks written. Raises OSError / lmdb.Error with nothing partial indexed."""
+        existing = self.index.get_many([w.block_hash for w in items])
+        fresh: dict[BlockHash, PendingWrite] = {}
+        for w, rec in zip(items, existing, strict=True):
+            if rec is None:
+                fresh.setdefault(w.block_hash, w)
+            else:
+                self.index.touch_many([w.block_hash], now_s, w.ttl_s, w.retention)
+        self._append_all([(w.block_hash, w.payload, _template(w, now_s)) for w in fresh.values()])
+        return len(fresh)
+
+    def _append_all(self, items: Sequence[tuple[BlockHash, bytes, BlockRecord]]) -> None:
+        """Append payloads (rotating segments as they fill), fsync, then index each group with
+        its template record's metadata."""
+        group: list[tuple[BlockHash, BlockRecord]] = []
+        for block_hash, payload, template in items:
+            if self.segments.is_full():
+                self._commit(group)
+                group = []
+                self._start_segment()
+            group.append((block_hash, self._append(block_hash, payload, template)))
+        self._commit(group)
+
+    def _append(self, block_hash: BlockHash, payload: bytes, template: BlockRecord) -> BlockRecord:
+        segment, start = self.segments.active, self.segments.active_size
+        assert segment is not None
+        try:
+            offset, _, digest = self.segments.append(block_hash, payload)
+        except OSError:
+            self.segments.truncate_to(start)
+            raise
+        return msgspec.structs.replace(template, segment=segment, offset=offset, checksum=digest)
+
+    def _commit(self, group: list[tuple[BlockHash, BlockRecord]]) -> None:
+        if not group:
+            return
+        segment = group[0][1].segment
+        self.segments.sync()
+        self.index.put_many(group, segment, self.segments.active_size)
+
+    def _start_segment(self) -> None:
+        ids = set(self.index.segments()) | set(self.segments.list_segments())
+        self.segments.start(self.index.new_segment(max(ids, default=0) + 1))
+
+    def sweep(self, now_s: float) -> SweepResult:
+        """Drop expired entries, evict least recently used ones beyond the byte budget, and
+        reclaim closed segments whose live fraction fell below the threshold."""
+        expired = 0
+        while batch := self.index.first_keys("expiry", SWEEP_BATCH, below=time_key(now_s, b"")):
+            expired += len(self.index.remove_many(batch))
+        evicted, reclaimed = self._reclaim()
+        budget = self.config.max_bytes - self.config.segment_bytes
+        while (excess := self.closed_bytes() - budget) > 0:
+            num = self._evict_lru(excess)
+            if num == 0:
+                break
+            evicted += num
+            more_evicted, more_reclaimed = self._reclaim()
+            evicted, reclaimed = evicted + more_evicted, reclaimed + more_reclaimed
+        return SweepResult(expired, evicted, reclaimed)
+
+    def _evict_lru(self, num_bytes: int) -> int:
+        """Drop least recently used entries holding at least `num_bytes` live bytes (fewer when
+        the index runs out). Returns entries dropped."""
+        chosen: list[BlockHash] = []
+        batch = self.index.first_keys("lru", SWEEP_BATCH)
+        for block_hash, record in zip(batch, self.index.get_many(batch), strict=True):
+            if num_bytes <= 0:
+                break
+            chosen.append(block_hash)
+            num_bytes -= 0 if record is None else record_bytes(record.length)
+        return len(self.index.remove_many(chosen))
+
+    def _reclaim(self) -> tuple[int, int]:
+        """(entries dropped, segments deleted) for closed segments below the live threshold."""
+        dropped = segments = 0
+        for segment, info in self.index.segments().items():
+            if segment == self.segments.active:
+                continue
+            if info.live_bytes < self.config.reclaim_live_fraction * info.size_bytes or (
+                info.num_live == 0
+            ):
+                dropped += self._relocate(segment)
+                dropped += self._drop_segment(segment)
+                segments += 1
+        return dropped, segments
+
+    def _relocate(self, segment: int) -> int:
+        """Copy a segment's live records to the active segment, keeping their metadata (so the
+        LRU order and expiry survive compaction). Returns records that failed to verify."""
+        hashes = self.index.hashes_in(segment)
+        items, bad = [], []
+        for block_hash, record in zip(hashes, self.index.get_many(hashes), strict=True):
+            payload = None if record is None else self._read(block_hash, record)
+            if record is not None and payload is None:
+                bad.append(block_hash)
+            elif record is not None and payload is not None:
+                items.append((block_hash, payload, record))
+        self._append_all(items)
+        return len(self.index.remove_many(bad))
+
+    def _drop_segment(self, segment: int) -> int:
+        dropped = len(self.index.remove_many(self.index.hashes_in(segment)))
+        self.index.remove_segment(segment)
+        self.segments.delete(segment)
+        return dropped
+
+    def closed_bytes(self) -> int:
+        """Bytes of segment files other than the active one."""
+        active = self.segments.active
+        return sum(i.size_bytes for s, i in self.index.segments().items() if s != active)
+
+    def disk_bytes(self) -> int:
+        return sum(i.size_bytes for i in self.index.segments().values())
+
+    def live_bytes(self) -> int:
+        return sum(i.live_bytes for i in self.index.segments().values())
+
+    def verify_all(self, on_bad: Callable[[BlockHash], None] | None = None) -> int:
+        """Read and verify every indexed record (O(data): tests and offline checks).
+        Returns how many failed."""
+        bad = 0
+        for segment in self.index.segments():
+            for block_hash in self.index.hashes_in(segment):
+                record = self.index.get_many([block_hash])[0]
+                if record is not None and self._read(block_hash, record) is None:
+                    bad += 1
+                    if on_bad is not None:
+                        on_bad(block_hash)
+        return bad
+
+    def check_integrity(self) -> None:
+        self.index.check_integrity()
