@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
@@ -24,11 +24,17 @@ from deepinfer.config import Config
 from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.types import EngineStats, GenerationOutput
-from deepinfer.errors import ContextLengthError, EngineDeadError, OverloadedError
-from deepinfer.outputs import TokenDelta
+from deepinfer.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+)
+from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, SamplingParams
+from deepinfer.scheduler.output import ScheduleOutput
 from deepinfer.text.detokenizer import IncrementalDetokenizer
-from deepinfer.text.recipe import ChatMessage, ChatRecipe
+from deepinfer.text.recipe import ChatMessage, ChatRecipe, ReasoningEffort
 from deepinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer.engine")
@@ -49,7 +55,7 @@ class AsyncEngine:
         self._forward = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-forward")
         self._counter = itertools.count()
         self._dead: BaseException | None = None
-        self.step_observers: list = []
+        self.step_observers: list[Callable[[ScheduleOutput, RunnerOutput], None]] = []
         """Callables `(so, out)` run on the loop after each step (metrics hook)."""
 
     # -- lifecycle --
@@ -76,7 +82,9 @@ class AsyncEngine:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
@@ -127,7 +135,7 @@ class AsyncEngine:
 
     # -- requests --
     async def encode_prompt(
-        self, prompt: Prompt, reasoning_effort: str | None = None
+        self, prompt: Prompt, reasoning_effort: ReasoningEffort | None = None
     ) -> list[int]:
         """Token ids for a text prompt, chat messages (through the recipe) or ids as given."""
         if isinstance(prompt, str):
@@ -137,8 +145,18 @@ class AsyncEngine:
         items = list(prompt)
         if items and isinstance(items[0], ChatMessage):
             messages = [m for m in items if isinstance(m, ChatMessage)]
-            return self.recipe.encode(messages, reasoning_effort=reasoning_effort)  # type: ignore[arg-type]
-        return [int(t) for t in items]  # type: ignore[arg-type]
+            return self.recipe.encode(messages, reasoning_effort=reasoning_effort)
+        return self._check_token_ids(items)
+
+    def _check_token_ids(self, items: list[object]) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in items
+        ):
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", param="prompt"
+            )
+        return [int(t) for t in items]  # type: ignore[call-overload]
 
     async def submit(
         self,
@@ -146,7 +164,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        reasoning_effort: str | None = None,
+        reasoning_effort: ReasoningEffort | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Validate and enqueue a request; raises before any output if it cannot be served."""
@@ -185,10 +203,22 @@ class AsyncEngine:
             raise OverloadedError("too many requests are waiting; retry shortly", retry_after_s=1)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: str | None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        reasoning_effort: ReasoningEffort | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationOutput]:
         """Submit and stream; cancelling or closing the iterator aborts the request."""
-        stream = await self.submit(prompt, params or SamplingParams(), **kwargs)  # type: ignore[arg-type]
+        stream = await self.submit(
+            prompt,
+            params or SamplingParams(),
+            request_id=request_id,
+            reasoning_effort=reasoning_effort,
+            cache_salt=cache_salt,
+        )
         try:
             async for out in stream:
                 yield out

@@ -15,9 +15,8 @@ import torch
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.attention import select_attention_backend
+from deepinfer.model.kv_layout import allocate_kv_caches, kv_bytes_per_block
 from deepinfer.model.loader import LoadedModel, load_model, model_fingerprint
-from deepinfer.model.llama import allocate_kv_caches, kv_bytes_per_block
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
 from deepinfer.runner.device import resolve_device, resolve_dtype
@@ -64,15 +63,13 @@ class EngineCore:
         dtype = resolve_dtype(config.model.dtype, device)
         if config.runtime.num_threads and device.type == "cpu":
             torch.set_num_threads(config.runtime.num_threads)
-        loaded = load_model(path, dtype, device)
+        loaded = load_model(path, dtype, device, config.runtime.attention_backend)
         self.tokenizer = _build_tokenizer(loaded, path)
         self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
         block_size = config.cache.block_size
         num_blocks = _num_blocks(config, kv_bytes_per_block(loaded.arch, block_size, dtype))
-        backend = select_attention_backend(config.runtime.attention_backend, device)
         model = loaded.model
         model.bind_kv_caches(allocate_kv_caches(loaded.arch, num_blocks, block_size, dtype, device))
-        model.set_attention_backend(backend)
         fingerprint = model_fingerprint(loaded, dtype, block_size)
         max_len = min(loaded.arch.max_position_embeddings, (num_blocks - 1) * block_size)
         if config.model.max_model_len is not None:
@@ -87,7 +84,7 @@ class EngineCore:
             block_size=block_size,
             max_model_len=max_len,
             fingerprint=fingerprint,
-            attention_backend=backend.name,
+            attention_backend=model.attention_backend.name,
         )
         self.kv = KVCacheManager(
             num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching

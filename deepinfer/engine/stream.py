@@ -34,7 +34,7 @@ class RequestStream:
         detokenizer: IncrementalDetokenizer,
         stops: tuple[str, ...],
         stop_token_ids: frozenset[int],
-        on_abort: Callable[[str], None],
+        on_abort: Callable[[str], object],
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -69,7 +69,11 @@ class RequestStream:
         p.token_ids.extend(delta.token_ids)
         p.logprobs.extend(delta.logprobs)
         text_ids = list(delta.token_ids)
-        if delta.finish_reason is FinishReason.STOP and text_ids and text_ids[-1] in self._stop_token_ids:
+        if (
+            delta.finish_reason is FinishReason.STOP
+            and text_ids
+            and text_ids[-1] in self._stop_token_ids
+        ):
             self._stop_reason = text_ids.pop()
         text = self._detok.push(text_ids)
         matched = self._match(text)

@@ -35,7 +35,8 @@ _OPS: dict[str, tuple[str, str]] = {
 class AttentionBackend(Protocol):
     """The kernels one forward pass calls; signatures are those of `deepinfer.kernels`."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -112,7 +113,9 @@ def triton_backend() -> KernelBackend:
             launcher = getattr(module, ref)
         ops[op] = launcher
     if missing:
-        logger.info("triton backend: no launcher for %s; using torch references", ", ".join(missing))
+        logger.info(
+            "triton backend: no launcher for %s; using torch references", ", ".join(missing)
+        )
     return KernelBackend(name="triton", **ops)
 
 

@@ -17,7 +17,11 @@ def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> 
 
 
 def allocate_kv_caches(
-    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    arch: ModelArch,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
 ) -> KVCaches:
     """Zero-filled caches for every layer (zeros: padded reads never see NaN garbage)."""
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)

@@ -7,9 +7,11 @@ import time
 import torch
 
 from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.model.protocol import CausalLM
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
-from deepinfer.runner.batch_builder import build_forward_batch
+from deepinfer.runner.batch_builder import schedule_to_batch
+from deepinfer.sampling.generators import make_generator
 from deepinfer.sampling.sampler import Sampler, SamplingRow
 from deepinfer.scheduler.output import ScheduleOutput
 
@@ -20,12 +22,11 @@ class ModelRunner:
     Only the engine's single forward thread calls `execute`; `release` is called between steps.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int
-    ) -> None:
+    def __init__(self, model: CausalLM, block_size: int, device: torch.device, seed: int) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.default_seed = seed
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -34,7 +35,7 @@ class ModelRunner:
         start = time.perf_counter()
         if so.is_empty:
             return RunnerOutput(step=so.step)
-        batch, sampled_ids = build_forward_batch(so, self.block_size, self.device)
+        batch, sampled_ids = schedule_to_batch(so, self.block_size, self.device)
         sampled: dict[str, SampledToken] = {}
         if sampled_ids:
             logits = self._forward(batch)  # [B_sample, V]
@@ -68,8 +69,7 @@ class ModelRunner:
             return None
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
+            gen = make_generator(seed, self.default_seed, 0, self.device)
             self._generators[request.request_id] = gen
         return gen
 

@@ -1,0 +1,155 @@
+"""Read a GGUF file (llama.cpp's format): architecture metadata and dequantized tensors.
+
+The reader memory-maps the file; tensors are dequantized one at a time. llama.cpp's converter
+permutes the rows of Llama Q and K projections for its interleaved RoPE; this loader undoes that
+permutation so the model's rotate-half RoPE applies (the wrong pairing still gives plausible text
+but far worse perplexity).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.registry import check_architecture
+
+GGUF_MAGIC = b"GGUF"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def canonical_name(gguf_name: str) -> str:
+    """GGUF tensor name -> canonical (HF-style) name; unknown names come back unchanged."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return gguf_name
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Open and parse a GGUF file; raise ModelLoadError if it is not one, or is truncated."""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path} is not a GGUF file (starts with {magic!r}); pass a .gguf file or a "
+            "Hugging Face directory with config.json and *.safetensors"
+        )
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:  # the reader fails in many ways on corrupt input
+        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
+    size = path.stat().st_size
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelLoadError(
+            f"{path} is truncated: tensor data ends at byte {end}, file has {size}"
+        )
+    return reader
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default is None:
+            raise ModelLoadError(f"the GGUF file lacks the metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
+    """The architecture described by the file's metadata (and tensor list)."""
+    name = str(_field(reader, "general.architecture"))
+    check_architecture(name)
+    scaling = _field(reader, f"{name}.rope.scaling.type", "none")
+    if (
+        scaling not in ("none", "linear")
+        or float(_field(reader, f"{name}.rope.scaling.factor", 1.0)) != 1.0
+    ):
+        raise ModelLoadError(f"RoPE scaling {scaling!r} is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("the GGUF file has no token_embd.weight tensor")
+    hidden = int(_field(reader, f"{name}.embedding_length"))
+    num_heads = int(_field(reader, f"{name}.attention.head_count"))
+    embd_shape = tensors["token_embd.weight"].shape  # GGUF order: [hidden, vocab]
+    return ModelArch(
+        architecture=name,
+        num_layers=int(_field(reader, f"{name}.block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{name}.feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{name}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{name}.attention.key_length", hidden // max(num_heads, 1))),
+        vocab_size=int(_field(reader, f"{name}.vocab_size", int(embd_shape[-1]))),
+        rope_theta=float(_field(reader, f"{name}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{name}.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_field(reader, f"{name}.context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: rows go back to rotate-half order per head."""
+    half = weight.shape[0] // num_heads // 2
+    rows = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return rows.swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFTensorSource:
+    """`TensorSource` over an open reader: dequantizes each tensor when asked."""
+
+    def __init__(self, reader: gguf.GGUFReader, arch: ModelArch) -> None:
+        self._tensors = {canonical_name(t.name): t for t in reader.tensors}
+        self._arch = arch
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def load(self, name: str) -> torch.Tensor:
+        tensor = self._tensors[name]
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(
+                f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}"
+            ) from exc
+        array = np.asarray(array, dtype=np.float32)
+        if self._arch.architecture == "llama":
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                array = unpermute_qk(array, self._arch.num_heads)
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                array = unpermute_qk(array, self._arch.num_kv_heads)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, copy=True)
+        return torch.from_numpy(array)

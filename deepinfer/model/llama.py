@@ -1,0 +1,187 @@
+"""The Llama-family decoder (Llama, Qwen2 with QKV bias, Qwen3 with per-head q/k RMSNorm).
+
+Parameters are fused for fewer, larger matmuls: `qkv_proj` rows are [q; k; v] and `gate_up_proj`
+rows are [gate; up], in Hugging Face's (rotate-half RoPE) layout. The model is built on the meta
+device and receives its weights through `load_state_dict(..., assign=True)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.kernels.rotary import rotary_cos_sin
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.attention import AttentionBackend, torch_backend
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.model.kv_layout import KVCaches, check_kv_caches
+
+# Re-exported for callers that import the KV helpers next to the model.
+from deepinfer.model.kv_layout import allocate_kv_caches as allocate_kv_caches
+from deepinfer.model.kv_layout import kv_bytes_per_block as kv_bytes_per_block
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight only: the kernel backend computes the norm."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim)
+            self.k_norm = RMSNorm(arch.head_dim)
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        ops: AttentionBackend,
+        cos_sin: torch.Tensor,  # [P, D]
+    ) -> torch.Tensor:  # [T, hidden]
+        a = self.arch
+        num_tokens = h.shape[0]
+        qkv = self.qkv_proj(h)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = q.reshape(num_tokens, a.num_heads, a.head_dim)  # [T, H, D]
+        k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)  # [T, Hkv, D]
+        v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim).contiguous()
+        if a.qk_norm:
+            q = ops.rms_norm(q, self.q_norm.weight, a.rms_norm_eps)
+            k = ops.rms_norm(k, self.k_norm.weight, a.rms_norm_eps)
+        q, k = q.contiguous(), k.contiguous()
+        ops.apply_rotary(q, k, batch.positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.is_decode_only:  # T == B: one query per request
+            out = ops.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale
+            )
+        else:
+            out = ops.paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.query_start_loc,
+                batch.context_lens,
+                self.scale,
+            )
+        return self.o_proj(out.reshape(num_tokens, a.q_size))  # [T, H, D] -> [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.input_norm = RMSNorm(arch.hidden_size)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_norm = RMSNorm(arch.hidden_size)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        ops: AttentionBackend,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it is added)."""
+        if residual is None:
+            residual = h
+            h = ops.rms_norm(h, self.input_norm.weight, self.eps)
+        else:
+            h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm.weight, self.eps)
+        h = self.self_attn(h, batch, kv_cache, ops, cos_sin)
+        h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm.weight, self.eps)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """`model(batch) -> logits [B_sample, V]` (float32), only for `batch.logits_indices` rows.
+
+    KV caches are bound once with `bind_kv_caches`; each forward writes the batch's new K/V into
+    them at `batch.slot_mapping` and reads each request's context through its block table.
+    """
+
+    def __init__(
+        self, arch: ModelArch, device: torch.device, backend: AttentionBackend | None = None
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+            self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+            self.norm = RMSNorm(arch.hidden_size)
+            self.lm_head = (
+                None
+                if arch.tie_word_embeddings
+                else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            )
+        cos_sin = rotary_cos_sin(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, device
+        )
+        self.register_buffer("cos_sin", cos_sin, persistent=False)  # [P, D]
+        self.attention_backend: AttentionBackend = (
+            backend if backend is not None else torch_backend()
+        )
+        self.kv_caches: KVCaches | None = None
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Replace the kernel backend (chosen once at start-up, before serving)."""
+        self.attention_backend = backend
+
+    def bind_kv_caches(self, kv_caches: KVCaches) -> None:
+        """Attach one (k_cache, v_cache) per layer (see `kv_layout.allocate_kv_caches`)."""
+        check_kv_caches(self.arch, kv_caches, self.embed_tokens.weight.dtype)
+        self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, V] float32
+        return self.compute_logits(self.forward_hidden(batch))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, hidden]
+        """Final-normed hidden states of the `logits_indices` rows."""
+        if self.kv_caches is None:
+            raise RuntimeError("call bind_kv_caches() before running the model")
+        h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
+            h, residual = layer(h, residual, batch, kv_cache, self.attention_backend, self.cos_sin)
+        assert residual is not None
+        h, residual = h[batch.logits_indices], residual[batch.logits_indices]  # [B_sample, hidden]
+        if h.shape[0] == 0:  # nothing to sample this step (prefill chunks only)
+            return h
+        h, _ = self.attention_backend.fused_add_rms_norm(
+            h, residual, self.norm.weight, self.arch.rms_norm_eps
+        )
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,74 @@
+"""`load_model`: the one entry point from a weights path to a ready model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.attention import select_attention_backend
+from deepinfer.model.fingerprint import directory_digest, file_digest, kv_fingerprint
+from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
+from deepinfer.model.protocol import CausalLM
+from deepinfer.model.registry import get_model_class
+from deepinfer.model.safetensors_loader import open_safetensors_dir
+from deepinfer.model.weights import TensorSource, build_state_dict
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    """In eval mode; call `model.bind_kv_caches(...)` before the first forward."""
+    arch: ModelArch
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+    weights_digest: str
+    """sha256 identity of the weights file(s); see deepinfer.model.fingerprint."""
+    gguf_reader: gguf.GGUFReader | None
+    """The open reader for GGUF files (the tokenizer is built from its metadata); else None."""
+
+
+def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | None]:
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_dir():
+        arch, source = open_safetensors_dir(path)
+        return arch, source, directory_digest(path / "config.json", source.files), None
+    reader = open_gguf(path)
+    arch = gguf_arch(reader)
+    return arch, GGUFTensorSource(reader, arch), file_digest(path), reader
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device | str, attention_backend: str = "auto"
+) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
+
+    Blocking (seconds): call it from an executor when an event loop is running.
+    """
+    path = Path(path)
+    device = torch.device(device)
+    backend = select_attention_backend(attention_backend, device)  # fail fast, before parsing
+    arch, source, weights_digest, reader = _open(path)
+    model = get_model_class(arch.architecture)(arch, device=device, backend=backend)
+    state = build_state_dict(arch, source, dtype, device, desc=f"loading {path.name}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # shape mismatches between metadata and tensors
+        raise ModelLoadError(f"{path}: tensors do not match the model's metadata: {exc}") from exc
+    model.eval()
+    causal_lm: CausalLM = model  # type: ignore[assignment]
+    return LoadedModel(causal_lm, arch, path, dtype, device, weights_digest, reader)
+
+
+def model_fingerprint(loaded: LoadedModel, dtype: torch.dtype, block_size: int) -> str:
+    """sha256 hex digest of weights identity + serving dtype + KV layout: seeds prefix-cache keys."""
+    a = loaded.arch
+    return kv_fingerprint(
+        loaded.weights_digest, str(dtype), a.num_layers, a.num_kv_heads, a.head_dim, block_size
+    )

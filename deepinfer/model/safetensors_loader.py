@@ -1,0 +1,110 @@
+"""Read a Hugging Face model directory: config.json and *.safetensors, HF tensor names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.registry import check_architecture
+
+# Buffers some older checkpoints save; recomputed by the model.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(
+            f"{directory} is not a Hugging Face model directory (no config.json); pass a .gguf "
+            "file or a directory with config.json and *.safetensors"
+        )
+    try:
+        config: dict[str, Any] = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
+    return config
+
+
+def _rope(config: dict[str, Any]) -> float:
+    """rope_theta; refuses any RoPE scaling (older configs: rope_scaling; newer: rope_parameters)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported")
+    return float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
+    """The architecture of a Hugging Face config (llama, qwen2, qwen3)."""
+    name = str(config.get("model_type", "<missing model_type>"))
+    check_architecture(name)
+    unsupported = [key for key in ("mlp_bias", "use_sliding_window") if config.get(key)]
+    if config.get("attention_bias") and name != "qwen2":
+        unsupported.append("attention_bias (output projection bias)")
+    if unsupported:
+        raise ModelLoadError(f"unsupported {name} config options: {', '.join(unsupported)}")
+    try:
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return ModelArch(
+            architecture=name,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            vocab_size=int(config["vocab_size"]),
+            rope_theta=_rope(config),
+            rms_norm_eps=float(config["rms_norm_eps"]),
+            max_position_embeddings=int(config["max_position_embeddings"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings")) or not has_lm_head,
+            qkv_bias=name == "qwen2",
+            qk_norm=name == "qwen3",
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json lacks the key {exc.args[0]!r}") from exc
+
+
+class SafetensorsSource:
+    """`TensorSource` over the *.safetensors files of a directory (memory-mapped by safetensors)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = sorted(directory.glob("*.safetensors"))
+        if not self.files:
+            raise ModelLoadError(f"{directory} has config.json but no *.safetensors files")
+        self._handles: dict[str, Any] = {}
+        self._file_of: dict[str, tuple[Any, str]] = {}
+        for path in self.files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+            self._handles[path.name] = handle
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                self._file_of[key.removeprefix("model.")] = (handle, key)
+
+    def names(self) -> set[str]:
+        return {n for n in self._file_of if not n.endswith(IGNORED_SUFFIXES)}
+
+    def load(self, name: str) -> torch.Tensor:
+        handle, key = self._file_of[name]
+        try:
+            tensor: torch.Tensor = handle.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read tensor {key!r}: {exc}") from exc
+        return tensor
+
+
+def open_safetensors_dir(directory: Path) -> tuple[ModelArch, SafetensorsSource]:
+    config = _read_config(directory)
+    source = SafetensorsSource(directory)
+    arch = hf_arch(config, has_lm_head="lm_head.weight" in source.names())
+    return arch, source

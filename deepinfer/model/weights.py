@@ -1,0 +1,104 @@
+"""Turn a checkpoint's tensors (under canonical names) into the model's fused state dict.
+
+Canonical names are Hugging Face's Llama names without the `model.` prefix
+(`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`).
+Loaders map their own names to these and hand over one tensor at a time, in the Hugging Face
+(rotate-half RoPE) layout.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.arch import ModelArch
+
+StateDict = dict[str, torch.Tensor]
+
+
+class TensorSource(Protocol):
+    """Checkpoint tensors under canonical names, materialized one at a time."""
+
+    def names(self) -> set[str]: ...
+
+    def load(self, name: str) -> torch.Tensor:
+        """The tensor (any float dtype, on CPU); raises ModelLoadError if absent or unreadable."""
+        ...
+
+
+class _Taker:
+    """Loads tensors from a source in the serving dtype, remembering which were used."""
+
+    def __init__(self, source: TensorSource, dtype: torch.dtype, device: torch.device) -> None:
+        self.source, self.dtype, self.device = source, dtype, device
+        self.used: set[str] = set()
+
+    def __call__(self, *names: str) -> torch.Tensor:
+        """One tensor, or several concatenated along dim 0 (fused projections)."""
+        parts = []
+        for name in names:
+            if name not in self.source.names():
+                raise ModelLoadError(f"the checkpoint has no tensor {name!r}")
+            self.used.add(name)
+            parts.append(self.source.load(name))
+        fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return fused.to(device=self.device, dtype=self.dtype)
+
+
+def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
+    src, dst = f"layers.{i}.", f"layers.{i}."
+    attn = src + "self_attn."
+    state = {
+        dst + "input_norm.weight": take(src + "input_layernorm.weight"),
+        dst + "self_attn.qkv_proj.weight": take(
+            attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"
+        ),
+        dst + "self_attn.o_proj.weight": take(attn + "o_proj.weight"),
+        dst + "post_attention_norm.weight": take(src + "post_attention_layernorm.weight"),
+        dst + "mlp.gate_up_proj.weight": take(
+            src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"
+        ),
+        dst + "mlp.down_proj.weight": take(src + "mlp.down_proj.weight"),
+    }
+    if arch.qkv_bias:
+        state[dst + "self_attn.qkv_proj.bias"] = take(
+            attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"
+        )
+    if arch.qk_norm:
+        state[dst + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
+        state[dst + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
+    return state
+
+
+def build_state_dict(
+    arch: ModelArch,
+    source: TensorSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    desc: str = "loading weights",
+    ignored: frozenset[str] = frozenset(),
+) -> StateDict:
+    """The model's state dict; every source tensor must be used (or listed in `ignored`).
+
+    An unused tensor means a feature this implementation does not have (rope scaling factors,
+    output biases...): loading refuses rather than serve a subtly different model.
+    """
+    take = _Taker(source, dtype, device)
+    state: StateDict = {"embed_tokens.weight": take("embed_tokens.weight")}
+    for i in tqdm(range(arch.num_layers), desc=desc, unit="layer", leave=False):
+        state.update(_layer_state(arch, take, i))
+    state["norm.weight"] = take("norm.weight")
+    if not arch.tie_word_embeddings:
+        state["lm_head.weight"] = take("lm_head.weight")
+    if arch.tie_word_embeddings:  # some tied checkpoints also store a copy of the head
+        ignored = ignored | {"lm_head.weight"}
+    unused = source.names() - take.used - ignored
+    if unused:
+        raise ModelLoadError(
+            f"the checkpoint has tensors this implementation does not use "
+            f"(unsupported feature?): {', '.join(sorted(unused)[:8])}"
+        )
+    return state

@@ -1,0 +1,108 @@
+"""ForwardBatch assembly, KV cache helpers, backend selection and the registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.config import ConfigError
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.attention import select_attention_backend
+from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
+from deepinfer.model.kv_layout import allocate_kv_caches, check_kv_caches, kv_bytes_per_block
+from deepinfer.model.registry import get_model_class
+
+ARCH = ModelArch(
+    architecture="llama",
+    num_layers=3,
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=50,
+    rope_theta=1e4,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
+
+
+def test_build_forward_batch_mixed_chunks() -> None:
+    chunks = [
+        BatchChunk([7], start_position=5, block_ids=[3, 9]),  # a decode at position 5
+        BatchChunk([1, 2, 3, 4, 5], start_position=2, block_ids=[4, 8], sample=False),
+        BatchChunk([6, 6], start_position=0, block_ids=[2]),
+    ]
+    batch = build_forward_batch(chunks, block_size=4)
+    assert batch.input_ids.tolist() == [7, 1, 2, 3, 4, 5, 6, 6]
+    assert batch.positions.tolist() == [5, 2, 3, 4, 5, 6, 0, 1]
+    # slot = block_ids[pos // 4] * 4 + pos % 4, computed by hand
+    assert batch.slot_mapping.tolist() == [37, 18, 19, 32, 33, 34, 8, 9]
+    assert batch.block_tables.tolist() == [[3, 9], [4, 8], [2, 0]]
+    assert batch.block_tables.dtype == torch.int32
+    assert batch.query_start_loc.tolist() == [0, 1, 6, 8]
+    assert batch.context_lens.tolist() == [6, 7, 2]
+    assert batch.logits_indices.tolist() == [0, 7]
+    assert not batch.is_decode_only
+    assert (batch.num_tokens, batch.num_requests) == (8, 3)
+
+
+def test_build_forward_batch_decode_only_and_errors() -> None:
+    batch = build_forward_batch([BatchChunk([1], 0, [1]), BatchChunk([2], 9, [1, 2, 3])], 4)
+    assert batch.is_decode_only and batch.logits_indices.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        build_forward_batch([BatchChunk([1, 2], 8, [1, 2])], 4)
+    with pytest.raises(ValueError):
+        build_forward_batch([], 4)
+
+
+def test_kv_caches_layout_and_bytes() -> None:
+    caches = allocate_kv_caches(
+        ARCH, num_blocks=5, block_size=8, dtype=torch.bfloat16, device="cpu"
+    )
+    assert len(caches) == 3
+    assert all(k.shape == v.shape == (5, 8, 2, 16) for k, v in caches)
+    total = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches)
+    assert kv_bytes_per_block(ARCH, 8, torch.bfloat16) * 5 == total
+    check_kv_caches(ARCH, caches, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        check_kv_caches(ARCH, caches, torch.float32)
+    with pytest.raises(ValueError, match="pairs"):
+        check_kv_caches(ARCH, caches[:2], torch.bfloat16)
+
+
+def test_arch_validation() -> None:
+    fields = {**ARCH.__dict__, "num_kv_heads": 3}
+    with pytest.raises(ModelLoadError, match="multiple"):
+        ModelArch(**fields)
+    with pytest.raises(ModelLoadError, match="positive"):
+        ModelArch(**{**ARCH.__dict__, "num_layers": 0})
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu).name == "torch"
+    assert select_attention_backend("torch", cpu).name == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        select_attention_backend("triton", cpu)
+    with pytest.raises(ConfigError, match="unknown"):
+        select_attention_backend("flash", cpu)
+
+
+def test_triton_backend_runs_model_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever launchers exist, the triton backend computes what the torch backend does."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    ref, tri = select_attention_backend("torch", cpu), select_attention_backend("triton", cpu)
+    x, w = torch.randn(5, 64), torch.rand(64) + 0.5
+    torch.testing.assert_close(tri.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+
+
+def test_registry() -> None:
+    assert get_model_class("qwen3") is get_model_class("llama")
+    with pytest.raises(ModelLoadError, match="supported: llama, qwen2, qwen3"):
+        get_model_class("falcon")

@@ -1,0 +1,182 @@
+"""GGUF loading on tiny files written here: names, Q/K un-permutation, metadata, and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
+
+from deepinfer.errors import ModelLoadError
+from deepinfer.model import load_model, model_fingerprint
+from deepinfer.model.gguf_loader import unpermute_qk
+
+transformers = pytest.importorskip("transformers")
+
+HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+CONFIG = dict(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=5000.0,
+)
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama Q/K rows (for interleaved RoPE)."""
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(path: Path, arch: str, hf_model: Any, tie: bool) -> None:
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(CONFIG["rope_theta"])
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name == "lm_head.weight":
+            if not tie:
+                writer.add_tensor("output.weight", array)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            if arch == "llama" and "q_proj" in rest:
+                array = llama_cpp_permute(array, cfg.num_attention_heads)
+            elif arch == "llama" and "k_proj" in rest:
+                array = llama_cpp_permute(array, cfg.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{HF_TO_GGUF[rest]}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen2", True)])
+def tiny_gguf(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Any]:
+    arch, tie = request.param
+    torch.manual_seed(3)
+    config_class = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        config_class(**CONFIG, tie_word_embeddings=tie)
+    ).eval()
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, hf_model, tie)
+    return path, hf_model
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    w = np.arange(8 * 6 * 3, dtype=np.float32).reshape(48, 3)
+    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(w, 4), 4), w)
+
+
+def test_tiny_gguf_matches_transformers(tiny_gguf: Any) -> None:
+    path, hf_model = tiny_gguf
+    loaded = load_model(path, torch.float32, "cpu")
+    assert loaded.gguf_reader is not None
+    assert loaded.arch.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    assert loaded.arch.qkv_bias == (hf_model.config.model_type == "qwen2")
+    bind_fresh_caches(loaded.model, num_blocks=32, block_size=4)
+    prompt = torch.randint(0, 61, (19,), generator=torch.Generator().manual_seed(0)).tolist()
+    (got,) = run_step(loaded.model, SequentialBlocks(4), [(0, prompt, 0)], all_rows=True)
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_fingerprint_stable_and_sensitive(tiny_gguf: Any, tmp_path: Path) -> None:
+    path, _ = tiny_gguf
+    a = load_model(path, torch.float32, "cpu")
+    b = load_model(path, torch.float32, "cpu")
+    fp = model_fingerprint(a, torch.float32, 16)
+    assert len(fp) == 64 and fp == model_fingerprint(b, torch.float32, 16)
+    assert fp != model_fingerprint(a, torch.bfloat16, 16)
+    assert fp != model_fingerprint(a, torch.float32, 32)
+    changed = tmp_path / "changed.gguf"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # one weight byte differs
+    changed.write_bytes(bytes(data))
+    assert model_fingerprint(load_model(changed, torch.float32, "cpu"), torch.float32, 16) != fp
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf", torch.float32, "cpu")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip file")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("keep_fraction", [0.02, 0.5, 0.999])
+def test_truncated_gguf(tiny_gguf: Any, tmp_path: Path, keep_fraction: float) -> None:
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: max(8, int(len(data) * keep_fraction))])
+    with pytest.raises(ModelLoadError, match=r"truncated|corrupt"):
+        load_model(truncated, torch.float32, "cpu")
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"'gpt2'.*llama, qwen2, qwen3"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_unsupported_hf_architecture_and_bad_dirs(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(tmp_path, torch.float32, "cpu")
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ModelLoadError, match=r"'mamba'.*llama, qwen2, qwen3"):
+        load_model(tmp_path, torch.float32, "cpu")
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(tmp_path, torch.float32, "cpu")

@@ -1,0 +1,138 @@
+"""The real SmolLM2 GGUF in float32 against Hugging Face transformers loading the same file.
+
+Token ids come from transformers' own tokenizer for the GGUF, so these tests do not depend on
+ours. Positions span many 16-token blocks; prefill, chunked prefill over a paged prefix, and
+batched paged decode must all give transformers' logits, and greedy decoding its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from model_test_utils import (
+    SequentialBlocks,
+    bind_fresh_caches,
+    chunked_prefill_logits,
+    greedy_decode,
+    prefill_then_decode_logits,
+    run_step,
+)
+
+from deepinfer.config import default_model_path
+from deepinfer.model import LoadedModel, load_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 16
+ATOL = 1e-3
+TEXTS = [
+    "The history of the Roman Empire spans more than a thousand years. "
+    "It began when Augustus became the first emperor in 27 BC, after a long period of civil war. "
+    "Over the following centuries the empire grew to cover the whole Mediterranean basin, "
+    "from Hispania in the west to Syria in the east, and from Britannia to Egypt. "
+    "Roads, aqueducts and cities spread Roman law, Latin and trade across these lands. " * 2,
+    "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "for i in range(20):\n    print(i, fibonacci(i))\n" * 3,
+    "<|im_start|>user\nExplain in simple words why the sky is blue, and why sunsets are red. "
+    "My daughter asked me this morning while we were walking to school, and I realised that I "
+    "did not really know the answer myself. I remember something about light being scattered "
+    "by the air, and about different colours having different wavelengths, but not how it fits "
+    "together. Please keep it short enough for a seven-year-old, but correct enough that her "
+    "science teacher would agree with it. Give two examples from everyday life and one number: "
+    "the speed of light, 299792458 metres per second.<|im_end|>\n"
+    "<|im_start|>assistant\nThe sky looks blue because",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> tuple[Any, list[list[int]]]:
+    """(transformers model, token id lists); the slow part of these tests, loaded once."""
+    path = default_model_path()
+    kwargs = {"gguf_file": path.name}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, dtype=torch.float32, **kwargs
+    )
+    hf_model.eval()
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in TEXTS]
+    return hf_model, prompts
+
+
+@pytest.fixture(scope="session")
+def smollm2_ours() -> LoadedModel:
+    return load_model(default_model_path(), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_logits(smollm2_reference: Any) -> list[torch.Tensor]:
+    hf_model, prompts = smollm2_reference
+    with torch.no_grad():
+        return [hf_model(torch.tensor([p])).logits[0].float() for p in prompts]
+
+
+def _fresh(loaded: LoadedModel) -> tuple[Any, SequentialBlocks]:
+    bind_fresh_caches(loaded.model, num_blocks=256, block_size=BLOCK_SIZE)
+    return loaded.model, SequentialBlocks(BLOCK_SIZE)
+
+
+def _check(ours: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for got, want in zip(ours, expected, strict=True):
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < ATOL
+
+
+def test_prompts_span_many_blocks(smollm2_reference: Any) -> None:
+    _, prompts = smollm2_reference
+    assert all(100 <= len(p) <= 300 for p in prompts), [len(p) for p in prompts]
+
+
+def test_metadata(smollm2_ours: Any) -> None:
+    arch = smollm2_ours.arch
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
+    assert arch.tie_word_embeddings and arch.rope_theta == 100000.0
+    assert smollm2_ours.gguf_reader is not None
+
+
+def test_prefill_matches_transformers(
+    smollm2_ours: Any, smollm2_reference: Any, hf_logits: Any
+) -> None:
+    model, blocks = _fresh(smollm2_ours)
+    prompts = smollm2_reference[1]
+    ours = run_step(model, blocks, [(i, p, 0) for i, p in enumerate(prompts)], all_rows=True)
+    _check(ours, hf_logits)
+
+
+def test_chunked_prefill_matches_transformers(
+    smollm2_ours: Any, smollm2_reference: Any, hf_logits: Any
+) -> None:
+    model, blocks = _fresh(smollm2_ours)
+    _check(chunked_prefill_logits(model, blocks, smollm2_reference[1], chunk=37), hf_logits)
+
+
+def test_batched_decode_matches_transformers(
+    smollm2_ours: Any, smollm2_reference: Any, hf_logits: Any
+) -> None:
+    model, blocks = _fresh(smollm2_ours)
+    prompts = smollm2_reference[1]
+    prefill_lens = [len(p) - n for p, n in zip(prompts, (24, 17, 9), strict=True)]
+    ours = prefill_then_decode_logits(model, blocks, prompts, prefill_lens)
+    _check(ours, [lg[n - 1 :] for lg, n in zip(hf_logits, prefill_lens, strict=True)])
+
+
+def test_greedy_matches_transformers_generate(smollm2_ours: Any, smollm2_reference: Any) -> None:
+    hf_model, prompts = smollm2_reference
+    prompts = [prompts[0][:150], prompts[2]]
+    model, blocks = _fresh(smollm2_ours)
+    ours = greedy_decode(model, blocks, prompts, num_new=64)
+    eos = hf_model.generation_config.eos_token_id
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)
+        want = out[0, len(prompt) :].tolist()
+        assert got[: len(want)] == want
+        if len(want) < 64:  # transformers stopped at an end-of-sequence token
+            assert want[-1] in (eos if isinstance(eos, list) else [eos])
