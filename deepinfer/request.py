@@ -80,12 +80,20 @@ def _check(cond: bool, field_name: str, message: str) -> None:
 def _check_sampling(p: SamplingParams) -> None:
     finite = all(
         math.isfinite(v)
-        for v in (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                  p.frequency_penalty)
+        for v in (
+            p.temperature,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        )
     )
     _check(finite, "sampling", "parameters must be finite numbers")
     _check(p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}")
-    _check(0.0 <= p.temperature <= 100.0, "temperature", f"must be in [0, 100], got {p.temperature}")
+    _check(
+        0.0 <= p.temperature <= 100.0, "temperature", f"must be in [0, 100], got {p.temperature}"
+    )
     _check(0.0 < p.top_p <= 1.0, "top_p", f"must be in (0, 1], got {p.top_p}")
     _check(p.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {p.top_k}")
     _check(0.0 <= p.min_p <= 1.0, "min_p", f"must be in [0, 1], got {p.min_p}")
@@ -95,7 +103,9 @@ def _check_sampling(p: SamplingParams) -> None:
     _check(p.min_tokens >= 0, "min_tokens", "must be >= 0")
     _check(p.min_tokens <= p.max_tokens, "min_tokens", "must not exceed max_tokens")
     _check(p.logprobs is None or 0 <= p.logprobs <= 20, "logprobs", "must be in [0, 20]")
-    _check(all(isinstance(s, str) and s for s in p.stop), "stop", "entries must be non-empty strings")
+    _check(
+        all(isinstance(s, str) and s for s in p.stop), "stop", "entries must be non-empty strings"
+    )
     _check(len(p.stop) <= 16, "stop", "may hold at most 16 strings")
     _check(all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "must be non-negative")
 
@@ -114,6 +124,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     """Mixed into the first block hash so tenants never share prefixes."""
+    retention: str | None = None
+    """Disk-cache retention class (`agent`, `chat`, `none`); None: the server default."""
+    num_disk_cached_tokens: int = 0
+    """Prompt tokens whose KV was loaded from the disk tier on submit."""
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -1,10 +1,25 @@
 """deepinfer's compute kernels, imported as `deepinfer.kernels` (never as a top-level `kernels`).
 
 One family per module. Each module has a plain-torch `*_reference` function (the CPU path and the
-tests' oracle) and, where written, a Triton kernel with a launcher that checks shapes, dtypes and
-strides. This package imports only torch and triton.
+tests' oracle) and a Triton launcher of the same name without `_reference`, which checks shapes,
+dtypes and strides (raising `KernelInputError`) and raises `KernelUnsupportedError` for valid
+input it does not cover; `run_or_fallback` turns the latter into the reference plus one log line.
+Modules: `kv_store`, `paged_attention` (kernels in `paged_attention_kernels`), `norm`, `rotary`,
+`matmul`, and `dispatch` (backend checks). This package imports only torch and triton, relatively.
 
 KV layout (shared by every attention kernel): per layer, `k_cache` and `v_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
 `block_id * block_size + offset_in_block`. Block tables are `int32 [B, max_blocks]`, padded with 0.
+
+On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, set before this package is
+imported (Triton chooses interpreter or compiler per kernel at import).
 """
+
+from .dispatch import (
+    KernelInputError,
+    KernelUnsupportedError,
+    run_or_fallback,
+    triton_available,
+)
+
+__all__ = ["KernelInputError", "KernelUnsupportedError", "run_or_fallback", "triton_available"]

@@ -33,7 +33,6 @@ except ImportError:  # pragma: no cover - Triton is installed wherever the tests
 logger = logging.getLogger("deepinfer.kernels")
 
 R = TypeVar("R")
-F = TypeVar("F", bound=Callable[..., Any])
 
 _logged_fallbacks: set[tuple[str, str]] = set()
 
@@ -46,9 +45,9 @@ class KernelInputError(ValueError):
     """Invalid input to a launcher (shape, dtype, device or stride mismatch)."""
 
 
-def jit(fn: F) -> F:
+def jit(fn: Callable[..., Any]) -> Any:
     """`triton.jit` when Triton is installed, else the function unchanged (it is never launched)."""
-    return triton.jit(fn) if HAS_TRITON else fn  # type: ignore[return-value]
+    return triton.jit(fn) if HAS_TRITON else fn
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -108,6 +107,22 @@ def check_tensor(
         check(tensor.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
 
 
+def output_buffer(
+    name: str,
+    out: torch.Tensor | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    last_dim_contiguous: bool = True,
+) -> torch.Tensor:
+    """`out` checked against (shape, dtype, device, unit last stride), or a new empty tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, out, len(shape), (dtype,), device, last_dim_contiguous)
+    check(tuple(out.shape) == shape, f"{name} must have shape {shape}, got {tuple(out.shape)}")
+    return out
+
+
 def check_head_dim(head_dim: int) -> None:
     """The attention kernels cover power-of-two head dims in [16, 256]."""
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
@@ -117,6 +132,11 @@ def check_head_dim(head_dim: int) -> None:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= max(n, 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -59,6 +59,11 @@ class KVCacheManager:
         """Leading blocks of each request already offered to the cache map."""
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.track_new_blocks = False
+        """When set (a lower tier is attached), newly registered blocks are recorded for it."""
+        self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
+        self._reserved: dict[int, list[Block]] = {}
+        self._next_reservation = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -163,8 +168,54 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+            registered = self.pool.cache_block(table[i], hashes[i])
+            if registered and self.track_new_blocks:
+                self._new_blocks.append((table[i].block_id, hashes[i], request.retention))
         self._num_registered[rid] = num_full
+
+    def drain_new_blocks(self) -> list[tuple[int, BlockHash, str | None]]:
+        """(block id, hash, retention class) of blocks registered since the last drain, for the lower
+        tiers' write-behind. Read their KV before the next step: a freed block may be reused."""
+        new, self._new_blocks = self._new_blocks, []
+        return new
+
+    # -- filling blocks from a lower tier (disk) --
+    def prompt_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the blocks a prefix hit may cover (all full blocks but the last token's)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        ids = request.all_token_ids[: max_blocks * self.block_size]
+        return block_hashes_for(ids, self.block_size, self._seed, request.cache_salt)
+
+    def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes have a device block now."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for block_hash in block_hashes:
+            if self.pool.get_cached_block(block_hash) is None:
+                break
+            n += 1
+        return n
+
+    def reserve_blocks(self, num_blocks: int) -> tuple[int, list[int]] | None:
+        """Take free blocks to fill from a lower tier: (reservation id, block ids), or None when
+        the pool cannot spare them (keep a margin for running requests)."""
+        if not self.enable_prefix_caching or num_blocks > self.pool.num_free_blocks // 2:
+            return None
+        blocks = self.pool.allocate(num_blocks)
+        self._next_reservation += 1
+        self._reserved[self._next_reservation] = blocks
+        return self._next_reservation, [b.block_id for b in blocks]
+
+    def commit_reserved(self, reservation: int, block_hashes: Sequence[BlockHash]) -> int:
+        """Register the first `len(block_hashes)` reserved blocks (their KV is now filled) and
+        release them all to the free queue, cached. Returns how many were registered."""
+        blocks = self._reserved.pop(reservation)
+        registered = 0
+        for block, block_hash in zip(blocks, block_hashes, strict=False):
+            registered += self.pool.cache_block(block, block_hash)
+        self.pool.free(blocks)
+        return registered
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (finish, abort, preemption). Idempotent."""
@@ -202,6 +253,9 @@ class KVCacheManager:
         no table holds a block twice, and registered blocks carry their request's hash."""
         self.pool.check_integrity()
         holders = [0] * self.pool.num_blocks
+        for reserved in self._reserved.values():
+            for block in reserved:
+                holders[block.block_id] += 1
         for rid, table in self._blocks.items():
             require(len({id(b) for b in table}) == len(table), f"{rid} holds a block twice")
             for block in table:

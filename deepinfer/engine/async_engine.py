@@ -23,6 +23,7 @@ from types import TracebackType
 from deepinfer.config import Config
 from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.stream import RequestStream
+from deepinfer.engine.tiers import check_retention, fill_from_disk, write_behind
 from deepinfer.engine.types import EngineStats, GenerationOutput
 from deepinfer.errors import (
     ContextLengthError,
@@ -75,7 +76,9 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.fail(EngineDeadError("the engine is shutting down"))
         self._streams.clear()
-        self._forward.shutdown(wait=True)
+        await asyncio.to_thread(self._forward.shutdown, True)
+        if self._core is not None:
+            await asyncio.to_thread(self._core.close)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -166,10 +169,12 @@ class AsyncEngine:
         request_id: str | None = None,
         reasoning_effort: ReasoningEffort | None = None,
         cache_salt: str | None = None,
+        cache_retention: str | None = None,
     ) -> RequestStream:
         """Validate and enqueue a request; raises before any output if it cannot be served."""
         if self._dead is not None or not self.is_running:
             raise EngineDeadError("the engine is not running")
+        check_retention(cache_retention)
         ids = await self.encode_prompt(prompt, reasoning_effort)
         self._check_admissible(ids, params)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
@@ -179,7 +184,9 @@ class AsyncEngine:
             sampling=params,
             eos_token_ids=self.recipe.end_of_turn_ids,
             cache_salt=cache_salt,
+            retention=cache_retention,
         )
+        request.num_disk_cached_tokens = await fill_from_disk(self.core, self._forward, request)
         stream = RequestStream(
             rid,
             len(ids),
@@ -187,6 +194,7 @@ class AsyncEngine:
             params.stop,
             request.stop_token_ids,
             self.abort,
+            disk_cached_tokens=request.num_disk_cached_tokens,
         )
         self.core.add_request(request)
         self._streams[rid] = stream
@@ -210,6 +218,7 @@ class AsyncEngine:
         request_id: str | None = None,
         reasoning_effort: ReasoningEffort | None = None,
         cache_salt: str | None = None,
+        cache_retention: str | None = None,
     ) -> AsyncIterator[GenerationOutput]:
         """Submit and stream; cancelling or closing the iterator aborts the request."""
         stream = await self.submit(
@@ -218,6 +227,7 @@ class AsyncEngine:
             request_id=request_id,
             reasoning_effort=reasoning_effort,
             cache_salt=cache_salt,
+            cache_retention=cache_retention,
         )
         try:
             async for out in stream:
@@ -249,6 +259,7 @@ class AsyncEngine:
                 out = await loop.run_in_executor(self._forward, core.execute, so)
                 self._apply_aborts()
                 self._deliver(core.update(so, out))
+                await write_behind(core, self._forward)
                 for observer in self.step_observers:
                     observer(so, out)
                 await asyncio.sleep(0)

@@ -12,14 +12,18 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.cache.block_hash import BlockHash
+from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
+from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.config import Config
+from deepinfer.config import Config, DiskCacheConfig
 from deepinfer.errors import ModelLoadError
 from deepinfer.model.kv_layout import allocate_kv_caches, kv_bytes_per_block
 from deepinfer.model.loader import LoadedModel, load_model, model_fingerprint
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
 from deepinfer.runner.device import resolve_device, resolve_dtype
+from deepinfer.runner.kv_transfer import read_blocks, write_blocks
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.scheduler.output import ScheduleOutput
 from deepinfer.scheduler.scheduler import Scheduler
@@ -49,6 +53,24 @@ def _build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
     return Tokenizer.from_dir(path)
 
 
+def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None:
+    """The disk tier for this model fingerprint, or None when disabled. Never raises for I/O:
+    an unusable directory leaves the tier degraded (misses, dropped writes, a warning)."""
+    if not config.enabled:
+        return None
+    tier = DiskTier(
+        fingerprint,
+        DiskTierConfig(
+            cache_dir=config.cache_dir,
+            max_bytes=config.max_bytes,
+            retention_s=(("agent", config.agent_days * DAY_S), ("chat", config.chat_days * DAY_S)),
+            default_retention=config.default_retention,
+        ),
+    )
+    tier.open()
+    return tier
+
+
 def _num_blocks(config: Config, bytes_per_block: int) -> int:
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
@@ -69,7 +91,8 @@ class EngineCore:
         block_size = config.cache.block_size
         num_blocks = _num_blocks(config, kv_bytes_per_block(loaded.arch, block_size, dtype))
         model = loaded.model
-        model.bind_kv_caches(allocate_kv_caches(loaded.arch, num_blocks, block_size, dtype, device))
+        self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
+        model.bind_kv_caches(self.kv_caches)
         fingerprint = model_fingerprint(loaded, dtype, block_size)
         max_len = min(loaded.arch.max_position_embeddings, (num_blocks - 1) * block_size)
         if config.model.max_model_len is not None:
@@ -89,6 +112,8 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching
         )
+        self.disk = open_disk_tier(config.disk_cache, fingerprint)
+        self.kv.track_new_blocks = self.disk is not None
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
         self.runner = ModelRunner(model, block_size, device, config.runtime.seed)
         log.info("engine ready: %s", self.info)
@@ -116,6 +141,25 @@ class EngineCore:
         aborted = self.scheduler.abort(request_id)
         self.runner.release([request_id])
         return aborted
+
+    # -- lower tiers: these touch KV tensors, so they run on the forward thread --
+    def snapshot_blocks(self, block_ids: list[int]) -> list[bytes]:
+        return read_blocks(self.kv_caches, block_ids)
+
+    def fill_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        write_blocks(self.kv_caches, block_ids, payloads)
+
+    def offer_to_disk(
+        self, blocks: list[tuple[BlockHash, str | None]], payloads: list[bytes]
+    ) -> None:
+        if self.disk is not None:
+            for (block_hash, retention), payload in zip(blocks, payloads, strict=True):
+                self.disk.offer(block_hash, payload, self.info.block_size, retention)
+
+    def close(self) -> None:
+        """Write what the disk tier has queued and stop its writer (blocking)."""
+        if self.disk is not None:
+            self.disk.close()
 
     @property
     def has_work(self) -> bool:

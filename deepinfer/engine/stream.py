@@ -35,6 +35,8 @@ class RequestStream:
         stops: tuple[str, ...],
         stop_token_ids: frozenset[int],
         on_abort: Callable[[str], object],
+        *,
+        disk_cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -45,6 +47,7 @@ class RequestStream:
         self._pending = _Pending()
         self._has_pending = False
         self._event = asyncio.Event()
+        self._disk_cached_tokens = disk_cached_tokens
         self._usage = Usage(num_prompt_tokens, 0, 0)
         self._finish: FinishReason | None = None
         self._stop_reason: str | int | None = None
@@ -62,8 +65,12 @@ class RequestStream:
         if self.finished:
             return False
         if delta.num_prompt_tokens:
+            cached = delta.num_cached_tokens
             self._usage = Usage(
-                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
+                delta.num_prompt_tokens,
+                delta.num_output_tokens,
+                cached,
+                disk_cached_tokens=min(self._disk_cached_tokens, cached),
             )
         p = self._pending
         p.token_ids.extend(delta.token_ids)

@@ -13,7 +13,13 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    """Prompt tokens served from the prefix cache (not recomputed)."""
+    """Prompt tokens served from the prefix cache (not recomputed), all tiers."""
+    disk_cached_tokens: int = 0
+    """Of `cached_tokens`, those loaded from the disk tier."""
+
+    @property
+    def device_cached_tokens(self) -> int:
+        return self.cached_tokens - self.disk_cached_tokens
 
 
 @dataclass(frozen=True)

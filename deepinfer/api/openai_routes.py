@@ -1,0 +1,207 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from deepinfer.api.body import decode_json, read_body
+from deepinfer.api.cache_options import cache_options
+from deepinfer.api.context import ApiContext, check_choices, default_max_tokens, new_id
+from deepinfer.api.errors import openai_error_response
+from deepinfer.api.openai_convert import (
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    finish_reason,
+    invalid,
+    sampling_params,
+    usage_out,
+)
+from deepinfer.api.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from deepinfer.api.openai_streams import chat_frames, completion_frames
+from deepinfer.api.protocol import OutputStream
+from deepinfer.api.sse import EventStreamResponse, unless_disconnected
+from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+CLIENT_CLOSED = 499
+"""Status logged (never sent) when the client went away before a non-streaming answer."""
+
+
+def json_response(payload: object) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")
+
+
+def openai_routes(ctx: ApiContext) -> list[Route]:
+    return [
+        Route("/v1/chat/completions", _chat_handler(ctx), methods=["POST"]),
+        Route("/v1/completions", _completion_handler(ctx), methods=["POST"]),
+        Route("/v1/models", _models_handler(ctx), methods=["GET"]),
+    ]
+
+
+def _models_handler(ctx: ApiContext) -> Handler:
+    created = int(time.time())
+
+    async def models(request: Request) -> Response:
+        card = ModelCard(ctx.model_name, created, max_model_len=ctx.engine.max_model_len)
+        return json_response(ModelList([card]))
+
+    return models
+
+
+async def _finish(request: Request, streams: list[OutputStream]) -> list[Collected] | None:
+    """Collect every stream, or None (requests aborted) if the client disconnects first."""
+    done, results = await unless_disconnected(request.receive, collect_all(streams))
+    if not done:
+        await close_all(streams)
+    return results
+
+
+def _chat_handler(ctx: ApiContext) -> Handler:
+    async def chat_completions(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = decode_json(await read_body(request, ctx.max_body_bytes), ChatCompletionRequest)
+            messages = chat_messages(req.messages)
+            n = check_choices(req.n)
+            ids = await ctx.encode_chat(messages, req.reasoning_effort)
+            max_tokens = req.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = default_max_tokens(ctx.engine.max_model_len, len(ids))
+            top = (req.top_logprobs or 0) if req.logprobs else None
+            if req.top_logprobs is not None and not req.logprobs:
+                raise invalid("top_logprobs", "needs logprobs: true")
+            params = [
+                sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i)
+                for i in range(n)
+            ]
+            rid = new_id("chatcmpl-")
+            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            streams = await ctx.submit_all([ids] * n, params, request_id=rid, cache=cache)
+        except Exception as exc:
+            return openai_error_response(exc)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            frames = chat_frames(ctx, rid, created, streams, include_usage, top is not None)
+            return EventStreamResponse(frames, lambda: close_all(streams))
+        try:
+            results = await _finish(request, streams)
+        except Exception as exc:
+            return openai_error_response(exc)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tok = ctx.engine.tokenizer
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=r.text),
+                finish_reason=finish_reason(r.finish_reason) or "stop",
+                logprobs=chat_logprobs(tok, r.logprobs) if top is not None else None,
+            )
+            for i, r in enumerate(results)
+        ]
+        usage = usage_out(total_usage([r.usage for r in results], 1))
+        return json_response(ChatCompletion(rid, created, ctx.model_name, choices, usage))
+
+    return chat_completions
+
+
+def _completion_prompts(
+    ctx: ApiContext, prompt: str | list[str | int | list[int]]
+) -> list[str | list[int]]:
+    """The request's prompts (a batch), each as text or token ids; 400 on mixed or bad items."""
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [[p for p in prompt if isinstance(p, int)]]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        items = [p for p in prompt if isinstance(p, str)]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        items = [p for p in prompt if isinstance(p, list)]
+    else:
+        raise invalid("prompt", "must be a string, a list of strings, token ids, or lists of ids")
+    vocab = ctx.engine.tokenizer.vocab_size
+    for i, item in enumerate(items):
+        if len(item) == 0:
+            raise invalid("prompt", f"prompt {i} is empty")
+        if isinstance(item, list) and not all(0 <= t < vocab for t in item):
+            raise invalid("prompt", f"prompt {i} holds token ids outside [0, {vocab})")
+    return items
+
+
+def _completion_handler(ctx: ApiContext) -> Handler:
+    async def completions(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = decode_json(await read_body(request, ctx.max_body_bytes), CompletionRequest)
+            if req.echo:
+                raise invalid("echo", "echo is not supported")
+            if req.suffix:
+                raise invalid("suffix", "suffix is not supported")
+            prompts = [
+                p if isinstance(p, list) else await ctx.encode_text(p)
+                for p in _completion_prompts(ctx, req.prompt)
+            ]
+            n = check_choices(req.n)
+            max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            params = [
+                sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+                for _ in prompts
+                for i in range(n)
+            ]
+            rid = new_id("cmpl-")
+            all_prompts = [p for p in prompts for _ in range(n)]
+            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            streams = await ctx.submit_all(all_prompts, params, request_id=rid, cache=cache)
+        except Exception as exc:
+            return openai_error_response(exc)
+        created = int(time.time())
+        want_lp = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            frames = completion_frames(
+                ctx, rid, created, streams, len(prompts), include_usage, want_lp
+            )
+            return EventStreamResponse(frames, lambda: close_all(streams))
+        try:
+            results = await _finish(request, streams)
+        except Exception as exc:
+            return openai_error_response(exc)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tok = ctx.engine.tokenizer
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=r.text,
+                finish_reason=finish_reason(r.finish_reason),
+                logprobs=completion_logprobs(tok, r.logprobs, 0) if want_lp else None,
+            )
+            for i, r in enumerate(results)
+        ]
+        usage = usage_out(total_usage([r.usage for r in results], len(prompts)))
+        return json_response(Completion(rid, created, ctx.model_name, choices, usage))
+
+    return completions

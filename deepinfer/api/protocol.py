@@ -1,0 +1,98 @@
+"""What the API needs from an engine: the `AsyncEngine` contract, as structural types.
+
+The API codes against these protocols so that tests can serve a small fake engine, and so that
+nothing here imports the engine package at module load (imports point down: api -> engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from deepinfer.engine.types import EngineStats, GenerationOutput
+from deepinfer.request import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.text.recipe import ChatMessage
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token markers typed in the text are plain text."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class RecipeLike(Protocol):
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        reasoning_effort: Any = None,
+    ) -> list[int]:
+        """Prompt ids for chat messages (injection-safe); raises InvalidRequestError."""
+        ...
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids for a raw completion prompt (BOS when the model wants it; specials stay text)."""
+        ...
+
+
+class OutputStream(Protocol):
+    """One request's outputs (deltas, merged for slow readers); the last one has a finish reason."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    def __aiter__(self) -> AsyncIterator[GenerationOutput]: ...
+
+    async def aclose(self) -> None:
+        """Abort the request if unfinished (frees its KV blocks); idempotent."""
+        ...
+
+
+class EngineClient(Protocol):
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def recipe(self) -> RecipeLike: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        reasoning_effort: Any = None,
+        cache_salt: str | None = None,
+        cache_retention: str | None = None,
+    ) -> OutputStream:
+        """Validate and enqueue; raises InvalidRequestError, ContextLengthError or OverloadedError
+        before any output, so the API can answer 400/429 before a stream starts."""
+        ...
+
+    def abort(self, request_id: str) -> bool: ...

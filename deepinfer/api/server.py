@@ -1,0 +1,83 @@
+"""Run the API server: uvicorn's `Server.serve()` and the engine in one uvloop event loop.
+
+python server.py --model PATH --port 8000        # or: deepinfer serve ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import uvicorn
+
+from deepinfer.api.app import create_app
+from deepinfer.args import add_engine_args, add_server_args, config_from_args
+from deepinfer.config import Config
+
+log = logging.getLogger("deepinfer.api")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepinfer serve", description="OpenAI- and Anthropic-compatible LLM server"
+    )
+    add_engine_args(parser)
+    add_server_args(parser)
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags and serve until interrupted (SIGINT/SIGTERM shut down gracefully)."""
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    serve(config_from_args(ns))
+    return 0
+
+
+def serve(config: Config) -> None:
+    """Serve `config` on a new uvloop loop (plain asyncio where uvloop is missing); blocks."""
+    # uvicorn shuts down gracefully on SIGINT, then re-raises it: that is a normal exit here.
+    with (
+        contextlib.suppress(KeyboardInterrupt),
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+    ):
+        runner.run(serve_async(config))
+
+
+async def serve_async(config: Config) -> None:
+    """Serve on the running loop: the engine starts in the app's lifespan, in this same loop."""
+    from deepinfer.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(config)
+    app = create_app(engine, config.server)
+    server = uvicorn.Server(uvicorn_config(app, config))
+    await server.serve()
+
+
+def uvicorn_config(app: object, config: Config) -> uvicorn.Config:
+    """uvicorn settings: our loop (loop="none"), our access log, lifespan on."""
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=config.server.host,
+        port=config.server.port,
+        loop="none",
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=5,
+    )
+
+
+def _loop_factory():  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:  # e.g. Windows
+        log.warning("uvloop is not installed; using the default asyncio loop")
+        return None
+    return uvloop.new_event_loop

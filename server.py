@@ -1,0 +1,8 @@
+"""`python server.py [--model PATH] [--host H] [--port P] ...`: the same as `deepinfer serve`."""
+
+import sys
+
+from deepinfer.api.server import main
+
+if __name__ == "__main__":
+    sys.exit(main())

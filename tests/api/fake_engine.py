@@ -1,0 +1,259 @@
+"""A small engine implementing the `AsyncEngine` contract, for fast API tests.
+
+Character-level tokenizer (control tokens 0-2 never produced by `encode`), a ChatML-like recipe,
+a reply of fixed text generated one token per step, a block pool whose use is checked, and a
+prefix cache of whole blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.engine.types import EngineStats, GenerationOutput, Usage
+from deepinfer.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+)
+from deepinfer.outputs import SampledToken
+from deepinfer.request import FinishReason, SamplingParams
+from deepinfer.text.recipe import ChatMessage
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+REPLY = "Hello there! I am a fake model, replying one character per step. "
+
+
+class FakeTokenizer:
+    vocab_size = len(SPECIALS) + 0x110000
+
+    def encode(self, text: str) -> list[int]:
+        return [len(SPECIALS) + ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(SPECIALS[i] if i < len(SPECIALS) else chr(i - len(SPECIALS)) for i in ids)
+
+
+class FakeRecipe:
+    def __init__(self, tokenizer: FakeTokenizer) -> None:
+        self.tok = tokenizer
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        reasoning_effort: Any = None,
+    ) -> list[int]:
+        ids: list[int] = []
+        for i, m in enumerate(messages):
+            if m.role not in ("system", "user", "assistant"):
+                raise InvalidRequestError(
+                    f"messages[{i}].role is {m.role!r}", f"messages[{i}].role"
+                )
+            ids += [1, *self.tok.encode(f"{m.role}\n{m.content}"), 2, *self.tok.encode("\n")]
+        if add_generation_prompt:
+            ids += [1, *self.tok.encode("assistant\n")]
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    reply: list[int]
+    stop_reason: str | None
+    stream: FakeStream
+    cached: int = 0
+    num_output: int = 0
+    blocks: int = 0
+
+
+@dataclass
+class FakeStream:
+    request_id: str
+    num_prompt_tokens: int
+    engine: FakeEngine
+    pending: list[GenerationOutput] = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False
+    error: BaseException | None = None
+
+    def push(self, out: GenerationOutput) -> None:
+        """One-slot mailbox: merge with an unread delta."""
+        if self.pending:
+            prev = self.pending.pop()
+            out = GenerationOutput(
+                out.request_id, prev.text + out.text, prev.token_ids + out.token_ids,
+                prev.logprobs + out.logprobs, out.finish_reason, out.stop_reason, out.usage,
+            )  # fmt: skip
+            self.engine.num_merges += 1
+        self.pending.append(out)
+        self.event.set()
+
+    def __aiter__(self) -> AsyncIterator[GenerationOutput]:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        while not self.pending:
+            if self.error is not None:
+                raise self.error
+            if self.done:
+                raise StopAsyncIteration
+            self.event.clear()
+            await self.event.wait()
+        out = self.pending.pop()
+        if out.finished:
+            self.done = True
+        return out
+
+    async def aclose(self) -> None:
+        self.engine.abort(self.request_id)
+        self.done = True
+        self.pending.clear()
+
+
+class FakeEngine:
+    def __init__(
+        self, *, max_model_len: int = 2048, num_blocks: int = 4096, block_size: int = 4,
+        max_active: int = 256, step_s: float = 0.002,
+    ) -> None:  # fmt: skip
+        self.tokenizer = FakeTokenizer()
+        self.recipe = FakeRecipe(self.tokenizer)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_active, self.step_s = max_active, step_s
+        self.step_observers: list[Any] = []
+        self.num_merges = 0
+        self.num_aborted = 0
+        self._reqs: dict[str, _Req] = {}
+        self._seen_prefixes: set[tuple[int, ...]] = set()
+        self._used_blocks = 0
+        self._task: asyncio.Task[None] | None = None
+        self._counter = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        for r in list(self._reqs.values()):
+            r.stream.error = EngineDeadError("shutting down")
+            r.stream.event.set()
+            self._release(r)
+
+    async def __aenter__(self) -> FakeEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            0, len(self._reqs), self.num_blocks, self._used_blocks, self.max_model_len
+        )
+
+    def check_integrity(self) -> None:
+        assert self._used_blocks == sum(r.blocks for r in self._reqs.values())
+        assert 0 <= self._used_blocks <= self.num_blocks
+
+    async def submit(
+        self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+        reasoning_effort: Any = None, cache_salt: str | None = None,
+        cache_retention: str | None = None,
+    ) -> FakeStream:  # fmt: skip
+        if not self.is_running:
+            raise EngineDeadError("not running")
+        ids = list(prompt)
+        if not ids or len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
+        if len(self._reqs) >= self.max_active:
+            raise OverloadedError("too many requests", retry_after_s=2)
+        self._counter += 1
+        rid = request_id or f"fake-{self._counter}"
+        reply, stop_reason = REPLY, None
+        for s in params.stop:
+            if s in reply:
+                reply, stop_reason = reply[: reply.index(s)], s
+        stream = FakeStream(rid, len(ids), self)
+        self._reqs[rid] = _Req(rid, ids, params, self.tokenizer.encode(reply), stop_reason, stream)
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        r = self._reqs.get(request_id)
+        if r is None:
+            return False
+        self.num_aborted += 1
+        self._release(r)
+        return True
+
+    def _release(self, r: _Req) -> None:
+        self._used_blocks -= r.blocks
+        r.blocks = 0
+        del self._reqs[r.rid]
+
+    def _cached_tokens(self, prompt: list[int]) -> int:
+        bs = self.block_size
+        k = (len(prompt) - 1) // bs
+        while k > 0 and tuple(prompt[: k * bs]) not in self._seen_prefixes:
+            k -= 1
+        return k * bs
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            for r in list(self._reqs.values()):
+                self._step(r)
+            for obs in self.step_observers:
+                obs(None, type("Out", (), {"elapsed_s": self.step_s})())
+
+    def _step(self, r: _Req) -> None:
+        """One token: the reply's next character, then end-of-turn (id 0, no text) or the stop
+        string (not emitted); `ignore_eos` cycles the reply until max_tokens."""
+        if r.num_output == 0 and r.blocks == 0:
+            r.cached = self._cached_tokens(r.prompt)
+        p, n = r.params, r.num_output
+        finish: FinishReason | None = None
+        if p.ignore_eos:
+            token = r.reply[n % len(r.reply)] if r.reply else 3
+        elif n < len(r.reply):
+            token = r.reply[n]
+        else:
+            token, finish = 0, FinishReason.STOP
+        if finish is None and n + 1 >= p.max_tokens:
+            finish = FinishReason.LENGTH
+        r.num_output += 1
+        need = math.ceil((len(r.prompt) + r.num_output) / self.block_size)
+        self._used_blocks += need - r.blocks
+        r.blocks = need
+        lp: tuple[SampledToken, ...] = ()
+        if p.logprobs is not None:
+            lp = (
+                SampledToken(token, -0.5, tuple((token + k, -0.5 - k) for k in range(p.logprobs))),
+            )
+        text = "" if token == 0 else self.tokenizer.decode([token])
+        stop_reason = r.stop_reason if finish is FinishReason.STOP else None
+        usage = Usage(len(r.prompt), r.num_output, r.cached)
+        r.stream.push(GenerationOutput(r.rid, text, (token,), lp, finish, stop_reason, usage))
+        if finish is not None:
+            bs = self.block_size
+            for k in range(1, len(r.prompt) // bs + 1):
+                self._seen_prefixes.add(tuple(r.prompt[: k * bs]))
+            self._release(r)

