@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.openai_schemas import (
+    CachedTokensDetails,
     ChatMessageIn,
     ChoiceLogprobs,
     CompletionLogprobs,
@@ -107,7 +108,14 @@ def usage_out(usage: Usage) -> UsageOut:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=usage.cached_tokens,
+            cached_tokens_details=CachedTokensDetails(
+                device=usage.device_cached_tokens, disk=usage.disk_cached_tokens
+            )
+            if usage.cached_tokens
+            else None,
+        ),
     )
 
 

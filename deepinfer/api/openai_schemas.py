@@ -69,8 +69,17 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 # ---- responses
 
 
-class PromptTokensDetails(msgspec.Struct):
+class CachedTokensDetails(msgspec.Struct):
+    """deepinfer extension: which prefix-cache tier served the cached prompt tokens."""
+
+    device: int
+    disk: int
+
+
+class PromptTokensDetails(msgspec.Struct, omit_defaults=True):
     cached_tokens: int
+    cached_tokens_details: CachedTokensDetails | None = None
+    """deepinfer extension, present when `cached_tokens` > 0 (SDKs keep unknown keys)."""
 
 
 class UsageOut(msgspec.Struct):
