@@ -7,10 +7,11 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from deepinfer.api.protocol import EngineClient, OutputStream
+from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.engine.types import GenerationOutput, Usage
 
 _LATENCY_BUCKETS_S = (
@@ -35,6 +36,26 @@ class _EngineCollector(Collector):
         )
         yield _gauge("deepinfer_kv_blocks_used", "KV blocks in use", stats.num_blocks_used)
         yield _gauge("deepinfer_kv_blocks_total", "KV blocks in the pool", stats.num_blocks_total)
+        if stats.disk is not None:
+            yield from _disk_metrics(stats.disk)
+
+
+def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:
+    """The disk tier's own counters (monotonic since start) and sizes."""
+    for name, doc, value in (
+        ("lookups", "Blocks looked up on disk", d.num_lookups),
+        ("hits", "Blocks loaded from disk", d.num_hits),
+        ("writes", "Blocks written to disk", d.num_writes),
+        ("writes_dropped", "Block writes dropped (queue full, degraded)", d.num_writes_dropped),
+        ("evictions", "Blocks evicted by the byte budget", d.num_evictions),
+        ("expirations", "Blocks dropped at the end of their retention", d.num_expirations),
+        ("checksum_failures", "Corrupt records detected and dropped", d.num_checksum_failures),
+        ("io_errors", "Disk I/O errors (the tier degrades, serving goes on)", d.num_io_errors),
+    ):
+        yield CounterMetricFamily(f"deepinfer_disk_cache_{name}", doc, value=value)
+    yield _gauge("deepinfer_disk_cache_blocks", "Blocks indexed on disk", d.num_blocks)
+    yield _gauge("deepinfer_disk_cache_bytes", "Bytes of segment files on disk", d.disk_bytes)
+    yield _gauge("deepinfer_disk_cache_degraded", "1 while the disk tier is degraded", d.degraded)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -54,7 +75,8 @@ class ApiMetrics:
         self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens", registry=r)
         self.cached_tokens = Counter(
             "deepinfer_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache",
+            "Prompt tokens served from the prefix cache, by tier",
+            ["tier"],
             registry=r,
         )
         self.generation_tokens = Counter(
@@ -142,5 +164,6 @@ class _TrackedStream:
         finally:
             if usage is not None:
                 m.prompt_tokens.inc(usage.prompt_tokens)
-                m.cached_tokens.inc(usage.cached_tokens)
+                m.cached_tokens.labels("device").inc(usage.cached_tokens - usage.disk_cached_tokens)
+                m.cached_tokens.labels("disk").inc(usage.disk_cached_tokens)
                 m.generation_tokens.inc(usage.completion_tokens)

@@ -131,6 +131,7 @@ class AsyncEngine:
             num_blocks_total=core.info.num_blocks,
             num_blocks_used=core.kv.num_used_blocks,
             max_model_len=core.info.max_model_len,
+            disk=core.disk.stats() if core.disk is not None else None,
         )
 
     def check_integrity(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
 
@@ -48,3 +49,5 @@ class EngineStats:
     num_blocks_total: int
     num_blocks_used: int
     max_model_len: int
+    disk: DiskTierStats | None = None
+    """The disk tier's counters, when it is enabled."""

@@ -52,7 +52,9 @@ def test_health_and_metrics_count_what_was_served() -> None:
     cached = sum(
         u.prompt_tokens_details.cached_tokens for u in usage if u and u.prompt_tokens_details
     )
-    assert m[("deepinfer_cached_prompt_tokens_total", ())] == cached > 0
+    device = m[("deepinfer_cached_prompt_tokens_total", (("tier", "device"),))]
+    disk = m[("deepinfer_cached_prompt_tokens_total", (("tier", "disk"),))]
+    assert device + disk == cached > 0
     assert m[("deepinfer_time_to_first_token_seconds_count", ())] == 2
     assert m[("deepinfer_inter_token_latency_seconds_count", ())] == 12
     assert m[("deepinfer_engine_step_seconds_count", ())] > 0

@@ -164,3 +164,23 @@ async def test_hundred_streams_half_disconnecting(real_server: LiveServer, engin
         body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         r = await c.post(url, json=body)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_disk_tier_metrics_and_bad_retention(oai: openai.OpenAI, real_server: LiveServer) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Tell me about rivers. " * 20}]
+    oai.chat.completions.create(
+        model="m", messages=messages, max_tokens=4, extra_body={"cache_retention": "agent"}
+    )
+    deadline = time.monotonic() + 30
+    while True:  # write-behind: the blocks reach the disk shortly after the answer
+        text = httpx.get(real_server.url + "/metrics").text
+        writes = [ln for ln in text.splitlines() if ln.startswith("deepinfer_disk_cache_writes")]
+        if writes and float(writes[0].split()[-1]) > 0:
+            break
+        assert time.monotonic() < deadline, "no disk writes reported"
+        time.sleep(0.1)
+    assert "deepinfer_disk_cache_bytes" in text
+    with pytest.raises(openai.BadRequestError, match="cache_retention"):
+        oai.chat.completions.create(
+            model="m", messages=messages, max_tokens=4, extra_body={"cache_retention": "forever"}
+        )
