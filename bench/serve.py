@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -18,9 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
 from common import (
-    ROOT, deepinfer_cmd, find_llama_server, free_port, llama_cmd, percentile, running,
+    ROOT,
+    deepinfer_cmd,
+    find_llama_server,
+    free_port,
+    llama_cmd,
+    percentile,
+    running,
 )  # fmt: skip
 
 OUT = ROOT / "bench" / "out"
@@ -40,6 +46,7 @@ class Level:
     engine: str
     concurrency: int
     samples: list[Sample] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
     def row(self) -> dict[str, float | int | str]:
@@ -48,7 +55,7 @@ class Level:
         tokens = sum(s.tokens for s in self.samples)
         return {
             "engine": self.engine, "concurrency": self.concurrency,
-            "requests": len(self.samples), "tokens": tokens,
+            "requests": len(self.samples), "errors": len(self.errors), "tokens": tokens,
             "tok_per_s": tokens / self.wall_s if self.wall_s else 0.0,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
@@ -87,7 +94,7 @@ async def one_request(
                 stamps.append(time.perf_counter())
     if not stamps:
         return Sample(float("nan"), [], usage_tokens or 0)
-    itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
     return Sample(stamps[0] - start, itl, usage_tokens or len(stamps))
 
 
@@ -100,7 +107,12 @@ async def run_level(url: str, engine: str, c: int, per_client: int, max_tokens: 
 
         async def client_loop(i: int) -> None:
             for j in range(per_client):
-                level.samples.append(await one_request(client, url, prompts[i * per_client + j], max_tokens))
+                try:
+                    sample = await one_request(client, url, prompts[i * per_client + j], max_tokens)
+                except httpx.HTTPError as exc:  # counted and reported, never hidden
+                    level.errors.append(repr(exc))
+                    continue
+                level.samples.append(sample)
 
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(i) for i in range(c)))
@@ -109,11 +121,11 @@ async def run_level(url: str, engine: str, c: int, per_client: int, max_tokens: 
 
 
 def table(rows: list[dict[str, float | int | str]]) -> str:
-    head = "| engine | conc | reqs | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = "| engine | conc | reqs | errors | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['engine']} | {r['concurrency']} | {r['requests']} | {r['tok_per_s']:.1f} | "
+            f"| {r['engine']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['tok_per_s']:.1f} | "
             f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
             f"{r['itl_p99_ms']:.1f} |"
         )
@@ -133,7 +145,9 @@ def plot(rows: list[dict[str, float | int | str]], path: Path) -> None:
         axes[0].plot(xs, [r["tok_per_s"] for r in rs], marker="o", label=engine)
         axes[1].plot(xs, [r["ttft_p50_ms"] for r in rs], marker="o", label=engine)
         axes[2].plot(xs, [r["itl_p99_ms"] for r in rs], marker="o", label=engine)
-    for ax, title in zip(axes, ["aggregate tokens/s", "TTFT p50 (ms)", "ITL p99 (ms)"], strict=True):
+    for ax, title in zip(
+        axes, ["aggregate tokens/s", "TTFT p50 (ms)", "ITL p99 (ms)"], strict=True
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
         ax.set_title(title)
@@ -156,9 +170,15 @@ def main() -> None:
     model = default_model_path()
     rows = []
     port = free_port()
-    with running(deepinfer_cmd(port, ns.deepinfer_args.split()), port, OUT / "deepinfer.log") as url:
+    with running(
+        deepinfer_cmd(port, ns.deepinfer_args.split()), port, OUT / "deepinfer.log"
+    ) as url:
         for c in levels:
-            rows.append(asyncio.run(run_level(url, "deepinfer", c, ns.requests_per_client, ns.max_tokens)).row())
+            rows.append(
+                asyncio.run(
+                    run_level(url, "deepinfer", c, ns.requests_per_client, ns.max_tokens)
+                ).row()
+            )
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     binary = None if ns.skip_llama else find_llama_server()
     if binary is None:
@@ -167,7 +187,11 @@ def main() -> None:
         for c in levels:
             port = free_port()
             with running(llama_cmd(binary, model, port, c, 1024), port, OUT / "llama.log") as url:
-                rows.append(asyncio.run(run_level(url, "llama-server", c, ns.requests_per_client, ns.max_tokens)).row())
+                rows.append(
+                    asyncio.run(
+                        run_level(url, "llama-server", c, ns.requests_per_client, ns.max_tokens)
+                    ).row()
+                )
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "serve.md").write_text(table(rows) + "\n")

@@ -94,17 +94,23 @@ def paged_prefill_attention_reference(
             continue
         k = _gather_context(k_cache, block_tables[b], ctx_len).transpose(0, 1)  # [Hkv, L, D]
         v = _gather_context(v_cache, block_tables[b], ctx_len).transpose(0, 1)
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [Tq, L]
+        # 4-D inputs keep torch on its fused CPU kernel (3-D ones fall back to the slow math path)
         out[q_lo:q_hi] = F.scaled_dot_product_attention(
-            q[q_lo:q_hi].transpose(0, 1),  # [H, Tq, D]
-            k,
-            v,
-            attn_mask=mask,
+            q[None, q_lo:q_hi].transpose(1, 2),  # [1, H, Tq, D]
+            k[None],  # [1, Hkv, L, D]
+            v[None],
+            attn_mask=None if q_len == ctx_len else _causal_mask(q_len, ctx_len, q.device),
+            is_causal=q_len == ctx_len,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
-        ).transpose(0, 1)
+        )[0].transpose(0, 1)
     return out
+
+
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, Tq, L]: the last Tq positions of a context of L attend causally."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    return (torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None])[None, None]
 
 
 def _check_paged_inputs(

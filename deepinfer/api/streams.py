@@ -100,4 +100,5 @@ def total_usage(collected: Sequence[Usage], num_prompts: int) -> Usage:
         prompt_tokens=sum(u.prompt_tokens for u in firsts),
         completion_tokens=sum(u.completion_tokens for u in collected),
         cached_tokens=sum(u.cached_tokens for u in firsts),
+        disk_cached_tokens=sum(u.disk_cached_tokens for u in firsts),
     )

@@ -22,6 +22,8 @@ from deepinfer.model.kv_layout import allocate_kv_caches as allocate_kv_caches
 from deepinfer.model.kv_layout import kv_bytes_per_block as kv_bytes_per_block
 
 
+_LM_HEAD_TRANSPOSED_MIN_ROWS = 8
+
 class RMSNorm(nn.Module):
     """Holds the weight only: the kernel backend computes the norm."""
 
@@ -184,4 +186,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.device.type == "cpu" and hidden.shape[0] >= _LM_HEAD_TRANSPOSED_MIN_ROWS:
+            # MKL runs the tall [V, hidden] product about 1.5x faster as W @ h^T than as h @ W^T
+            # for 8+ rows (measured on these 2-core AVX2 machines: 34 vs 53 ms at 32 rows).
+            return (weight @ hidden.t()).t().float()  # [B_sample, V]
         return F.linear(hidden, weight).float()

@@ -21,7 +21,7 @@ from deepinfer.cache.disk.config import DiskTierConfig
 
 pytestmark = pytest.mark.slow
 
-NUM_KILLS = 4
+NUM_KILLS = 3
 NUM_LOAD_THREADS = 3
 MAX_TOKENS = 8
 WORDS = [
