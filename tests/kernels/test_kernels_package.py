@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,11 +27,24 @@ def test_deepinfer_kernels_is_the_repo_folder() -> None:
     assert Path(module.__file__).resolve().parent == ROOT / "kernels"
 
 
-def test_no_top_level_kernels_module_is_loaded_or_packaged() -> None:
-    for path in sorted((ROOT / "kernels").glob("*.py")):
-        importlib.import_module(f"deepinfer.kernels.{path.stem}")
-    loaded = sys.modules.get("kernels")
-    assert loaded is None or not str(getattr(loaded, "__file__", "")).startswith(str(ROOT))
+def test_no_top_level_kernels_module_is_loaded_or_packaged(tmp_path: Path) -> None:
+    """deepinfer never imports its kernels as a top-level `kernels` (an unrelated PyPI package owns
+    that name) and never packages one. Run from another directory: a repo-root sys.path entry
+    (`python -m pytest`) lets third-party probes such as transformers' find the folder."""
+    code = (
+        "import importlib, sys\n"
+        f"for stem in {sorted(p.stem for p in (ROOT / 'kernels').glob('*.py'))!r}:\n"
+        "    importlib.import_module('deepinfer.kernels.' + stem)\n"
+        "import deepinfer.engine.core, deepinfer.api.app\n"
+        "assert 'kernels' not in sys.modules, sys.modules['kernels']\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert not hasattr(importlib.import_module("deepinfer.kernels"), "__version__")
     packages = find_packages(where=str(ROOT), include=["deepinfer*"])
     assert "deepinfer.kernels" in packages
     assert "kernels" not in packages
