@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from deepinfer.errors import InvalidRequestError
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     """An end-of-turn/stop token or a stop string."""
     LENGTH = "length"

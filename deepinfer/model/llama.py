@@ -21,8 +21,8 @@ from deepinfer.model.kv_layout import KVCaches, check_kv_caches
 from deepinfer.model.kv_layout import allocate_kv_caches as allocate_kv_caches
 from deepinfer.model.kv_layout import kv_bytes_per_block as kv_bytes_per_block
 
-
 _LM_HEAD_TRANSPOSED_MIN_ROWS = 8
+
 
 class RMSNorm(nn.Module):
     """Holds the weight only: the kernel backend computes the norm."""

@@ -155,3 +155,13 @@ def test_cli_reports_a_missing_model_clearly(tmp_path) -> None:  # type: ignore[
     )
     assert proc.returncode == 2
     assert "nope.gguf" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_chat_streams_a_conversation() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "chat", "--max-tokens", "24"],
+        input="What is the capital of France?\n/exit\n",
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

@@ -59,7 +59,7 @@ def _greedy(model_dir: Path, backend: str, prompts: list[list[int]]) -> list[lis
 def test_triton_backend_matches_torch(tiny_llama_dir: Path) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 40)]
-    prompts.append(prompts[2][:33] + [7, 8, 9])  # shares a two-block prefix with the third
+    prompts.append([*prompts[2][:33], 7, 8, 9])  # shares a two-block prefix with the third
     torch_tokens = _greedy(tiny_llama_dir, "torch", prompts)
     triton_tokens = _greedy(tiny_llama_dir, "triton", prompts)
     assert all(len(t) == 12 for t in torch_tokens)
