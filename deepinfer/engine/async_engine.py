@@ -205,7 +205,7 @@ class AsyncEngine:
     def _check_admissible(self, ids: list[int], params: SamplingParams) -> None:
         limit = self.max_model_len
         if not ids:
-            raise ContextLengthError(0, params.max_tokens, limit) from None
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if len(ids) + params.max_tokens > limit:
             raise ContextLengthError(len(ids), params.max_tokens, limit)
         if self.core.scheduler.num_waiting >= self.config.scheduler.max_waiting:

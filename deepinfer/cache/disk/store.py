@@ -227,10 +227,15 @@ class DiskStore:
         return sum(i.size_bytes for s, i in self.index.segments().items() if s != active)
 
     def disk_bytes(self) -> int:
-        return sum(i.size_bytes for i in self.index.segments().values())
+        return self.byte_counts()[1]
 
     def live_bytes(self) -> int:
-        return sum(i.live_bytes for i in self.index.segments().values())
+        return self.byte_counts()[0]
+
+    def byte_counts(self) -> tuple[int, int]:
+        """(live bytes, bytes in segment files), from one read of the segments table."""
+        segments = self.index.segments().values()
+        return sum(i.live_bytes for i in segments), sum(i.size_bytes for i in segments)
 
     def verify_all(self, on_bad: Callable[[BlockHash], None] | None = None) -> int:
         """Read and verify every indexed record (O(data): tests and offline checks).

@@ -283,9 +283,8 @@ class DiskTier:
         num_blocks = live = disk = 0
         if store is not None:
             try:
-                num_blocks, live, disk = (
-                    store.index.num_blocks(), store.live_bytes(), store.disk_bytes()
-                )  # fmt: skip
+                num_blocks = store.index.num_blocks()
+                live, disk = store.byte_counts()
             except _ERRORS as exc:
                 self._fail("disk cache index read failed", exc)
         with self._count_lock:
