@@ -9,10 +9,12 @@ from deepinfer.config import (
     CacheConfig,
     Config,
     DiskCacheConfig,
+    HostCacheConfig,
     ModelConfig,
     RuntimeConfig,
     SchedulerConfig,
     ServerConfig,
+    WorkersConfig,
     env_overrides,
 )
 
@@ -63,6 +65,63 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["agent", "chat", "none"],
         default=env.get("default_retention", "chat"),
     )
+    h = parser.add_argument_group("host cache")
+    h.add_argument(
+        "--host-cache",
+        choices=["auto", "on", "off"],
+        default=env.get("host_cache", "auto"),
+        help="host-RAM KV tier between device and disk (auto: on with CUDA, off on CPU)",
+    )
+    h.add_argument("--no-host-cache", action="store_true", help="same as --host-cache off")
+    h.add_argument("--host-cache-gb", type=float, default=8.0, help="host KV cache byte budget")
+    add_worker_args(parser)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("prefill and decode workers")
+    w.add_argument(
+        "--colocated",
+        action="store_true",
+        help="one worker mixing prefill chunks into decode steps (the baseline)",
+    )
+    w.add_argument("--prefill-devices", default="", help="comma-separated, e.g. cuda:0")
+    w.add_argument("--decode-devices", default="", help="comma-separated, e.g. cuda:1")
+    w.add_argument("--prefill-threads", type=int, default=None, help="CPU threads of prefill")
+    w.add_argument("--decode-threads", type=int, default=None, help="CPU threads of decode")
+    w.add_argument(
+        "--lend-idle-threads",
+        action="store_true",
+        help="CPU: a worker borrows its idle peer's cores (throughput over steady latency)",
+    )
+    w.add_argument(
+        "--prefill-step-ms", type=float, default=None, help="time budget of a prefill step"
+    )
+    w.add_argument(
+        "--prefill-buckets",
+        default="512,4096,32768",
+        help="upper bounds of the uncached prompt length buckets",
+    )
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def workers_from_args(ns: argparse.Namespace) -> WorkersConfig:
+    try:
+        buckets = tuple(int(b) for b in _csv(ns.prefill_buckets))
+    except ValueError:
+        raise SystemExit(f"--prefill-buckets takes integers, got {ns.prefill_buckets!r}") from None
+    return WorkersConfig(
+        colocated=ns.colocated,
+        prefill_devices=_csv(ns.prefill_devices),
+        decode_devices=_csv(ns.decode_devices),
+        prefill_threads=ns.prefill_threads,
+        decode_threads=ns.decode_threads,
+        lend_idle_threads=ns.lend_idle_threads,
+        prefill_step_ms=ns.prefill_step_ms,
+        prefill_buckets=buckets,
+    )
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +154,10 @@ def config_from_args(ns: argparse.Namespace) -> Config:
             max_bytes=int(ns.disk_cache_gb * (1 << 30)),
             default_retention=ns.default_retention,
         ),
+        host_cache=HostCacheConfig(
+            enabled="off" if ns.no_host_cache else ns.host_cache,
+            max_bytes=int(ns.host_cache_gb * (1 << 30)),
+        ),
         cache=CacheConfig(
             block_size=ns.block_size,
             kv_memory_bytes=int(ns.kv_memory_gb * (1 << 30)),
@@ -106,6 +169,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
             max_num_batched_tokens=ns.max_num_batched_tokens,
             max_waiting=ns.max_waiting,
         ),
+        workers=workers_from_args(ns),
         runtime=RuntimeConfig(
             device=ns.device,
             attention_backend=ns.attention_backend,

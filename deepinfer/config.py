@@ -82,6 +82,19 @@ class DiskCacheConfig:
     chat_days: float = 7.0
 
 
+HostCacheMode = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True)
+class HostCacheConfig:
+    """The host-RAM tier of the prefix cache, between device blocks and the disk tier."""
+
+    enabled: HostCacheMode = "auto"
+    """`auto`: on when the device is CUDA, off on CPU (where device blocks are host RAM already)."""
+    max_bytes: int = 8 << 30
+    """Byte budget of host memory for KV blocks (page-locked on CUDA, allocated at start-up)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -90,6 +103,33 @@ class SchedulerConfig:
     """Token budget of one engine step: decodes plus prefill chunks."""
     max_waiting: int = 1024
     """Most requests queued before new ones are refused (overload)."""
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """Prefill and decode apart: two workers, each with its own device group and, on CPU, its
+    own thread and share of cores; or one colocated worker (the baseline)."""
+
+    colocated: bool = False
+    """One worker runs mixed steps (prefill chunks and decodes under one token budget)."""
+    prefill_devices: tuple[str, ...] = ()
+    """Devices of the prefill worker; empty: the runtime device."""
+    decode_devices: tuple[str, ...] = ()
+    """Devices of the decode worker; empty: the runtime device."""
+    prefill_threads: int | None = None
+    """CPU: torch threads of the prefill worker; None: half the cores (at least one)."""
+    decode_threads: int | None = None
+    """CPU: torch threads of the decode worker; None: the cores prefill leaves (at least one)."""
+    lend_idle_threads: bool = False
+    """CPU: a worker whose peer is idle runs its steps on both shares of cores (throughput),
+    at the price of decode latency jumping when a prompt arrives."""
+    prefill_step_ms: float | None = None
+    """Time budget of one prefill step; None: 50 ms on CUDA, 1 s on CPU (where reading the weights alone takes
+    ~0.1-0.2 s a step, so shorter steps waste most of their time)."""
+    prefill_buckets: tuple[int, ...] = (512, 4096, 32768)
+    """Upper bounds of the uncached-prompt-length buckets (one more bucket holds the rest)."""
+    prefill_max_batched_tokens: int = 16384
+    """Most prompt tokens in one prefill step, whatever the time budget allows."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +161,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     disk_cache: DiskCacheConfig = field(default_factory=DiskCacheConfig)
+    host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -134,6 +176,7 @@ class Config:
 
 
 def _validate(config: Config) -> None:
+    _validate_workers(config.workers)
     c, s = config.cache, config.scheduler
     if c.block_size <= 0 or c.block_size & (c.block_size - 1):
         raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")
@@ -151,6 +194,22 @@ def _validate(config: Config) -> None:
         )
     if d.max_bytes < 1 << 20 or d.agent_days <= 0 or d.chat_days <= 0:
         raise ConfigError("disk_cache.max_bytes must be >= 1 MiB and retention days positive")
+    h = config.host_cache
+    if h.enabled not in ("auto", "on", "off"):
+        raise ConfigError(f"host_cache.enabled must be auto, on or off, got {h.enabled!r}")
+    if h.max_bytes < 1 << 20:
+        raise ConfigError("host_cache.max_bytes must be >= 1 MiB (or turn the host cache off)")
+
+
+def _validate_workers(w: WorkersConfig) -> None:
+    for name in ("prefill_threads", "decode_threads"):
+        value = getattr(w, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"workers.{name} must be at least 1, got {value}")
+    if w.prefill_step_ms is not None and w.prefill_step_ms <= 0:
+        raise ConfigError(f"workers.prefill_step_ms must be positive, got {w.prefill_step_ms}")
+    if w.prefill_max_batched_tokens < 1:
+        raise ConfigError("workers.prefill_max_batched_tokens must be positive")
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:

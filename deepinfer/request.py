@@ -128,6 +128,8 @@ class Request:
     """Disk-cache retention class (`agent`, `chat`, `none`); None: the server default."""
     num_disk_cached_tokens: int = 0
     """Prompt tokens whose KV was loaded from the disk tier on submit."""
+    num_host_cached_tokens: int = 0
+    """Prompt tokens whose KV was loaded from the host-RAM tier on submit."""
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

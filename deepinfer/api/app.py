@@ -98,10 +98,11 @@ def _observe_steps(engine: EngineClient, metrics: ApiMetrics) -> None:
     if observers is None:
         return
 
-    def on_step(_schedule: Any, output: Any) -> None:
+    def on_step(schedule: Any, output: Any) -> None:
         elapsed_s = getattr(output, "elapsed_s", None)
+        kind = getattr(schedule, "kind", None)
         if elapsed_s:
-            metrics.observe_step(float(elapsed_s))
+            metrics.observe_step(float(elapsed_s), getattr(kind, "value", "mixed"))
 
     observers.append(on_step)
 

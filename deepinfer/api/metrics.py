@@ -11,7 +11,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from deepinfer.api.protocol import EngineClient, OutputStream
+from deepinfer.api.worker_metrics import worker_metrics
 from deepinfer.cache.disk.tier import DiskTierStats
+from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.engine.types import GenerationOutput, Usage
 
 _LATENCY_BUCKETS_S = (
@@ -38,6 +40,9 @@ class _EngineCollector(Collector):
         yield _gauge("deepinfer_kv_blocks_total", "KV blocks in the pool", stats.num_blocks_total)
         if stats.disk is not None:
             yield from _disk_metrics(stats.disk)
+        if stats.host is not None:
+            yield from _host_metrics(stats.host)
+        yield from worker_metrics(stats)
 
 
 def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:
@@ -56,6 +61,23 @@ def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:
     yield _gauge("deepinfer_disk_cache_blocks", "Blocks indexed on disk", d.num_blocks)
     yield _gauge("deepinfer_disk_cache_bytes", "Bytes of segment files on disk", d.disk_bytes)
     yield _gauge("deepinfer_disk_cache_degraded", "1 while the disk tier is degraded", d.degraded)
+
+
+def _host_metrics(h: HostTierStats) -> Iterator[Metric]:
+    """The host-RAM tier's own counters (monotonic since start) and sizes."""
+    for name, doc, value in (
+        ("lookups", "Blocks looked up in host memory", h.num_lookups),
+        ("hits", "Blocks loaded from host memory", h.num_hits),
+        ("offers", "Blocks stored in host memory", h.num_offers),
+        ("offers_dropped", "Blocks not stored (every slot in use)", h.num_offers_dropped),
+        ("evictions", "Blocks evicted by the byte budget (LRU)", h.num_evictions),
+    ):
+        yield CounterMetricFamily(f"deepinfer_host_cache_{name}", doc, value=value)
+    yield _gauge("deepinfer_host_cache_blocks", "Blocks held in host memory", h.num_blocks)
+    yield _gauge("deepinfer_host_cache_bytes", "Bytes of blocks held in host memory", h.num_bytes)
+    yield _gauge(
+        "deepinfer_host_cache_capacity_bytes", "Byte budget of the host tier", h.capacity_bytes
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -96,13 +118,13 @@ class ApiMetrics:
         )  # fmt: skip
         self.step_time = Histogram(
             "deepinfer_engine_step_seconds", "Duration of one engine step (forward + sampling)",
-            buckets=_STEP_BUCKETS_S, registry=r,
+            ["worker"], buckets=_STEP_BUCKETS_S, registry=r,
         )  # fmt: skip
         r.register(_EngineCollector(engine))
 
-    def observe_step(self, elapsed_s: float) -> None:
-        """Hook for the engine: call once per step with its duration."""
-        self.step_time.observe(elapsed_s)
+    def observe_step(self, elapsed_s: float, worker: str = "mixed") -> None:
+        """Hook for the engine: call once per step with its duration and worker."""
+        self.step_time.labels(worker=worker).observe(elapsed_s)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -164,6 +186,7 @@ class _TrackedStream:
         finally:
             if usage is not None:
                 m.prompt_tokens.inc(usage.prompt_tokens)
-                m.cached_tokens.labels("device").inc(usage.cached_tokens - usage.disk_cached_tokens)
+                m.cached_tokens.labels("device").inc(usage.device_cached_tokens)
+                m.cached_tokens.labels("host").inc(usage.host_cached_tokens)
                 m.cached_tokens.labels("disk").inc(usage.disk_cached_tokens)
                 m.generation_tokens.inc(usage.completion_tokens)

@@ -111,7 +111,9 @@ def usage_out(usage: Usage) -> UsageOut:
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=usage.cached_tokens,
             cached_tokens_details=CachedTokensDetails(
-                device=usage.device_cached_tokens, disk=usage.disk_cached_tokens
+                device=usage.device_cached_tokens,
+                disk=usage.disk_cached_tokens,
+                host=usage.host_cached_tokens,
             )
             if usage.cached_tokens
             else None,

@@ -74,6 +74,7 @@ class CachedTokensDetails(msgspec.Struct):
 
     device: int
     disk: int
+    host: int = 0
 
 
 class PromptTokensDetails(msgspec.Struct, omit_defaults=True):

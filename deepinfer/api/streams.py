@@ -101,4 +101,5 @@ def total_usage(collected: Sequence[Usage], num_prompts: int) -> Usage:
         completion_tokens=sum(u.completion_tokens for u in collected),
         cached_tokens=sum(u.cached_tokens for u in firsts),
         disk_cached_tokens=sum(u.disk_cached_tokens for u in firsts),
+        host_cached_tokens=sum(u.host_cached_tokens for u in firsts),
     )

@@ -129,10 +129,15 @@ class KVCacheManager:
         return max(needed, 0), free
 
     def can_allocate(
-        self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit_blocks: Sequence[Block] = (),
+        reserve_blocks: int = 0,
     ) -> bool:
+        """Whether `allocate_slots` would succeed and still leave `reserve_blocks` free."""
         needed, free = self._num_blocks_short(request, num_new_tokens, hit_blocks)
-        return needed <= free
+        return needed + reserve_blocks <= free
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block] = ()
@@ -216,6 +221,18 @@ class KVCacheManager:
             registered += self.pool.cache_block(block, block_hash)
         self.pool.free(blocks)
         return registered
+
+    def pin_blocks(self, block_ids: Sequence[int]) -> int:
+        """Hold blocks so they are not handed out while a lower tier copies them (a request
+        holding them may finish meanwhile). Returns the pin for `unpin_blocks`."""
+        blocks = [self.pool.blocks[i] for i in block_ids]
+        self.pool.touch(blocks)
+        self._next_reservation += 1
+        self._reserved[self._next_reservation] = blocks
+        return self._next_reservation
+
+    def unpin_blocks(self, pin: int) -> None:
+        self.pool.free(self._reserved.pop(pin))
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (finish, abort, preemption). Idempotent."""

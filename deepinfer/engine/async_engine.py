@@ -4,9 +4,11 @@
         async for out in engine.generate([ChatMessage("user", "Hi")], SamplingParams()):
             print(out.text, end="")
 
-One owned task drives the engine: schedule on the loop (pure, fast), run the forward pass on the
-engine's single forward thread, apply results on the loop. Aborts are queued and applied between
-steps, so blocks are never freed under a running forward pass.
+One owned task per worker drives the engine (`workers.py`): a prefill and a decode worker whose
+steps overlap, or one colocated worker. Each schedules its step on the loop (pure, fast), runs the
+forward pass on its own thread, and applies the results on the loop. Aborts are applied between
+steps; the scheduler defers those of requests inside a running step until that step is applied,
+so blocks are never freed under a forward pass.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
 from deepinfer.config import Config
 from deepinfer.engine.core import EngineCore, RuntimeInfo
+from deepinfer.engine.prompts import Prompt, encode_prompt
 from deepinfer.engine.stream import RequestStream
-from deepinfer.engine.tiers import check_retention, fill_from_disk, write_behind
+from deepinfer.engine.tiers import check_retention, fill_from_lower_tiers, write_behind
 from deepinfer.engine.types import EngineStats, GenerationOutput
+from deepinfer.engine.workers import Worker, build_workers
 from deepinfer.errors import (
     ContextLengthError,
     EngineDeadError,
@@ -35,14 +39,10 @@ from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, SamplingParams
 from deepinfer.scheduler.output import ScheduleOutput
 from deepinfer.text.detokenizer import IncrementalDetokenizer
-from deepinfer.text.recipe import ChatMessage, ChatRecipe, ReasoningEffort
+from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
 from deepinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer.engine")
-
-Prompt = str | Sequence[int] | Sequence[ChatMessage]
-_LONG_TEXT_CHARS = 8192
-"""Prompts longer than this are tokenized on a worker thread, not on the loop."""
 
 
 class AsyncEngine:
@@ -51,9 +51,10 @@ class AsyncEngine:
         self._core = core
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
-        self._forward = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-forward")
+        self._workers: tuple[Worker, ...] = ()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._kv_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-io")
+        """Copies between device blocks and lower tiers (into blocks no step can see yet)."""
         self._counter = itertools.count()
         self._dead: BaseException | None = None
         self.step_observers: list[Callable[[ScheduleOutput, RunnerOutput], None]] = []
@@ -61,22 +62,28 @@ class AsyncEngine:
 
     # -- lifecycle --
     async def start(self) -> None:
-        if self._loop_task is not None:
+        if self._tasks:
             return
         if self._core is None:
             self._core = await asyncio.to_thread(EngineCore, self.config)
-        self._loop_task = asyncio.create_task(self._run(), name="deepinfer-engine-loop")
+        self._workers = build_workers(self._core, self.config.workers)
+        self._tasks = [
+            asyncio.create_task(self._run(w), name=f"deepinfer-{w.name}") for w in self._workers
+        ]
 
     async def shutdown(self) -> None:
-        task, self._loop_task = self._loop_task, None
-        if task is not None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for stream in list(self._streams.values()):
             stream.fail(EngineDeadError("the engine is shutting down"))
         self._streams.clear()
-        await asyncio.to_thread(self._forward.shutdown, True)
+        for worker in self._workers:
+            await asyncio.to_thread(worker.shutdown)
+        await asyncio.to_thread(self._kv_io.shutdown, True)
         if self._core is not None:
             await asyncio.to_thread(self._core.close)
 
@@ -101,7 +108,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        return bool(self._tasks) and self._dead is None and not any(t.done() for t in self._tasks)
 
     @property
     def info(self) -> RuntimeInfo:
@@ -132,6 +139,9 @@ class AsyncEngine:
             num_blocks_used=core.kv.num_used_blocks,
             max_model_len=core.info.max_model_len,
             disk=core.disk.stats() if core.disk is not None else None,
+            workers=tuple(w.stats() for w in self._workers),
+            prefill=core.prefill_stats(),
+            host=core.host.stats() if core.host is not None else None,
         )
 
     def check_integrity(self) -> None:
@@ -142,25 +152,7 @@ class AsyncEngine:
         self, prompt: Prompt, reasoning_effort: ReasoningEffort | None = None
     ) -> list[int]:
         """Token ids for a text prompt, chat messages (through the recipe) or ids as given."""
-        if isinstance(prompt, str):
-            if len(prompt) > _LONG_TEXT_CHARS:
-                return await asyncio.to_thread(self.recipe.encode_prompt, prompt)
-            return self.recipe.encode_prompt(prompt)
-        items = list(prompt)
-        if items and isinstance(items[0], ChatMessage):
-            messages = [m for m in items if isinstance(m, ChatMessage)]
-            return self.recipe.encode(messages, reasoning_effort=reasoning_effort)
-        return self._check_token_ids(items)
-
-    def _check_token_ids(self, items: list[object]) -> list[int]:
-        vocab = self.tokenizer.vocab_size
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in items
-        ):
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab})", param="prompt"
-            )
-        return [int(t) for t in items]  # type: ignore[call-overload]
+        return await encode_prompt(self.recipe, prompt, reasoning_effort)
 
     async def submit(
         self,
@@ -187,7 +179,9 @@ class AsyncEngine:
             cache_salt=cache_salt,
             retention=cache_retention,
         )
-        request.num_disk_cached_tokens = await fill_from_disk(self.core, self._forward, request)
+        fill = await fill_from_lower_tiers(self.core, self._kv_io, request)
+        request.num_host_cached_tokens = fill.host_tokens
+        request.num_disk_cached_tokens = fill.disk_tokens
         stream = RequestStream(
             rid,
             len(ids),
@@ -196,10 +190,11 @@ class AsyncEngine:
             request.stop_token_ids,
             self.abort,
             disk_cached_tokens=request.num_disk_cached_tokens,
+            host_cached_tokens=request.num_host_cached_tokens,
         )
         self.core.add_request(request)
         self._streams[rid] = stream
-        self._wakeup.set()
+        self._wake_workers()
         return stream
 
     def _check_admissible(self, ids: list[int], params: SamplingParams) -> None:
@@ -242,36 +237,68 @@ class AsyncEngine:
         if stream is None:
             return False
         self._pending_aborts.add(request_id)
-        self._wakeup.set()
+        self._wake_workers()
         return True
 
-    # -- the loop --
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    # -- the workers' loops --
+    def _wake_workers(self) -> None:
+        for worker in self._workers:
+            worker.wakeup.set()
+
+    async def _run(self, worker: Worker) -> None:
         core = self.core
         try:
             while True:
                 self._apply_aborts()
-                if not core.has_work:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                worker.wakeup.clear()
+                if not worker.lane.has_work:
+                    await worker.wakeup.wait()
                     continue
-                so = core.schedule()
-                out = await loop.run_in_executor(self._forward, core.execute, so)
+                peer = worker.peer
+                if peer is not None and peer.borrowing:
+                    await peer.step_done.wait()
+                so = worker.lane.schedule()
+                if so.is_empty:  # e.g. no room to admit: retry when something changes
+                    core.update(worker.lane, so, RunnerOutput(step=so.step))
+                    await worker.wakeup.wait()
+                    continue
+                out = await worker.run(so, self._threads_for(worker))
                 self._apply_aborts()
-                self._deliver(core.update(so, out))
-                await write_behind(core, self._forward)
+                self._deliver(core.update(worker.lane, so, out))
+                self._wake_workers()
+                await write_behind(core, worker.executor)
                 for observer in self.step_observers:
                     observer(so, out)
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            log.exception("engine loop failed; failing every open request")
-            self._dead = exc
-            for stream in self._streams.values():
-                stream.fail(EngineDeadError(f"engine failed: {exc!r}"))
-            self._streams.clear()
+            log.exception("engine %s worker failed; failing every open request", worker.name)
+            self._fail_all(exc)
+
+    def _threads_for(self, worker: Worker) -> int | None:
+        """The worker's own share, plus its idle peer's when lending is on."""
+        peer = worker.peer
+        if (
+            self.config.workers.lend_idle_threads
+            and peer is not None
+            and peer.idle
+            and worker.num_threads is not None
+            and peer.num_threads is not None
+        ):
+            worker.borrowing = True
+            return worker.num_threads + peer.num_threads
+        return worker.num_threads
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._dead = exc
+        for stream in self._streams.values():
+            stream.fail(EngineDeadError(f"engine failed: {exc!r}"))
+        self._streams.clear()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:

@@ -1,7 +1,8 @@
 """`EngineCore`: the synchronous heart (scheduler + cache manager + runner), no asyncio.
 
-`AsyncEngine` drives it from the event loop, running `execute` on its forward thread. Tests and
-offline users may call `step()` directly.
+`AsyncEngine` drives it from the event loop: each scheduler lane (prefill and decode, or one
+colocated lane) has a worker that runs `execute` on its own thread. Tests and offline users may
+call `step()` directly.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ from deepinfer.model.loader import LoadedModel, load_model, model_fingerprint
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
 from deepinfer.runner.device import resolve_device, resolve_dtype
+from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_transfer import read_blocks, write_blocks
 from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlannerConfig
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.text.recipe import ChatRecipe
 from deepinfer.text.tokenizer import Tokenizer
@@ -71,6 +77,39 @@ def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None
     return tier
 
 
+_CPU_COST_PRIOR = CostCoefficients(step_s=0.01, token_s=6e-3, attention_s=5e-8)
+"""A prefill step on one CPU core, roughly (SmolLM2-135M): the model refines it within steps."""
+
+
+def _planner_config(config: Config, device: torch.device) -> PrefillPlannerConfig:
+    w = config.workers
+    step_ms = w.prefill_step_ms or (50.0 if device.type == "cuda" else 1000.0)
+    num_buckets = len(w.prefill_buckets) + 1
+    return PrefillPlannerConfig(
+        step_budget_ms=step_ms,
+        boundaries=w.prefill_buckets,
+        bucket_weights=tuple(float(2 ** max(0, 2 - i)) for i in range(num_buckets)),
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=w.prefill_max_batched_tokens,
+        chunk_align_tokens=config.cache.block_size,
+    )
+
+
+def _build_scheduler(
+    config: Config, kv: KVCacheManager, max_len: int, device: torch.device
+) -> Scheduler | DisaggScheduler:
+    if config.workers.colocated:
+        return Scheduler(config.scheduler, kv, max_len)
+    prior = _CPU_COST_PRIOR if device.type == "cpu" else CostModelConfig().prior
+    return DisaggScheduler(
+        config.scheduler,
+        _planner_config(config, device),
+        kv,
+        max_len,
+        StepCostModel(CostModelConfig(prior=prior)),
+    )
+
+
 def _num_blocks(config: Config, bytes_per_block: int) -> int:
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
@@ -113,26 +152,36 @@ class EngineCore:
             num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching
         )
         self.disk = open_disk_tier(config.disk_cache, fingerprint)
-        self.kv.track_new_blocks = self.disk is not None
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        self.host = (
+            open_host_tier(config.host_cache, device, self.kv_caches)
+            if config.cache.enable_prefix_caching
+            else None
+        )
+        self.kv.track_new_blocks = self.disk is not None or self.host is not None
+        self.scheduler = _build_scheduler(config, self.kv, max_len, device)
+        self.lanes: tuple[StepLane, ...] = self.scheduler.lanes()
+        """One lane (colocated) or two (prefill, decode); each is run by one worker."""
         self.runner = ModelRunner(model, block_size, device, config.runtime.seed)
         log.info("engine ready: %s", self.info)
 
-    # -- the three phases of a step (the async engine runs `execute` off the loop) --
-    def schedule(self) -> ScheduleOutput:
-        return self.scheduler.schedule()
-
+    # -- a step of each lane: schedule and update on the caller's thread, execute anywhere --
     def execute(self, so: ScheduleOutput) -> RunnerOutput:
         return self.runner.execute(so)
 
-    def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
-        deltas = self.scheduler.update(so, out)
-        self.runner.release([d.request_id for d in deltas if d.finished])
+    def update(self, lane: StepLane, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        deltas = lane.update(so, out)
+        self.runner.release([c.request_id for c in so.chunks if c.request.is_finished])
         return deltas
 
     def step(self) -> list[TokenDelta]:
-        so = self.schedule()
-        return self.update(so, self.execute(so))
+        """One step of each lane in turn (offline use and tests; the async engine overlaps
+        the lanes' steps instead)."""
+        deltas: list[TokenDelta] = []
+        for lane in self.lanes:
+            if lane.has_work:
+                so = lane.schedule()
+                deltas += self.update(lane, so, self.execute(so))
+        return deltas
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -142,7 +191,7 @@ class EngineCore:
         self.runner.release([request_id])
         return aborted
 
-    # -- lower tiers: these touch KV tensors, so they run on the forward thread --
+    # -- lower tiers: KV tensor copies, run off the loop (on blocks no step writes) --
     def snapshot_blocks(self, block_ids: list[int]) -> list[bytes]:
         return read_blocks(self.kv_caches, block_ids)
 
@@ -161,9 +210,17 @@ class EngineCore:
         if self.disk is not None:
             self.disk.close()
 
+    def prefill_stats(self) -> PlannerStats | None:
+        """The prefill planner's queues and cost model (disaggregated mode only)."""
+        if isinstance(self.scheduler, DisaggScheduler):
+            return self.scheduler.planner_stats()
+        return None
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()

@@ -37,6 +37,7 @@ class RequestStream:
         on_abort: Callable[[str], object],
         *,
         disk_cached_tokens: int = 0,
+        host_cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -48,6 +49,7 @@ class RequestStream:
         self._has_pending = False
         self._event = asyncio.Event()
         self._disk_cached_tokens = disk_cached_tokens
+        self._host_cached_tokens = host_cached_tokens
         self._usage = Usage(num_prompt_tokens, 0, 0)
         self._finish: FinishReason | None = None
         self._stop_reason: str | int | None = None
@@ -66,11 +68,15 @@ class RequestStream:
             return False
         if delta.num_prompt_tokens:
             cached = delta.num_cached_tokens
+            # Tiers fill the prefix in order (device, host, disk): a shortfall (loaded blocks
+            # evicted before admission) comes off the end, the disk part first.
+            host = min(self._host_cached_tokens, cached)
             self._usage = Usage(
                 delta.num_prompt_tokens,
                 delta.num_output_tokens,
                 cached,
-                disk_cached_tokens=min(self._disk_cached_tokens, cached),
+                disk_cached_tokens=min(self._disk_cached_tokens, cached - host),
+                host_cached_tokens=host,
             )
         p = self._pending
         p.token_ids.extend(delta.token_ids)

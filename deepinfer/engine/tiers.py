@@ -1,21 +1,37 @@
-"""Moving KV between the device pool and the disk tier, from the event loop.
+"""Moving KV between the device pool and the lower tiers (host RAM, then disk), from the event loop.
 
-Both directions keep the loop free: LMDB and file reads run on worker threads, KV tensor copies on
-the forward thread (serialized with forward passes, so a block is never read while being written).
+A prompt's longest cached prefix is found tier by tier: device blocks first, then the host tier
+for the blocks after them, then the disk tier for the blocks after the host hit. The host and disk
+parts are copied into reserved device blocks and registered, so admission hits them; blocks read
+from disk are also kept in the host tier. After each step, newly registered blocks are offered to
+both tiers (write-behind).
+
+Nothing blocks the loop: LMDB and file reads run on worker threads; KV tensor copies (and the host
+tier's payload copies) on the executor the engine passes in. Fills write only reserved blocks, which
+no step can see until they are committed; snapshots pin the blocks they read, so a step of the
+other worker cannot reuse them meanwhile. Host-tier lookups are dictionary probes under a lock, done on
+the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
+from deepinfer.cache.block_hash import BlockHash
 from deepinfer.config import RETENTION_CLASSES
 from deepinfer.engine.core import EngineCore
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import Request
+from deepinfer.runner.host_kv import write_blocks_from_views
 
 log = logging.getLogger("deepinfer.engine")
+
+NewBlock = tuple[int, BlockHash, str | None]
+"""(device block id, hash, retention class), as drained from the cache manager."""
 
 
 def check_retention(retention: str | None) -> None:
@@ -26,43 +42,120 @@ def check_retention(retention: str | None) -> None:
         )
 
 
-async def fill_from_disk(core: EngineCore, forward: Executor, request: Request) -> int:
-    """Load the prompt's leading blocks that are on disk but not on the device into free device
-    blocks, registered under their hashes, so admission hits them. Returns the tokens loaded."""
-    tier, kv = core.disk, core.kv
-    if tier is None or not kv.enable_prefix_caching or request.retention == "none":
-        return 0
+@dataclass(frozen=True)
+class TierFill:
+    """Prompt tokens copied into device blocks on submit, by the tier they came from."""
+
+    host_tokens: int = 0
+    disk_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _FillPlan:
+    block_ids: list[int]
+    host_hashes: list[BlockHash]
+    disk_hashes: list[BlockHash]
+    disk_payloads: list[bytes]
+    retention: str | None
+
+
+async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Request) -> TierFill:
+    """Load the prompt's leading blocks that are in the host or disk tier but not on the device
+    into free device blocks, registered under their hashes, so admission hits them."""
+    kv, host, disk = core.kv, core.host, core.disk
+    if (host is None and disk is None) or not kv.enable_prefix_caching:
+        return TierFill()
+    if request.retention == "none":
+        return TierFill()
     hashes = kv.prompt_hashes(request)
-    rest = hashes[kv.cached_prefix_len(hashes) :]
-    if not rest:
-        tier.touch(hashes, request.retention)
-        return 0
-    num_on_disk = await asyncio.to_thread(tier.contains_prefix, rest)
-    reservation = kv.reserve_blocks(num_on_disk) if num_on_disk else None
+    num_device = kv.cached_prefix_len(hashes)
+    rest = hashes[num_device:]
+    num_host = host.contains_prefix(rest) if host is not None else 0
+    num_disk = 0
+    if disk is not None and num_host < len(rest):
+        num_disk = await asyncio.to_thread(disk.contains_prefix, rest[num_host:])
+    reservation = kv.reserve_blocks(num_host + num_disk) if num_host + num_disk else None
     if reservation is None:
-        return 0
+        _touch(core, hashes[:num_device], request.retention)
+        return TierFill()
     reservation_id, block_ids = reservation
-    num_loaded = 0
+    loaded = (0, 0)
     try:
-        payloads = await asyncio.to_thread(tier.load, rest[:num_on_disk])
-        while num_loaded < len(payloads) and payloads[num_loaded] is not None:
-            num_loaded += 1
-        loaded = [p for p in payloads[:num_loaded] if p is not None]
-        if loaded:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(forward, core.fill_blocks, block_ids[:num_loaded], loaded)
+        disk_hashes = rest[num_host : num_host + num_disk]
+        payloads: list[bytes | None] = []
+        if disk is not None and disk_hashes:
+            payloads = await asyncio.to_thread(disk.load, disk_hashes)
+        plan = _FillPlan(
+            block_ids, rest[:num_host], disk_hashes, _leading(payloads), request.retention
+        )
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(forward, _fill_blocks, core, plan)
     finally:
-        kv.commit_reserved(reservation_id, rest[:num_loaded])
-    tier.touch(hashes[: len(hashes) - len(rest) + num_loaded], request.retention)
-    return num_loaded * kv.block_size
+        kv.commit_reserved(reservation_id, rest[: sum(loaded)])
+    _touch(core, hashes[: num_device + sum(loaded)], request.retention)
+    return TierFill(loaded[0] * kv.block_size, loaded[1] * kv.block_size)
+
+
+def _leading(payloads: Sequence[bytes | None]) -> list[bytes]:
+    """The payloads before the first miss (a prefix hit cannot skip a block)."""
+    out = []
+    for payload in payloads:
+        if payload is None:
+            break
+        out.append(payload)
+    return out
+
+
+def _fill_blocks(core: EngineCore, plan: _FillPlan) -> tuple[int, int]:
+    """On the KV-copy thread: copy host slots, then disk payloads, into the reserved blocks;
+    keep the disk payloads in the host tier. Returns (host blocks, disk blocks) filled, a prefix
+    of the plan (a host entry evicted since the lookup ends it)."""
+    host, ids = core.host, plan.block_ids
+    views = host.lease(plan.host_hashes) if host is not None and plan.host_hashes else []
+    try:
+        write_blocks_from_views(core.kv_caches, ids[: len(views)], views)
+    finally:
+        if host is not None and views:
+            host.release(plan.host_hashes[: len(views)])
+    if len(views) < len(plan.host_hashes) or not plan.disk_payloads:
+        return len(views), 0
+    num_disk = len(plan.disk_payloads)
+    core.fill_blocks(ids[len(views) : len(views) + num_disk], plan.disk_payloads)
+    if host is not None:
+        for block_hash, payload in zip(plan.disk_hashes, plan.disk_payloads, strict=False):
+            host.offer(block_hash, payload, plan.retention)
+    return len(views), num_disk
+
+
+def _touch(core: EngineCore, served: list[BlockHash], retention: str | None) -> None:
+    """Hits served (from any tier) refresh the copies in the lower tiers."""
+    if not served:
+        return
+    if core.host is not None:
+        core.host.touch(served)
+    if core.disk is not None:
+        core.disk.touch(served, retention)
 
 
 async def write_behind(core: EngineCore, forward: Executor) -> None:
-    """Offer blocks registered in the last step to the disk tier (a snapshot copy on the forward
-    thread now; the write itself happens on the tier's writer thread, or is dropped)."""
+    """Offer blocks registered in the last step to the host and disk tiers: a snapshot copy (and
+    the host tier's copy) on the forward thread now; the disk write happens on the disk tier's
+    writer thread, or is dropped."""
     new = [b for b in core.kv.drain_new_blocks() if b[2] != "none"]
-    if not new or core.disk is None:
+    if not new or (core.disk is None and core.host is None):
         return
     loop = asyncio.get_running_loop()
-    payloads = await loop.run_in_executor(forward, core.snapshot_blocks, [b[0] for b in new])
+    pin = core.kv.pin_blocks([b[0] for b in new])  # the other worker's steps may reuse freed ones
+    try:
+        payloads = await loop.run_in_executor(forward, _snapshot_to_host, core, new)
+    finally:
+        core.kv.unpin_blocks(pin)
     core.offer_to_disk([(b[1], b[2]) for b in new], payloads)
+
+
+def _snapshot_to_host(core: EngineCore, new: list[NewBlock]) -> list[bytes]:
+    payloads = core.snapshot_blocks([b[0] for b in new])
+    if core.host is not None:
+        for (_, block_hash, retention), payload in zip(new, payloads, strict=True):
+            core.host.offer(block_hash, payload, retention)
+    return payloads

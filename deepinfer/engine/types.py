@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.cache.disk.tier import DiskTierStats
+from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
+from deepinfer.scheduler.prefill_types import PlannerStats
 
 
 @dataclass(frozen=True)
@@ -17,10 +19,13 @@ class Usage:
     """Prompt tokens served from the prefix cache (not recomputed), all tiers."""
     disk_cached_tokens: int = 0
     """Of `cached_tokens`, those loaded from the disk tier."""
+    host_cached_tokens: int = 0
+    """Of `cached_tokens`, those loaded from the host-RAM tier."""
 
     @property
     def device_cached_tokens(self) -> int:
-        return self.cached_tokens - self.disk_cached_tokens
+        """Of `cached_tokens`, those found in device blocks already."""
+        return self.cached_tokens - self.disk_cached_tokens - self.host_cached_tokens
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,17 @@ class GenerationOutput:
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    name: str
+    device: str
+    num_threads: int | None
+    busy_fraction: float
+    """Share of the last 10 s this worker spent running steps."""
+    num_steps: int
+    busy_s_total: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_waiting: int
     num_running: int
@@ -51,3 +67,9 @@ class EngineStats:
     max_model_len: int
     disk: DiskTierStats | None = None
     """The disk tier's counters, when it is enabled."""
+    workers: tuple[WorkerStats, ...] = ()
+    """One record per worker (prefill and decode, or the colocated one)."""
+    prefill: PlannerStats | None = None
+    """The prefill planner's queues per bucket and step-time predictions (disaggregated)."""
+    host: HostTierStats | None = None
+    """The host-RAM tier's counters, when it is enabled."""

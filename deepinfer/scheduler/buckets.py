@@ -80,6 +80,9 @@ class BucketQueues:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
 
+    def ids(self) -> set[str]:
+        return set(self._by_id)
+
     def get(self, request_id: str) -> PrefillEntry | None:
         return self._by_id.get(request_id)
 

@@ -3,17 +3,21 @@
 The model (seconds) for one step running prefill chunks (n_i new tokens after ctx_i computed):
 
     t = step_s + token_s * sum(n_i) + attention_s * sum(n_i * (ctx_i + n_i / 2))
+               + kv_token_s * sum(ctx_i + n_i)
 
-`step_s` is the per-step overhead (launches, sampling, synchronisation), `token_s` the per-token
-work (matmuls, norms), and `attention_s` the per query-key pair work of causal attention, which
-grows with the context. Every term is additive across chunks, so a chunk's marginal cost
+`step_s` is the per-step overhead (launches, reading the weights, sampling, synchronisation),
+`token_s` the per-token work (matmuls, norms), `attention_s` the per query-key pair work of
+causal attention, which grows with the context, and `kv_token_s` the cost of reading a chunk's
+whole context from the KV cache once per layer, whatever the chunk's length (memory-bound; a
+model without it mistakes small chunks deep in a long prompt for attention work and then plans
+ever smaller chunks). Every term is additive across chunks, so a chunk's marginal cost
 (`chunk_cost_s`) does not depend on what else runs in the step; only `step_s` is shared.
 
 Fitting: weighted least squares on relative error (each step weighs 1 / measured^2, so short and
 long steps count alike), with exponential forgetting (the fit follows a drifting device) and a
 constant-weight prior made of pseudo-steps predicted by the prior coefficients (the fit is sane
 before any data and stays well-posed when steps all look alike). Coefficients are never negative:
-the 3-variable non-negative least squares is solved exactly by trying every active set.
+the 4-variable non-negative least squares is solved exactly by trying every active set.
 Pure Python: no torch, no numpy (the scheduler layer imports neither).
 """
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from deepinfer.config import ConfigError
 
-_NUM_FEATURES = 3
+_NUM_FEATURES = 4
 _MIN_TIME_S = 1e-9
 
 
@@ -47,14 +51,18 @@ class CostCoefficients:
     """Seconds per new token."""
     attention_s: float
     """Seconds per (query, key) pair of causal attention."""
+    kv_token_s: float = 0.0
+    """Seconds per context token a chunk reads from the KV cache (plus its own new ones)."""
 
-    def as_tuple(self) -> tuple[float, float, float]:
-        return (self.step_s, self.token_s, self.attention_s)
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.step_s, self.token_s, self.attention_s, self.kv_token_s)
 
 
 @dataclass(frozen=True)
 class CostModelConfig:
-    prior: CostCoefficients = CostCoefficients(step_s=2e-3, token_s=5e-5, attention_s=2e-9)
+    prior: CostCoefficients = CostCoefficients(
+        step_s=2e-3, token_s=5e-5, attention_s=2e-9, kv_token_s=1e-7
+    )
     """Coefficients before any data (e.g. from a quick start-up calibration)."""
     prior_weight: float = 0.05
     """Weight of each of the prior's pseudo-steps; one measured step weighs 1 when new."""
@@ -91,19 +99,22 @@ _PRIOR_SHAPES = (
     (ChunkShape(16, 0),),
     (ChunkShape(2048, 0),),
     (ChunkShape(1024, 16384),),
+    (ChunkShape(16, 16384),),
 )
 """Pseudo-steps of the prior: a tiny step (overhead), a wide one (per token), a deep one
-(attention). Three shapes pin the three coefficients."""
+(attention), a short deep one (KV reads). Four shapes pin the four coefficients."""
 
 
-def features(chunks: Iterable[ChunkShape]) -> tuple[float, float, float]:
-    """(1, total new tokens, total causal attention pairs) of a step."""
+def features(chunks: Iterable[ChunkShape]) -> tuple[float, float, float, float]:
+    """(1, total new tokens, total causal attention pairs, total KV tokens read) of a step."""
     num_tokens = 0.0
     pairs = 0.0
+    kv_tokens = 0.0
     for c in chunks:
         num_tokens += c.num_new_tokens
         pairs += c.num_new_tokens * (c.context_before + c.num_new_tokens / 2)
-    return (1.0, num_tokens, pairs)
+        kv_tokens += c.context_before + c.num_new_tokens
+    return (1.0, num_tokens, pairs, kv_tokens)
 
 
 class StepCostModel:
@@ -124,7 +135,7 @@ class StepCostModel:
             x = features(shape)
             y = sum(p * f for p, f in zip(prior, x, strict=True))
             _accumulate(self._prior_gram, self._prior_rhs, x, y, self.config.prior_weight)
-        self._coef: tuple[float, float, float] = prior
+        self._coef: tuple[float, float, float, float] = prior
         self.num_observations = 0
         self._mean_rel_error = math.nan
         self._last_predicted_s = math.nan
@@ -146,9 +157,11 @@ class StepCostModel:
 
     def chunk_cost_s(self, num_new_tokens: int, context_before: int) -> float:
         """Marginal seconds one chunk adds to a step (everything but the step overhead)."""
-        _, b, c = self._coef
+        if num_new_tokens <= 0:
+            return 0.0  # a chunk that does not run reads nothing
+        _, b, c, d = self._coef
         n = num_new_tokens
-        return b * n + c * n * (context_before + n / 2)
+        return b * n + c * n * (context_before + n / 2) + d * (context_before + n)
 
     def max_tokens_within(
         self, budget_s: float, context_before: int, *, include_overhead: bool = True
@@ -157,12 +170,12 @@ class StepCostModel:
         predicted cost fits `budget_s` (with the step overhead unless `include_overhead` is
         False, for a chunk joining a step that already pays it). 0 when none fits;
         `sys.maxsize` when tokens are predicted free."""
-        _, b, c = self._coef
-        left = budget_s - (self._coef[0] if include_overhead else 0.0)
+        _, b, c, d = self._coef
+        left = budget_s - (self._coef[0] if include_overhead else 0.0) - d * context_before
         if left <= 0:
             return 0
-        # solve (c / 2) n^2 + (b + c * ctx) n <= left, in the cancellation-free form
-        lin = b + c * context_before
+        # solve (c / 2) n^2 + (b + c * ctx + d) n <= left, in the cancellation-free form
+        lin = b + c * context_before + d
         denom = lin + math.sqrt(lin * lin + 2.0 * c * left)
         if denom <= 0:
             return sys.maxsize
@@ -242,13 +255,13 @@ def _accumulate(
 
 def _nnls_by_active_sets(
     gram: list[list[float]], rhs: list[float]
-) -> tuple[float, float, float] | None:
+) -> tuple[float, float, float, float] | None:
     """argmin over theta >= 0 of theta' G theta - 2 r' theta, by trying every free subset.
 
     With G positive definite the problem is convex; its minimiser is the unconstrained solution
     on some subset of free variables (the others at 0). Feasible candidates are compared by
     objective. None when every subset is singular (cannot happen with the prior)."""
-    best: tuple[float, tuple[float, float, float]] | None = None
+    best: tuple[float, tuple[float, float, float, float]] | None = None
     for size in range(_NUM_FEATURES + 1):
         for free in itertools.combinations(range(_NUM_FEATURES), size):
             sub = _solve([[gram[i][j] for j in free] for i in free], [rhs[i] for i in free])
@@ -263,7 +276,7 @@ def _nnls_by_active_sets(
                 for j in range(_NUM_FEATURES)
             ) - 2.0 * sum(r * t for r, t in zip(rhs, theta, strict=True))
             if best is None or obj < best[0]:
-                best = (obj, (theta[0], theta[1], theta[2]))
+                best = (obj, (theta[0], theta[1], theta[2], theta[3]))
     return None if best is None else best[1]
 
 

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from deepinfer.request import Request
+
+
+class StepKind(enum.Enum):
+    """Which worker a step belongs to (each runs its own steps, one at a time)."""
+
+    MIXED = "mixed"
+    """Colocated mode: decodes and prefill chunks share one step and one token budget."""
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,9 @@ class ScheduleOutput:
     """Decodes first, then prefill chunks; at most one chunk per request."""
     preempted_ids: tuple[str, ...] = ()
     """Requests whose blocks were freed this step; they recompute on readmission."""
+    kind: StepKind = StepKind.MIXED
+    predicted_s: float | None = None
+    """The prefill cost model's prediction for this step (prefill steps only)."""
 
     @property
     def num_batched_tokens(self) -> int:

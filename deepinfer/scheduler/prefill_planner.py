@@ -112,6 +112,10 @@ class PrefillPlanner:
         self._queues.push(PrefillEntry(rid, num_tokens, num_computed, bucket, self._step))
         return bucket
 
+    def queued_ids(self) -> set[str]:
+        """Requests with prefill chunks still to plan."""
+        return self._queues.ids()
+
     def remove(self, request_id: str) -> bool:
         """Drop a queued request (abort, preemption). False if it is not queued."""
         return self._queues.pop(request_id) is not None

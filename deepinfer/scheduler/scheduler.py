@@ -25,11 +25,13 @@ from collections import deque
 from deepinfer.cache.free_queue import require
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
-from deepinfer.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
+from deepinfer.scheduler.admission import check_new_request
+from deepinfer.scheduler.lanes import StepLane
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.stop import check_finished
+from deepinfer.scheduler.token_delta import token_delta
 
 
 class Scheduler:
@@ -61,21 +63,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def kind(self) -> StepKind:
+        return StepKind.MIXED
+
+    def lanes(self) -> tuple[StepLane, ...]:
+        """Colocated: one worker runs every step."""
+        return (self,)
+
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises `InvalidRequestError` (empty prompt, duplicate id),
         `ContextLengthError` (cannot fit), `OverloadedError` (queue full)."""
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        if request.request_id in self._requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        max_tokens = request.sampling.max_tokens
-        if request.num_prompt_tokens + max_tokens > self.max_request_tokens:
-            raise ContextLengthError(request.num_prompt_tokens, max_tokens, self.max_request_tokens)
-        if len(self.waiting) >= self.max_waiting:
-            raise OverloadedError(f"{len(self.waiting)} requests are already waiting; retry later")
+        check_new_request(
+            request, self._requests, self.max_request_tokens, len(self.waiting), self.max_waiting
+        )
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -176,17 +180,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 finished = True
-            deltas.append(
-                TokenDelta(
-                    request_id=request.request_id,
-                    token_ids=(sampled.token_id,),
-                    logprobs=(sampled,) if request.sampling.logprobs is not None else (),
-                    finish_reason=reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_output_tokens=len(request.output_token_ids),
-                )
-            )
+            deltas.append(token_delta(request, sampled, reason))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas

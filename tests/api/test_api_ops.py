@@ -57,7 +57,7 @@ def test_health_and_metrics_count_what_was_served() -> None:
     assert device + disk == cached > 0
     assert m[("deepinfer_time_to_first_token_seconds_count", ())] == 2
     assert m[("deepinfer_inter_token_latency_seconds_count", ())] == 12
-    assert m[("deepinfer_engine_step_seconds_count", ())] > 0
+    assert m[("deepinfer_engine_step_seconds_count", (("worker", "mixed"),))] > 0
     assert m[("deepinfer_kv_blocks_used", ())] == 0
     assert m[("deepinfer_kv_blocks_total", ())] == engine.num_blocks
     assert ("deepinfer_num_requests_waiting", ()) in m

@@ -22,6 +22,8 @@ class GroundTruth:
     step_s: float = 4e-3
     token_s: float = 3e-5
     attention_s: float = 1.5e-9
+    kv_token_s: float = 0.0
+    """Per context token each chunk reads (KV gather), whatever the chunk's length."""
     noise: float = 0.03
     """Standard deviation of the log of the multiplicative noise."""
     seed: int = 0
@@ -38,7 +40,13 @@ class GroundTruth:
             c.num_new_tokens * c.context_before + c.num_new_tokens * (c.num_new_tokens + 1) / 2
             for c in shapes
         )
-        return self.step_s + self.token_s * tokens + self.attention_s * pairs
+        kv_tokens = sum(c.context_before + c.num_new_tokens for c in shapes)
+        return (
+            self.step_s
+            + self.token_s * tokens
+            + self.attention_s * pairs
+            + self.kv_token_s * kv_tokens
+        )
 
     def measure_s(self, shapes: Sequence[ChunkShape]) -> float:
         return self.exact_s(shapes) * math.exp(self.rng.gauss(0.0, self.noise))

@@ -38,7 +38,7 @@ def test_prior_predicts_before_any_data() -> None:
 
 
 def test_features_count_tokens_and_attention_pairs() -> None:
-    assert features([ChunkShape(10, 0), ChunkShape(4, 6)]) == (1.0, 14.0, 10 * 5 + 4 * 8)
+    assert features([ChunkShape(10, 0), ChunkShape(4, 6)]) == (1.0, 14.0, 10 * 5 + 4 * 8, 10 + 10)
 
 
 @pytest.mark.parametrize("context_before", [0, 100, 30000, 500000])
@@ -74,7 +74,7 @@ def test_nnls_matches_scipy(seed: int) -> None:
     np = pytest.importorskip("numpy")
     optimize = pytest.importorskip("scipy.optimize")
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(12, 3))
+    x = rng.normal(size=(12, 4))
     y = rng.normal(size=12)
     gram, rhs = (x.T @ x).tolist(), (x.T @ y).tolist()
     ours = _nnls_by_active_sets(gram, rhs)

@@ -173,3 +173,22 @@ def test_stats_report_queues_and_waits() -> None:
     assert stats.queued_tokens[3] < 100_000
     assert stats.head_wait_steps[3] == 0  # the head has chunks under way
     assert stats.num_steps_observed == 0
+
+
+def test_kv_reads_deep_in_a_long_prompt_do_not_shrink_chunks() -> None:
+    """A CPU-like device: a big fixed cost per step (reading the weights), and every chunk
+    reading its whole context from the KV cache. Alone, a 6k-token prompt is planned in chunks
+    that fill the budget all the way to its end, and the model predicts its steps."""
+    truth = GroundTruth(step_s=0.09, token_s=5e-3, attention_s=1e-9, kv_token_s=2e-5, seed=3)
+    prior = CostCoefficients(step_s=0.01, token_s=6e-3, attention_s=5e-8)
+    planner = _planner(prior=prior, step_budget_ms=1000.0, chunk_align_tokens=16)
+    planner.add(PrefillView("long", 6000))
+    sizes = []
+    while planner.has_work:
+        plan = planner.plan()
+        check_plan(planner, plan)
+        sizes.append(plan.num_batched_tokens)
+        planner.observe(plan, truth.measure_s(plan.shapes))
+    late = sizes[len(sizes) // 2 : -1]
+    assert min(late) >= 0.8 * (1.0 - 0.09 - 2e-5 * 6000) / 5e-3, sizes
+    assert planner.stats().mean_abs_rel_error < 0.1

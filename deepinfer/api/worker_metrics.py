@@ -1,0 +1,66 @@
+"""Per-worker and prefill-planner gauges, read from `EngineStats` at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from deepinfer.engine.types import EngineStats, WorkerStats
+from deepinfer.scheduler.prefill_types import PlannerStats
+
+
+def worker_metrics(stats: EngineStats) -> Iterator[Metric]:
+    if stats.workers:
+        yield from _workers(stats.workers)
+    if stats.prefill is not None:
+        yield from _planner(stats.prefill)
+
+
+def _workers(workers: tuple[WorkerStats, ...]) -> Iterator[Metric]:
+    busy = GaugeMetricFamily(
+        "deepinfer_worker_busy_fraction",
+        "Share of the last 10 s the worker spent running steps",
+        labels=["worker"],
+    )
+    busy_s = CounterMetricFamily(
+        "deepinfer_worker_busy_seconds", "Time the worker spent running steps", labels=["worker"]
+    )
+    steps = CounterMetricFamily("deepinfer_worker_steps", "Steps run", labels=["worker"])
+    threads = GaugeMetricFamily(
+        "deepinfer_worker_threads", "CPU threads of the worker (0: not CPU)", labels=["worker"]
+    )
+    for w in workers:
+        busy.add_metric([w.name], w.busy_fraction)
+        busy_s.add_metric([w.name], w.busy_s_total)
+        steps.add_metric([w.name], w.num_steps)
+        threads.add_metric([w.name], w.num_threads or 0)
+    yield from (busy, busy_s, steps, threads)
+
+
+def _planner(p: PlannerStats) -> Iterator[Metric]:
+    depth = GaugeMetricFamily(
+        "deepinfer_prefill_queue_depth", "Requests queued for prefill", labels=["bucket"]
+    )
+    tokens = GaugeMetricFamily(
+        "deepinfer_prefill_queued_tokens", "Prompt tokens still to prefill", labels=["bucket"]
+    )
+    for label, n, t in zip(p.bucket_labels, p.queue_depths, p.queued_tokens, strict=True):
+        depth.add_metric([label], n)
+        tokens.add_metric([label], t)
+    yield from (depth, tokens)
+    for name, doc, value in (
+        ("predicted", "Predicted duration of the last prefill step", p.last_predicted_s),
+        ("measured", "Measured duration of the last prefill step", p.last_measured_s),
+    ):
+        yield GaugeMetricFamily(f"deepinfer_prefill_step_{name}_seconds", doc, value=value)
+    yield GaugeMetricFamily(
+        "deepinfer_prefill_cost_model_error",
+        "Mean |predicted - measured| / measured prefill step time",
+        value=p.mean_abs_rel_error,
+    )
+    yield CounterMetricFamily(
+        "deepinfer_prefill_steps_over_budget",
+        "Prefill steps that took 20% longer than their time budget",
+        value=p.num_steps_over_budget,
+    )

@@ -1,0 +1,309 @@
+"""`DisaggScheduler`: prefill and decode as two lanes, each run by its own worker.
+
+A request moves WAITING -> prefilling -> decoding -> finished:
+
+- Admission (on the prefill lane) takes the prefix-cache hit and allocates blocks for the whole
+  uncached prompt at once, then queues the request in the `PrefillPlanner` (length buckets, a
+  time budget per step, chunked prefill). Admission keeps one free block per decoding request in
+  reserve, and a prefilling request never needs another block: prefill never waits on decode.
+- The prefill lane's steps are the planner's plans. The chunk that completes a prompt samples
+  the first token and hands the request to the decode lane by block ownership: the blocks it
+  filled are now the decoder's, nothing is copied.
+- The decode lane batches every decoding request, one token each, up to `max_num_seqs`. When
+  a block is missing the newest decoder is preempted by recompute (back to the waiting queue).
+
+Both lanes may have one step in flight at the same time. They never share a request. Blocks one
+lane's step writes belong to its requests; blocks handed out are free ones, which no step reads;
+a block becomes visible to prefix hits only after the step that filled it is applied. An abort
+of a request inside an in-flight step is deferred to that step's `update`, so its blocks are
+never freed under a running forward pass.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.config import SchedulerConfig
+from deepinfer.outputs import RunnerOutput, TokenDelta
+from deepinfer.request import FinishReason, Request, RequestStatus
+from deepinfer.scheduler.admission import check_new_request
+from deepinfer.scheduler.cost_model import StepCostModel
+from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
+from deepinfer.scheduler.prefill_planner import PrefillPlanner
+from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
+from deepinfer.scheduler.stop import check_finished
+from deepinfer.scheduler.token_delta import token_delta
+
+
+class DisaggScheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        planner_config: PrefillPlannerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        cost_model: StepCostModel | None = None,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_waiting = scheduler_config.max_waiting
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.max_request_tokens = min(max_model_len, kv.capacity_tokens)
+        self.planner = PrefillPlanner(planner_config, cost_model or StepCostModel())
+        self.waiting: deque[Request] = deque()
+        self.prefilling: dict[str, Request] = {}
+        self.decoding: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._in_flight: dict[StepKind, tuple[ScheduleOutput, PrefillPlan | None]] = {}
+        self._deferred_aborts: set[str] = set()
+        self._steps = {StepKind.PREFILL: 0, StepKind.DECODE: 0}
+        self.num_preemptions = 0
+
+    # -- queries --
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def lanes(self) -> tuple[StepLane, ...]:
+        return (PrefillLane(self), DecodeLane(self))
+
+    def planner_stats(self) -> PlannerStats:
+        return self.planner.stats()
+
+    # -- requests --
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (raises like `Scheduler.add_request`)."""
+        check_new_request(
+            request, self._requests, self.max_request_tokens, len(self.waiting), self.max_waiting
+        )
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request with ABORT and free its blocks: now, or at the end of the in-flight
+        step that holds it. False if unknown (already finished or never added)."""
+        request = self._requests.get(request_id)
+        if request is None or request_id in self._deferred_aborts:
+            return False
+        if any(request_id in so_ids(so) for so, _ in self._in_flight.values()):
+            self._deferred_aborts.add(request_id)
+            return True
+        self._remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    # -- the prefill lane --
+    def schedule_prefill(self) -> ScheduleOutput:
+        assert StepKind.PREFILL not in self._in_flight, "prefill step already in flight"
+        self._admit()
+        self._steps[StepKind.PREFILL] += 1
+        plan = self.planner.plan() if self.planner.has_work else None
+        chunks = () if plan is None else tuple(self._planned_chunks(plan))
+        so = ScheduleOutput(
+            step=self._steps[StepKind.PREFILL],
+            chunks=chunks,
+            kind=StepKind.PREFILL,
+            predicted_s=None if plan is None else plan.predicted_s,
+        )
+        self._in_flight[StepKind.PREFILL] = (so, plan)
+        return so
+
+    def _admit(self) -> None:
+        """Admit waiting requests in arrival order while their whole prompt fits, keeping a
+        block per decoder in reserve (the head of the queue blocks those behind it)."""
+        while self.waiting and self.num_running < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            reserve = len(self.decoding)
+            if not self.kv.can_allocate(request, num_new, hits, reserve_blocks=reserve):
+                return
+            allocated = self.kv.allocate_slots(request, num_new, hits)
+            assert allocated, "can_allocate promised room"
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.prefilling[request.request_id] = request
+            self.planner.add(request)
+
+    def _planned_chunks(self, plan: PrefillPlan) -> list[ScheduledChunk]:
+        chunks = []
+        for pc in plan.chunks:
+            request = self.prefilling[pc.request_id]
+            assert pc.start_position == request.num_computed_tokens, "planner out of step"
+            chunks.append(
+                ScheduledChunk(
+                    request=request,
+                    start_position=pc.start_position,
+                    num_new_tokens=pc.num_new_tokens,
+                    block_ids=self.kv.block_ids(pc.request_id),
+                    sample=pc.is_last,
+                )
+            )
+        return chunks
+
+    def update_prefill(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        plan = self._pop_in_flight(StepKind.PREFILL, so)
+        if plan is not None:
+            self.planner.observe(plan, out.elapsed_s)
+        deltas: list[TokenDelta] = []
+        for chunk in so.chunks:
+            request = chunk.request
+            if request.request_id in self._deferred_aborts:
+                continue
+            request.num_computed_tokens = chunk.end_position
+            self.kv.cache_blocks(request)
+            if chunk.sample:
+                del self.prefilling[request.request_id]
+                deltas.append(self._sampled(request, out))
+                if not request.is_finished:
+                    self.decoding.append(request)
+        self._apply_deferred_aborts(so)
+        return deltas
+
+    # -- the decode lane --
+    def schedule_decode(self) -> ScheduleOutput:
+        assert StepKind.DECODE not in self._in_flight, "decode step already in flight"
+        self._steps[StepKind.DECODE] += 1
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.decoding):
+            request = self.decoding[i]
+            while not self.kv.allocate_slots(request, 1):
+                victim = self.decoding.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._decode_chunk(request))
+                i += 1
+        so = ScheduleOutput(
+            step=self._steps[StepKind.DECODE],
+            chunks=tuple(chunks),
+            preempted_ids=tuple(preempted),
+            kind=StepKind.DECODE,
+        )
+        self._in_flight[StepKind.DECODE] = (so, None)
+        return so
+
+    def _decode_chunk(self, request: Request) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
+        return ScheduledChunk(
+            request=request,
+            start_position=start,
+            num_new_tokens=1,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=True,
+        )
+
+    def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        self._pop_in_flight(StepKind.DECODE, so)
+        deltas: list[TokenDelta] = []
+        for chunk in so.chunks:
+            request = chunk.request
+            if request.request_id in self._deferred_aborts:
+                continue
+            request.num_computed_tokens = chunk.end_position
+            self.kv.cache_blocks(request)
+            deltas.append(self._sampled(request, out))
+        if any(r.is_finished for r in self.decoding):
+            self.decoding = [r for r in self.decoding if not r.is_finished]
+        self._apply_deferred_aborts(so)
+        return deltas
+
+    # -- shared --
+    def _pop_in_flight(self, kind: StepKind, so: ScheduleOutput) -> PrefillPlan | None:
+        in_flight, plan = self._in_flight.pop(kind)
+        assert in_flight is so, f"update() must follow the {kind.value} schedule() that made so"
+        return plan
+
+    def _sampled(self, request: Request, out: RunnerOutput) -> TokenDelta:
+        """Append the step's token to `request`, finish it if done; its delta."""
+        sampled = out.sampled[request.request_id]
+        request.output_token_ids.append(sampled.token_id)
+        reason = check_finished(request, self.max_model_len)
+        if reason is not None:
+            self._finish(request, reason)
+        return token_delta(request, sampled, reason)
+
+    def _apply_deferred_aborts(self, so: ScheduleOutput) -> None:
+        for rid in so_ids(so) & self._deferred_aborts:
+            self._deferred_aborts.discard(rid)
+            request = self._requests.get(rid)
+            if request is not None:
+                self._remove(request)
+                self._finish(request, FinishReason.ABORT)
+
+    def _remove(self, request: Request) -> None:
+        """Take a live request out of whichever queue holds it."""
+        rid = request.request_id
+        if self.prefilling.pop(rid, None) is not None:
+            self.planner.remove(rid)
+        elif request.status is RequestStatus.RUNNING:
+            self.decoding = [r for r in self.decoding if r is not request]
+        else:
+            self.waiting = deque(r for r in self.waiting if r is not request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+
+    def check_integrity(self) -> None:
+        """Queues partition the live requests; prefilling ones hold blocks for their whole
+        prompt and match the planner; decoders have computed all but their last token."""
+        self.kv.check_integrity()
+        self.planner.check_integrity()
+        decoding = [r.request_id for r in self.decoding]
+        ids = decoding + list(self.prefilling) + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert set(ids) == set(self._requests), "queues and the request table disagree"
+        assert self.num_running <= self.max_num_seqs, "more running requests than max_num_seqs"
+        assert set(self.prefilling) == self.planner.queued_ids() | self._in_flight_prefill_ids()
+        bs = self.kv.block_size
+        for r in self.prefilling.values():
+            assert r.status is RequestStatus.RUNNING
+            assert self.kv.num_blocks_of(r.request_id) >= -(-r.num_tokens // bs), "short"
+        for r in self.decoding:
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), "bad status"
+            assert r.num_computed_tokens == 0 and self.kv.num_blocks_of(r.request_id) == 0
+
+    def _in_flight_prefill_ids(self) -> set[str]:
+        """Requests whose last prefill chunk is planned but not yet applied."""
+        entry = self._in_flight.get(StepKind.PREFILL)
+        return {c.request_id for c in entry[0].chunks if c.sample} if entry else set()
+
+
+def so_ids(so: ScheduleOutput) -> set[str]:
+    return {c.request_id for c in so.chunks}

@@ -1,0 +1,204 @@
+"""`DisaggScheduler`: two lanes with steps in flight at once, against the fake model.
+
+A step's reads are checked when it starts (against the KV as it is then) and its writes land
+when it finishes, so two overlapping steps are simulated as truly concurrent: neither may read or
+write a slot the other writes. After every schedule and update: integrity. At the end: every
+request not aborted produced exactly what the fake model generates for it alone, and no block
+is leaked.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sched_fakes import make_request, next_token, prefix_digests, reference_output
+from test_sched_randomized import MAX_REQUEST_TOKENS, VOCAB, random_requests
+
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.config import SchedulerConfig
+from deepinfer.outputs import RunnerOutput, SampledToken
+from deepinfer.request import FinishReason, Request
+from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.output import ScheduleOutput, StepKind
+from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
+
+Slot = tuple[int, int]
+
+
+class ConcurrentFakeRunner:
+    """Steps start (reads checked, writes computed) and finish (writes applied) separately."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: dict[Slot, tuple[int, int]] = {}
+        self._pending: dict[StepKind, tuple[set[Slot], dict[Slot, tuple[int, int]], RunnerOutput]]
+        self._pending = {}
+
+    def start(self, so: ScheduleOutput) -> None:
+        bs = self.block_size
+        reads: set[Slot] = set()
+        writes: dict[Slot, tuple[int, int]] = {}
+        sampled: dict[str, SampledToken] = {}
+        for chunk in so.chunks:
+            digests = prefix_digests(chunk.request.all_token_ids[: chunk.end_position])
+            table = chunk.block_ids
+            assert 0 not in table and len(set(table)) == len(table)
+            for p in range(chunk.start_position):
+                slot = (table[p // bs], p % bs)
+                assert self.kv.get(slot) == (p, digests[p]), f"{chunk.request_id}: bad KV at {p}"
+                reads.add(slot)
+            for p in range(chunk.start_position, chunk.end_position):
+                slot = (table[p // bs], p % bs)
+                assert slot not in writes, "two chunks of one step write one slot"
+                writes[slot] = (p, digests[p])
+            if chunk.sample:
+                sampled[chunk.request_id] = SampledToken(next_token(digests[-1], VOCAB))
+        for other_reads, other_writes, _ in self._pending.values():
+            assert not writes.keys() & (other_reads | other_writes.keys()), "steps collide"
+            assert not reads & other_writes.keys(), "a step reads what another one writes"
+        out = RunnerOutput(step=so.step, sampled=sampled, elapsed_s=0.001 * len(writes) + 0.002)
+        self._pending[so.kind] = (reads, writes, out)
+
+    def finish(self, so: ScheduleOutput) -> RunnerOutput:
+        _, writes, out = self._pending.pop(so.kind)
+        self.kv.update(writes)
+        return out
+
+
+def planner_config(block_size: int, budget_tokens: int) -> PrefillPlannerConfig:
+    return PrefillPlannerConfig(
+        step_budget_ms=2.0 + budget_tokens,  # the fake step costs 1 ms per token + 2 ms
+        boundaries=(8, 24),
+        bucket_weights=(4.0, 2.0, 1.0),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        chunk_align_tokens=block_size,
+    )
+
+
+def run_trial(seed: int, block_size: int, num_blocks: int, max_num_seqs: int, abort_rate: float):
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, f"model-{seed}", True)
+    prior = CostCoefficients(step_s=0.002, token_s=0.001, attention_s=0.0)
+    sched = DisaggScheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs),
+        planner_config(block_size, rng.choice([3, 8, 20])),
+        kv,
+        max_model_len=60,
+        cost_model=StepCostModel(CostModelConfig(prior=prior)),
+    )
+    prefill, decode = sched.lanes()
+    runner = ConcurrentFakeRunner(block_size)
+    assert kv.capacity_tokens >= MAX_REQUEST_TOKENS
+    requests = random_requests(rng, 24)
+    pending, aborted, outputs = list(requests), set(), {}
+    in_flight: dict[StepKind, ScheduleOutput] = {}
+    for _ in range(20000):
+        while pending and rng.random() < 0.3:
+            sched.add_request(pending.pop(0))
+        if not sched.has_work and not pending and not in_flight:
+            break
+        lane = rng.choice([prefill, decode])
+        so = in_flight.pop(lane.kind, None)
+        if so is None:
+            so = lane.schedule()
+            sched.check_integrity()
+            runner.start(so)
+            in_flight[lane.kind] = so
+            continue
+        out = runner.finish(so)
+        if rng.random() < abort_rate and sched._requests:
+            victim = rng.choice(sorted(sched._requests))
+            assert sched.abort(victim)
+            aborted.add(victim)
+        for delta in lane.update(so, out):
+            outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
+            assert delta.num_output_tokens == len(outputs[delta.request_id])
+        sched.check_integrity()
+    else:
+        raise AssertionError("requests did not all finish: starvation or deadlock")
+    assert kv.num_used_blocks == 0, "blocks leaked"
+    return {
+        r.request_id: (r, outputs.get(r.request_id))
+        for r in requests
+        if r.request_id not in aborted
+    }, sched
+
+
+CONFIGS = [(4, 17, 8), (1, 61, 4), (2, 31, 16), (8, 9, 3), (16, 5, 4), (4, 40, 2), (4, 11, 16)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("seed", range(4))
+def test_concurrent_lanes_match_reference(config: tuple[int, int, int], seed: int) -> None:
+    done, _ = run_trial(seed, *config, abort_rate=0.03)
+    assert len(done) >= 12
+    for req, got in done.values():
+        assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
+        assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_tiny_pool_preempts_decoders_and_all_finish() -> None:
+    total = 0
+    for seed in range(6):
+        done, sched = run_trial(seed, 4, 11, 16, abort_rate=0.0)
+        assert len(done) == 24
+        total += sched.num_preemptions
+    assert total > 0, "the tiny pool was meant to force preemptions"
+
+
+def _lone(rid: str, n: int, max_tokens: int = 4) -> Request:
+    return make_request(rid, [(i * 7 + len(rid)) % VOCAB for i in range(n)], max_tokens=max_tokens)
+
+
+def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
+    """A long prompt is chunked to the step budget; a short one arriving meanwhile completes
+    its prefill in the next prefill step and decodes while the long one is still prefilling."""
+    kv = KVCacheManager(200, 4, "m", True)
+    prior = CostCoefficients(step_s=0.002, token_s=0.001, attention_s=0.0)
+    sched = DisaggScheduler(
+        SchedulerConfig(max_num_seqs=8),
+        planner_config(4, 8),
+        kv,
+        max_model_len=500,
+        cost_model=StepCostModel(CostModelConfig(prior=prior)),
+    )
+    prefill, decode = sched.lanes()
+    runner = ConcurrentFakeRunner(4)
+    sched.add_request(_lone("long", 300))
+
+    def prefill_step() -> ScheduleOutput:
+        so = prefill.schedule()
+        runner.start(so)
+        prefill.update(so, runner.finish(so))
+        return so
+
+    first = prefill_step()
+    assert first.chunks and first.num_batched_tokens < 300, "the long prompt is chunked"
+    sched.add_request(_lone("short", 6))
+    second = prefill_step()
+    assert [c.request_id for c in second.chunks if c.sample] == ["short"]
+    assert [r.request_id for r in sched.decoding] == ["short"]
+    so = decode.schedule()
+    runner.start(so)
+    (delta,) = decode.update(so, runner.finish(so))
+    assert delta.request_id == "short" and "long" in sched.prefilling
+    sched.check_integrity()
+
+
+def test_abort_of_an_in_flight_request_waits_for_its_step() -> None:
+    kv = KVCacheManager(64, 4, "m", True)
+    sched = DisaggScheduler(SchedulerConfig(), planner_config(4, 64), kv, max_model_len=100)
+    prefill, _ = sched.lanes()
+    runner = ConcurrentFakeRunner(4)
+    sched.add_request(_lone("a", 10))
+    so = prefill.schedule()
+    runner.start(so)
+    used = kv.num_used_blocks
+    assert sched.abort("a")
+    assert kv.num_used_blocks == used, "blocks freed under a running step"
+    assert prefill.update(so, runner.finish(so)) == []
+    assert kv.num_used_blocks == 0 and sched.get_request("a") is None
+    sched.check_integrity()
