@@ -1,5 +1,9 @@
+import json
 import os
 import tempfile
+from pathlib import Path
+
+import pytest
 
 # Triton kernels run on CPU tensors through its interpreter; it must be chosen before any kernel
 # module is imported (Triton decides per @jit function at import), hence the top-level conftest.
@@ -8,3 +12,51 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # The disk prefix cache defaults to $XDG_CACHE_HOME/deepinfer: keep every test session's cache
 # private and fresh, so no test hits (or pollutes) a user's cache or an earlier run's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="deepinfer-test-cache-")
+
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 4, 2, 2, 49152
+"""The shape of `tiny_llama_dir` (tests that depend on it repeat what they use)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama written straight to safetensors (no transformers import), with
+    the real tokenizer (its vocabulary covers the embedding)."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    from deepinfer.config import default_model_path
+    from deepinfer.text.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    g = torch.Generator().manual_seed(0)
+    head_dim = HIDDEN // HEADS
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    tensors = {"embed_tokens.weight": w(VOCAB, HIDDEN), "norm.weight": 1.0 + w(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": 1.0 + w(HIDDEN),
+            p + "post_attention_layernorm.weight": 1.0 + w(HIDDEN),
+            p + "self_attn.q_proj.weight": w(HEADS * head_dim, HIDDEN),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * head_dim),
+            p + "mlp.gate_proj.weight": w(2 * HIDDEN, HIDDEN),
+            p + "mlp.up_proj.weight": w(2 * HIDDEN, HIDDEN),
+            p + "mlp.down_proj.weight": w(HIDDEN, 2 * HIDDEN),
+        }
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    Tokenizer.from_gguf(gguf.GGUFReader(default_model_path())).save_dir(path)
+    return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -119,10 +120,12 @@ class Worker:
             self._thread_count = num_threads
         if self._stream is None:
             return self._execute(so)
+        start = time.perf_counter()
         with torch.cuda.stream(self._stream):
             out = self._execute(so)
         self._stream.synchronize()
-        return out
+        # a step that samples nothing never waits for the device: time it to completion here
+        return dataclasses.replace(out, elapsed_s=time.perf_counter() - start)
 
     @property
     def executor(self) -> ThreadPoolExecutor:

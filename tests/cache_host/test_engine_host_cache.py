@@ -5,7 +5,6 @@ for the blocks after the host hit), in `Usage` and in the Prometheus metrics."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -31,50 +30,13 @@ BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 4, 2, 2, 49152
+HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 2
+"""The shape of conftest's `tiny_llama_dir`."""
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama written straight to safetensors (no transformers import), with
-    the real tokenizer (its vocabulary covers the embedding)."""
-    import gguf
-    from safetensors.torch import save_file
-
-    from deepinfer.config import default_model_path
-    from deepinfer.text.tokenizer import Tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-host")
-    g = torch.Generator().manual_seed(0)
-    head_dim = HIDDEN // HEADS
-
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.1
-
-    tensors = {"embed_tokens.weight": w(VOCAB, HIDDEN), "norm.weight": 1.0 + w(HIDDEN)}
-    for i in range(LAYERS):
-        p = f"layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": 1.0 + w(HIDDEN),
-            p + "post_attention_layernorm.weight": 1.0 + w(HIDDEN),
-            p + "self_attn.q_proj.weight": w(HEADS * head_dim, HIDDEN),
-            p + "self_attn.k_proj.weight": w(KV_HEADS * head_dim, HIDDEN),
-            p + "self_attn.v_proj.weight": w(KV_HEADS * head_dim, HIDDEN),
-            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * head_dim),
-            p + "mlp.gate_proj.weight": w(2 * HIDDEN, HIDDEN),
-            p + "mlp.up_proj.weight": w(2 * HIDDEN, HIDDEN),
-            p + "mlp.down_proj.weight": w(HIDDEN, 2 * HIDDEN),
-        }
-    save_file(tensors, str(path / "model.safetensors"))
-    config = {
-        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    }  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    Tokenizer.from_gguf(gguf.GGUFReader(default_model_path())).save_dir(path)
-    return path
+def tiny_model_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir
 
 
 def _config(model_dir: Path, cache_dir: Path, host: HostCacheMode, disk: bool) -> Config:

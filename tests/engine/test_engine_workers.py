@@ -1,0 +1,122 @@
+"""Workers on a tiny random Llama: the disaggregated engine (prefill and decode workers whose
+steps overlap) gives exactly the colocated engine's greedy tokens, survives aborts in flight
+without leaking a block, and reports its workers and planner; plus the pure pieces of workers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from deepinfer.config import (
+    CacheConfig,
+    Config,
+    ConfigError,
+    DiskCacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    WorkersConfig,
+)
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.workers import BusyMeter, thread_shares
+from deepinfer.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _config(model_dir: Path, workers: WorkersConfig) -> Config:
+    return Config(
+        model=ModelConfig(path=model_dir, dtype="float32"),
+        cache=CacheConfig(num_blocks=96),
+        disk_cache=DiskCacheConfig(enabled=False),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        workers=workers,
+    )
+
+
+def _prompts() -> list[list[int]]:
+    return [[(i * 37 + j * 11) % 5000 + 100 for j in range(5 + 23 * (i % 4))] for i in range(10)]
+
+
+async def _run_all(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        async for delta in engine.generate(ids, GREEDY):
+            out.extend(delta.token_ids)
+        return out
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+async def test_disaggregated_matches_colocated(tiny_llama_dir: Path) -> None:
+    prompts = _prompts()
+    results = {}
+    for name, workers in (
+        ("colocated", WorkersConfig(colocated=True)),
+        ("disagg", WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48))),
+    ):
+        async with AsyncEngine(_config(tiny_llama_dir, workers)) as engine:
+            results[name] = await _run_all(engine, prompts)
+            stats = engine.stats()
+            engine.check_integrity()
+            assert stats.num_blocks_used == 0
+            names = [w.name for w in stats.workers]
+            if name == "disagg":
+                assert names == ["prefill", "decode"]
+                assert stats.prefill is not None and stats.prefill.num_steps_observed > 0
+                assert all(w.num_steps > 0 for w in stats.workers)
+            else:
+                assert names == ["mixed"] and stats.prefill is None
+    assert results["disagg"] == results["colocated"]
+    assert all(len(r) == GREEDY.max_tokens for r in results["disagg"])
+
+
+async def test_aborts_in_flight_free_every_block(tiny_llama_dir: Path) -> None:
+    workers = WorkersConfig(prefill_step_ms=2.0, prefill_buckets=(16, 48))
+    async with AsyncEngine(_config(tiny_llama_dir, workers)) as engine:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+        async def partial(ids: list[int], keep: int) -> int:
+            n = 0
+            async for delta in engine.generate(ids, params):
+                n += len(delta.token_ids)
+                if n >= keep:
+                    break
+            return n
+
+        counts = await asyncio.gather(*(partial(p, 1 + i % 5) for i, p in enumerate(_prompts())))
+        assert all(c >= 1 for c in counts)
+        for _ in range(200):
+            if engine.stats().num_running == 0 and engine.stats().num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        engine.check_integrity()
+        assert engine.stats().num_blocks_used == 0
+        # and it still serves
+        (again,) = await _run_all(engine, _prompts()[:1])
+        assert len(again) == GREEDY.max_tokens
+
+
+def test_thread_shares() -> None:
+    assert thread_shares(WorkersConfig(), 2) == (1, 1)
+    assert thread_shares(WorkersConfig(), 8) == (4, 4)
+    assert thread_shares(WorkersConfig(), 1) == (1, 1)
+    assert thread_shares(WorkersConfig(prefill_threads=3), 8) == (3, 5)
+    assert thread_shares(WorkersConfig(decode_threads=6), 8) == (4, 6)
+
+
+def test_busy_meter_window() -> None:
+    meter = BusyMeter(window_s=10.0)
+    meter._intervals.extend([(0.0, 2.0), (5.0, 6.0), (9.0, 9.5)])
+    assert meter.fraction(now=10.0) == pytest.approx(0.35)
+    assert meter.fraction(now=15.5) == pytest.approx(0.1)  # (5.5, 6) and (9, 9.5) remain
+    assert meter.fraction(now=30.0) == 0.0
+
+
+async def test_device_groups_on_other_devices_are_refused(tiny_llama_dir: Path) -> None:
+    workers = WorkersConfig(decode_devices=("cuda:1",))
+    with pytest.raises(ConfigError, match="decode-devices"):
+        async with AsyncEngine(_config(tiny_llama_dir, workers)):
+            pass
