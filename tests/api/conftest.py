@@ -33,13 +33,15 @@ def fake_engine(fake_server: LiveServer) -> FakeEngine:
 @pytest.fixture(scope="session")
 def real_server() -> Iterator[LiveServer]:
     """The real engine on SmolLM2 behind the API, started by the app's lifespan (slow tests)."""
-    from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+    from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig, WorkersConfig
     from deepinfer.engine.async_engine import AsyncEngine
 
     config = Config(
         model=ModelConfig(dtype="float32"),
         cache=CacheConfig(num_blocks=1024),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_waiting=256),
+        # disaggregated (the default), lending idle cores: a lone request uses both
+        workers=WorkersConfig(lend_idle_threads=True),
     )
     server = LiveServer(create_app(AsyncEngine(config), config.server)).start(timeout_s=300)
     try:

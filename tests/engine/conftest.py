@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig, WorkersConfig
 
 
 def real_config(**cache: int) -> Config:
@@ -14,6 +14,8 @@ def real_config(**cache: int) -> Config:
         model=ModelConfig(dtype="float32"),
         cache=CacheConfig(num_blocks=cache.get("num_blocks", 512)),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024),
+        # disaggregated (the default), lending idle cores: a lone request uses both
+        workers=WorkersConfig(lend_idle_threads=True),
     )
 
 
