@@ -18,7 +18,14 @@ _EXPORTS = {
     "GenerationOutput": "deepinfer.engine.types",
 }
 
-__all__ = ["AsyncEngine", "ChatMessage", "Config", "GenerationOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "AsyncEngine",
+    "ChatMessage",
+    "Config",
+    "GenerationOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from deepinfer.config import Config

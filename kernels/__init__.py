@@ -4,7 +4,8 @@ One family per module. Each module has a plain-torch `*_reference` function (the
 tests' oracle) and a Triton launcher of the same name without `_reference`, which checks shapes,
 dtypes and strides (raising `KernelInputError`) and raises `KernelUnsupportedError` for valid
 input it does not cover; `run_or_fallback` turns the latter into the reference plus one log line.
-Modules: `kv_store`, `paged_attention` (kernels in `paged_attention_kernels`), `norm`, `rotary`,
+Modules: `kv_store`, `paged_attention` (kernels in `paged_attention_kernels`, torch references
+and their per-step `PagedAttentionPlan` in `paged_attention_torch`), `norm`, `rotary`,
 `matmul`, and `dispatch` (backend checks). This package imports only torch and triton, relatively.
 
 KV layout (shared by every attention kernel): per layer, `k_cache` and `v_cache` of shape

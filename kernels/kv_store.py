@@ -15,10 +15,12 @@ def store_kv_reference(
     slot_mapping: torch.Tensor,  # [T] int64, block_id * S + offset; negative = padding, skipped
 ) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, k[keep])
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, v[keep])
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):  # padding rows (rare): drop them
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 @jit

@@ -21,8 +21,10 @@ _MAX_BLOCK_D = 16384
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
+    if normed.dtype == x.dtype and weight.dtype == x.dtype:  # fp32 (the CPU path): no copies
+        return normed.mul_(weight)
+    return weight * normed.to(x.dtype)
 
 
 def fused_add_rms_norm_reference(

@@ -1,11 +1,14 @@
-"""Paged attention: decode (one query token per request) and prefill over a paged prefix."""
+"""Paged attention: decode (one query token per request) and prefill over a paged prefix.
+
+The torch references (and the per-step `PagedAttentionPlan` they share across layers) live in
+`paged_attention_torch` and are re-exported here next to their Triton launchers.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from . import paged_attention_kernels as _k
 from .dispatch import (
@@ -19,6 +22,22 @@ from .dispatch import (
     output_buffer,
     require_backend,
 )
+from .paged_attention_torch import (
+    PagedAttentionPlan,
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+    plan_paged_attention_reference,
+)
+
+__all__ = [
+    "PagedAttentionPlan",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "plan_paged_attention",
+    "plan_paged_attention_reference",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -28,89 +47,6 @@ DECODE_PARTITION_TOKENS = 512
 BLOCK_N = 64
 PREFILL_BLOCK_M = 64
 _MAX_GROUP = 64
-
-
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` rows of one request's KV, contiguous: [L, Hkv, D]."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks].long()]  # [nb, S, Hkv, D]
-    return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
-
-
-def paged_decode_attention_reference(
-    q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [N, S, Hkv, D]
-    v_cache: torch.Tensor,  # [N, S, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    context_lens: torch.Tensor,  # [B] int32, keys each query attends to (its own included)
-    scale: float,
-) -> torch.Tensor:  # [B, H, D]
-    batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max().item())
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    k = k_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # [B, L, Hkv, D]
-    v = v_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
-    positions = torch.arange(max_len, device=q.device)
-    mask = positions[None, :] < context_lens[:, None].to(q.device)  # [B, L]
-    # Rows past a context hold whatever the blocks hold (NaN, stale data): zero them, or a
-    # masked-out NaN in V would still poison the output through 0 * NaN.
-    k = k.masked_fill(~mask[:, :, None, None], 0.0)
-    v = v.masked_fill(~mask[:, :, None, None], 0.0)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, H, 1, D]
-        k.transpose(1, 2),  # [B, Hkv, L, D]
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return out.squeeze(2)
-
-
-def paged_prefill_attention_reference(
-    q: torch.Tensor,  # [T, H, D], the new tokens of all requests, concatenated
-    k_cache: torch.Tensor,  # [N, S, Hkv, D], already holding the new tokens' K/V
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    query_start_loc: torch.Tensor,  # [B + 1] int32, offsets of each request's tokens in q
-    context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each request's new tokens over its whole paged context.
-
-    Query i of request b sits at position `context_lens[b] - q_len_b + i` and attends to keys
-    0..that position: the cached prefix is read from blocks, never recomputed.
-    """
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
-    starts, lens = query_start_loc.tolist(), context_lens.tolist()
-    for b, ctx_len in enumerate(lens):
-        q_lo, q_hi = starts[b], starts[b + 1]
-        q_len = q_hi - q_lo
-        if q_len == 0:
-            continue
-        k = _gather_context(k_cache, block_tables[b], ctx_len).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_context(v_cache, block_tables[b], ctx_len).transpose(0, 1)
-        # 4-D inputs keep torch on its fused CPU kernel (3-D ones fall back to the slow math path)
-        out[q_lo:q_hi] = F.scaled_dot_product_attention(
-            q[None, q_lo:q_hi].transpose(1, 2),  # [1, H, Tq, D]
-            k[None],  # [1, Hkv, L, D]
-            v[None],
-            attn_mask=None if q_len == ctx_len else _causal_mask(q_len, ctx_len, q.device),
-            is_causal=q_len == ctx_len,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )[0].transpose(0, 1)
-    return out
-
-
-def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, Tq, L]: the last Tq positions of a context of L attend causally."""
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-    return (torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None])[None, None]
 
 
 def _check_paged_inputs(
@@ -144,6 +80,17 @@ def _check_paged_inputs(
         raise KernelUnsupportedError(f"GQA groups above {_MAX_GROUP} heads are not covered")
 
 
+def plan_paged_attention(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+) -> PagedAttentionPlan | None:
+    """Triton version of `plan_paged_attention_reference`: the kernels need no plan (None),
+    and building one would cost a device sync."""
+    return None
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [N, S, Hkv, D]
@@ -155,8 +102,9 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     partition_tokens: int = DECODE_PARTITION_TOKENS,
     out: torch.Tensor | None = None,
+    plan: PagedAttentionPlan | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    """Triton version of `paged_decode_attention_reference`.
+    """Triton version of `paged_decode_attention_reference` (`plan` is the torch path's, unused).
 
     One program per (request, KV head, partition of `partition_tokens` keys) serves the whole
     GQA group, so each K/V row is read once. `max_context_len` (a host-side bound) only trims the
@@ -214,8 +162,9 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    plan: PagedAttentionPlan | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Triton version of `paged_prefill_attention_reference`.
+    """Triton version of `paged_prefill_attention_reference` (`plan` is the torch path's, unused).
 
     Requires 0 <= query lengths <= context_lens <= max_blocks * S (unchecked: a device sync).
     `max_query_len` (a host-side bound) only trims the grid; the default bound is T. `out`, if

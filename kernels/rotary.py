@@ -23,8 +23,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def _rotate_torch_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`_rotate` without temporaries of x's size, for x already in the table's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+    x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
+
+
 def apply_rotary_reference(
-    q: torch.Tensor,  # [T, H, D]
+    q: torch.Tensor,  # [T, H, D], any token/head strides
     k: torch.Tensor,  # [T, Hkv, D]
     positions: torch.Tensor,  # [T] int64
     cos_sin: torch.Tensor,  # [P, D]
@@ -32,8 +41,11 @@ def apply_rotary_reference(
     half = q.shape[-1] // 2
     table = cos_sin[positions]  # [T, D]
     cos, sin = table[:, None, :half], table[:, None, half:]
-    q.copy_(_rotate(q, cos, sin))
-    k.copy_(_rotate(k, cos, sin))
+    for x in (q, k):
+        if x.dtype == table.dtype:  # fp32 (the CPU path): in place, a few ops per tensor
+            _rotate_torch_in_place(x, cos, sin)
+        else:  # lower precision: rotate in fp32, round once
+            x.copy_(_rotate(x, cos, sin))
 
 
 @jit

@@ -20,6 +20,7 @@ import torch
 
 from deepinfer.config import ConfigError
 from deepinfer.kernels.dispatch import run_or_fallback
+from deepinfer.kernels.paged_attention import PagedAttentionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "store_kv": ("kv_store", "store_kv_reference"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention_reference"),
     "paged_prefill_attention": ("paged_attention", "paged_prefill_attention_reference"),
+    "plan_paged_attention": ("paged_attention", "plan_paged_attention_reference"),
 }
 
 
@@ -67,6 +69,8 @@ class AttentionBackend(Protocol):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        *,
+        plan: PagedAttentionPlan | None = None,
     ) -> torch.Tensor: ...
 
     def paged_prefill_attention(
@@ -78,7 +82,19 @@ class AttentionBackend(Protocol):
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        *,
+        plan: PagedAttentionPlan | None = None,
     ) -> torch.Tensor: ...
+
+    def plan_paged_attention(
+        self,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        k_cache: torch.Tensor,
+    ) -> PagedAttentionPlan | None:
+        """Once per step: what every layer's attention shares (None: the backend needs none)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,7 @@ class KernelBackend:
     store_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
+    plan_paged_attention: Callable[..., PagedAttentionPlan | None]
 
 
 def _kernel_module(name: str):

@@ -53,41 +53,45 @@ class BatchChunk:
 def build_forward_batch(
     chunks: Sequence[BatchChunk], block_size: int, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
-    """Assemble a `ForwardBatch` from per-request chunks (vectorized over tokens)."""
+    """Assemble a `ForwardBatch` from per-request chunks: host lists first, then one tensor per
+    field (a decode step of B requests costs B small loops, not B tensor ops)."""
     if not chunks:
         raise ValueError("a forward batch needs at least one chunk")
     lengths = [len(c.token_ids) for c in chunks]
     if min(lengths) < 1:
         raise ValueError("every chunk needs at least one token")
-    for c in chunks:
-        needed = -(-(c.start_position + len(c.token_ids)) // block_size)
-        if len(c.block_ids) < needed:
-            raise ValueError(
-                f"chunk ending at position {c.start_position + len(c.token_ids)} needs "
-                f"{needed} blocks, got {len(c.block_ids)}"
-            )
-    starts = torch.tensor([c.start_position for c in chunks], dtype=torch.int64)
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-    torch.cumsum(lens, 0, out=query_start_loc[1:])
-    request_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
-    offsets = torch.arange(int(lens.sum())) - query_start_loc[:-1][request_of_token]
-    positions = starts[request_of_token] + offsets  # [T]
     max_blocks = max(len(c.block_ids) for c in chunks)
-    block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int64)
-    for b, c in enumerate(chunks):
-        block_tables[b, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int64)
-    block_ids = block_tables[request_of_token, positions // block_size]  # [T]
-    slot_mapping = block_ids * block_size + positions % block_size
-    sample_rows = [int(query_start_loc[b + 1]) - 1 for b, c in enumerate(chunks) if c.sample]
-    input_ids = [t for c in chunks for t in c.token_ids]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    query_start_loc = [0]
+    for c, n in zip(chunks, lengths, strict=True):
+        end = c.start_position + n
+        blocks = list(c.block_ids)
+        if len(blocks) < -(-end // block_size):
+            raise ValueError(
+                f"chunk ending at position {end} needs {-(-end // block_size)} blocks, "
+                f"got {len(blocks)}"
+            )
+        input_ids.extend(c.token_ids)
+        positions.extend(range(c.start_position, end))
+        slots.extend(
+            blocks[p // block_size] * block_size + p % block_size
+            for p in range(c.start_position, end)
+        )
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        query_start_loc.append(query_start_loc[-1] + n)
+    sample_rows = [query_start_loc[b + 1] - 1 for b, c in enumerate(chunks) if c.sample]
+    context_lens = [c.start_position + n for c, n in zip(chunks, lengths, strict=True)]
+    int32, int64 = torch.int32, torch.int64
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device=device, dtype=torch.int32),
-        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-        context_lens=(starts + lens).to(device=device, dtype=torch.int32),
+        input_ids=torch.tensor(input_ids, dtype=int64, device=device),
+        positions=torch.tensor(positions, dtype=int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=int64, device=device),
+        block_tables=torch.tensor(tables, dtype=int32, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=int32, device=device),
         is_decode_only=max(lengths) == 1,
-        logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(sample_rows, dtype=int64, device=device),
     )

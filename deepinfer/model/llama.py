@@ -7,10 +7,13 @@ device and receives its weights through `load_state_dict(..., assign=True)`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.paged_attention import PagedAttentionPlan
 from deepinfer.kernels.rotary import rotary_cos_sin
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend, torch_backend
@@ -26,7 +29,10 @@ _TRANSPOSED_ROWS = range(2, 65)
 
 
 def cpu_aware_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    contiguous: bool = True,
 ) -> torch.Tensor:  # [M, in] -> [M, out]
     """`F.linear`, except that on CPU a product of 2-64 rows runs as W @ x^T: MKL packs the whole
     weight on every x @ W^T call, which dominates at few rows. Measured on these 2-core AVX2
@@ -37,7 +43,7 @@ def cpu_aware_linear(
     out = (weight @ x.t()).t()  # [M, out], transposed view
     if bias is not None:
         out = out + bias
-    return out.contiguous()
+    return out.contiguous() if contiguous else out
 
 
 class Linear(nn.Linear):
@@ -55,6 +61,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward pass shares (built once per pass, never stored)."""
+
+    batch: ForwardBatch
+    ops: AttentionBackend
+    cos_sin: torch.Tensor  # [P, D]
+    plan: PagedAttentionPlan | None
+    """The backend's per-step attention plan (see `AttentionBackend.plan_paged_attention`)."""
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -69,38 +86,31 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         h: torch.Tensor,  # [T, hidden]
-        batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        ops: AttentionBackend,
-        cos_sin: torch.Tensor,  # [P, D]
+        step: StepContext,
     ) -> torch.Tensor:  # [T, hidden]
-        a = self.arch
+        a, ops, batch = self.arch, step.ops, step.batch
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h)  # [T, (H + 2 Hkv) D]
+        # q, k and v stay views of qkv (unit last stride, any row stride): every kernel takes them.
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = q.reshape(num_tokens, a.num_heads, a.head_dim)  # [T, H, D]
-        k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)  # [T, Hkv, D]
-        v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim).contiguous()
+        q = q.view(num_tokens, a.num_heads, a.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, a.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, a.rms_norm_eps)
-        q, k = q.contiguous(), k.contiguous()
-        ops.apply_rotary(q, k, batch.positions, cos_sin)
+        ops.apply_rotary(q, k, batch.positions, step.cos_sin)
         k_cache, v_cache = kv_cache
         ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        tables, lens = batch.block_tables, batch.context_lens
         if batch.is_decode_only:  # T == B: one query per request
             out = ops.paged_decode_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale
+                q, k_cache, v_cache, tables, lens, self.scale, plan=step.plan
             )
         else:
             out = ops.paged_prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables,
-                batch.query_start_loc,
-                batch.context_lens,
-                self.scale,
+                q, k_cache, v_cache, tables, batch.query_start_loc, lens, self.scale, plan=step.plan
             )
         return self.o_proj(out.reshape(num_tokens, a.q_size))  # [T, H, D] -> [T, hidden]
 
@@ -129,18 +139,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         residual: torch.Tensor | None,
-        batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        ops: AttentionBackend,
-        cos_sin: torch.Tensor,
+        step: StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added)."""
+        ops = step.ops
         if residual is None:
             residual = h
             h = ops.rms_norm(h, self.input_norm.weight, self.eps)
         else:
             h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm.weight, self.eps)
-        h = self.self_attn(h, batch, kv_cache, ops, cos_sin)
+        h = self.self_attn(h, kv_cache, step)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm.weight, self.eps)
         return self.mlp(h), residual
 
@@ -151,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
     KV caches are bound once with `bind_kv_caches`; each forward writes the batch's new K/V into
     them at `batch.slot_mapping` and reads each request's context through its block table.
     """
+
+    cos_sin: torch.Tensor  # [P, D], a buffer
 
     def __init__(
         self, arch: ModelArch, device: torch.device, backend: AttentionBackend | None = None
@@ -193,10 +204,15 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states of the `logits_indices` rows."""
         if self.kv_caches is None:
             raise RuntimeError("call bind_kv_caches() before running the model")
+        ops = self.attention_backend
+        plan = ops.plan_paged_attention(
+            batch.block_tables, batch.query_start_loc, batch.context_lens, self.kv_caches[0][0]
+        )
+        step = StepContext(batch, ops, self.cos_sin, plan)
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
-            h, residual = layer(h, residual, batch, kv_cache, self.attention_backend, self.cos_sin)
+            h, residual = layer(h, residual, kv_cache, step)
         assert residual is not None
         h, residual = h[batch.logits_indices], residual[batch.logits_indices]  # [B_sample, hidden]
         if h.shape[0] == 0:  # nothing to sample this step (prefill chunks only)
@@ -209,4 +225,6 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return cpu_aware_linear(hidden, weight).float()  # [B_sample, V]
+        # Left transposed ([V, B] storage): a greedy argmax reads it as fast, and a copy of
+        # B x 49k floats is not free; the sampler makes its own contiguous copy when it draws.
+        return cpu_aware_linear(hidden, weight, contiguous=False).float()  # [B_sample, V]

@@ -45,6 +45,11 @@ def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     return logits.index_copy(0, index, sub.masked_fill(sub < kth, float("-inf")))
 
 
+TOP_P_CANDIDATES = 1024
+"""Top-p first looks for the nucleus among this many most likely tokens (a partial sort);
+rows whose candidates hold less than p of the mass fall back to sorting the whole row."""
+
+
 def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     picked = [i for i, p in enumerate(top_p) if p < 1.0]
     if not picked:
@@ -52,13 +57,29 @@ def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     index = torch.tensor(picked, device=logits.device)
     ps = torch.tensor([top_p[i] for i in picked], device=logits.device).unsqueeze(1)  # [P, 1]
     sub = logits.index_select(0, index)  # [P, V]
-    sorted_logits, order = sub.sort(dim=1, descending=True)
-    probs = sorted_logits.softmax(dim=1)
-    mass_before = probs.cumsum(dim=1) - probs
-    drop_sorted = mass_before >= ps
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    probs = sub.softmax(dim=1)
+    if sub.shape[1] > TOP_P_CANDIDATES:
+        values, order = probs.topk(TOP_P_CANDIDATES, dim=1)  # [P, C], most likely first
+        drop = _nucleus_drop(values, order, ps, sub.shape[1], outside=True)
+        if bool((values.sum(dim=1, keepdim=True) >= ps).all()):  # every nucleus is inside
+            return logits.index_copy(0, index, sub.masked_fill(drop, float("-inf")))
+    values, order = probs.sort(dim=1, descending=True)
+    drop = _nucleus_drop(values, order, ps, sub.shape[1], outside=False)
     return logits.index_copy(0, index, sub.masked_fill(drop, float("-inf")))
+
+
+def _nucleus_drop(
+    values: torch.Tensor,  # [P, C] probabilities, descending
+    order: torch.Tensor,  # [P, C] their token ids
+    ps: torch.Tensor,  # [P, 1]
+    vocab_size: int,
+    outside: bool,
+) -> torch.Tensor:  # [P, V] bool: tokens outside the nucleus (those not in `order`: `outside`)
+    mass_before = values.cumsum(dim=1) - values
+    keep = mass_before < ps
+    keep[:, 0] = True
+    drop = torch.full((values.shape[0], vocab_size), outside, device=values.device)
+    return drop.scatter_(1, order, ~keep)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Random streams for sampling: per-request generators and the exponential race noise.
+"""Random streams for sampling: per-request generators and the uniform draw of each step.
 
-Sampling draws one Exp(1) variable per vocabulary entry and picks `argmax(probs / noise)`
-(the exponential race, equivalent to Gumbel-max): an exact draw from `probs`, batched as one
-argmax, with each row's noise coming from that row's own generator when it has one.
+Sampling draws one uniform number u per row and picks the first token whose cumulative
+probability exceeds `u * total` (inverse-CDF sampling): an exact draw from `probs`, batched as
+one cumulative sum and one binary search, with each row's number coming from that row's own
+generator when it has one. One number per row, not one per vocabulary entry: drawing 49k
+exponentials per row for an exponential race cost more than the rest of a decode step.
 
 How requests are randomized (`make_generator`):
 - a request with a `seed` gets a generator seeded with it: same seed, same prompt, same
@@ -14,8 +16,8 @@ How requests are randomized (`make_generator`):
 - a row with no generator at all (`SamplingRow.generator=None`) draws from the sampler's shared
   generator in one batched call: the cheapest, but its draws depend on the batch.
 
-Each sampled (non-greedy) step draws exactly `vocab_size` numbers from the row's generator, so
-a generator must be created once per request and kept for the request's whole life.
+Each sampled (non-greedy) step draws exactly one float64 number from the row's generator, so a
+generator must be created once per request and kept for the request's whole life.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from collections.abc import Sequence
 import torch
 
 _SEED_MODULUS = 1 << 64
-_TINY = torch.finfo(torch.float32).tiny
 
 
 def request_seed(seed: int | None, default_seed: int, request_index: int) -> int:
@@ -49,29 +50,38 @@ def make_generator(
     return generator
 
 
-def exponential_noise(
-    vocab_size: int,
+def uniform_draws(
     generators: Sequence[torch.Generator | None],
     shared: torch.Generator,
     device: torch.device,
 ) -> torch.Tensor:
-    """Exp(1) noise `[S, V]`, row i from `generators[i]` (or from `shared` where None).
+    """U[0, 1) float64 `[S]`, entry i from `generators[i]` (or from `shared` where None).
 
-    Rows drawing from `shared` are drawn together in one call; the others one call each.
-    Clamped away from 0 so that `probs / noise` is never 0/0.
-    """
+    Rows drawing from `shared` are drawn together in one call; the others one call each."""
     num_rows = len(generators)
-    noise = torch.empty(num_rows, vocab_size, device=device)  # [S, V]
     shared_rows = [i for i, g in enumerate(generators) if g is None]
     if len(shared_rows) == num_rows:
-        noise.exponential_(generator=shared)
-    else:
-        if shared_rows:
-            index = torch.tensor(shared_rows, device=device)
-            drawn = torch.empty(len(shared_rows), vocab_size, device=device)
-            noise[index] = drawn.exponential_(generator=shared)
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                assert generator.device.type == device.type, "generator on the wrong device"
-                noise[i].exponential_(generator=generator)
-    return noise.clamp_min_(_TINY)
+        return torch.rand(num_rows, generator=shared, dtype=torch.float64, device=device)
+    draws = torch.empty(num_rows, dtype=torch.float64, device=device)
+    if shared_rows:
+        index = torch.tensor(shared_rows, device=device)
+        drawn = torch.rand(len(shared_rows), generator=shared, dtype=torch.float64, device=device)
+        draws.index_copy_(0, index, drawn)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            assert generator.device.type == device.type, "generator on the wrong device"
+            draws[i] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
+    return draws
+
+
+def inverse_cdf_pick(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Token ids `[S]`: in row i, the first token whose cumulative probability exceeds
+    `draws[i] * total`, which picks token t with probability `probs[i, t] / total`.
+
+    Never a zero-probability token: the pick is capped at the last token with mass (rounding
+    could otherwise push `u * total` onto the total itself)."""
+    cdf = probs.cumsum(dim=1, dtype=torch.float64)  # [S, V], non-decreasing
+    total = cdf[:, -1:].contiguous()  # [S, 1]
+    picked = torch.searchsorted(cdf, draws.unsqueeze(1) * total, right=True)  # [S, 1]
+    last = torch.searchsorted(cdf, total)  # [S, 1], first index reaching the total
+    return torch.minimum(picked, last).squeeze(1)

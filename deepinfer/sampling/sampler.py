@@ -5,8 +5,8 @@ The pipeline, per row (vLLM / HF semantics):
 1. suppression, repetition penalty, presence/frequency penalties (`penalties.py`): the
    *processed logits*, which decide greedy picks and logprobs;
 2. rows with temperature 0 (below `GREEDY_TEMPERATURE`): argmax of the processed logits;
-3. other rows: temperature, top-k, top-p, min-p (`filters.py`), softmax, then one draw from the
-   row's generator by the exponential race (`generators.py`).
+3. other rows: temperature, top-k, top-p, min-p (`filters.py`), softmax, then one inverse-CDF
+   draw with a number from the row's generator (`generators.py`).
 
 Logprobs (when `params.logprobs` is not None) are `log_softmax` of the processed logits: after
 suppression and penalties, before temperature and the filters. They are the model's distribution
@@ -15,8 +15,8 @@ vLLM's default reports the unshaped distribution), and the sampled token always 
 logprob (it was never suppressed). `top_logprobs` holds the `params.logprobs` most likely tokens
 of that distribution, most likely first.
 
-Work is grouped, not looped: all greedy rows share one argmax, all sampled rows one softmax and
-one argmax over the noise-divided probabilities, all logprob rows one log_softmax and one topk.
+Work is grouped, not looped: all greedy rows share one argmax, all sampled rows one softmax,
+one cumulative sum and one binary search, all logprob rows one log_softmax and one topk.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from deepinfer.outputs import SampledToken
 from deepinfer.sampling.filters import warp
-from deepinfer.sampling.generators import exponential_noise
+from deepinfer.sampling.generators import inverse_cdf_pick, uniform_draws
 from deepinfer.sampling.penalties import apply_penalties, apply_suppression
 from deepinfer.sampling.row import SamplingRow
 
@@ -49,12 +49,15 @@ class Sampler:
         return _package(processed, token_ids, rows)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """A float32 copy of `logits` with suppression and penalties applied (step 1)."""
+        """`logits` in float32 with suppression and penalties applied (step 1): a copy when any
+        row asks for either, else `logits` itself when it is float32 already (never written)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         assert logits.device.type == self.device.type, "logits on the sampler's device"
-        processed = logits.to(torch.float32, copy=True)
-        apply_suppression(processed, rows)
-        apply_penalties(processed, rows)
+        adjusted = any(row.suppress_token_ids or row.params.needs_penalties for row in rows)
+        processed = logits.to(torch.float32, copy=adjusted)
+        if adjusted:
+            apply_suppression(processed, rows)
+            apply_penalties(processed, rows)
         return processed
 
     def choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -73,11 +76,10 @@ class Sampler:
         return token_ids
 
     def _draw(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        probs = warp(processed, [row.params for row in rows]).softmax(dim=1)  # [S, V]
-        noise = exponential_noise(
-            probs.shape[1], [row.generator for row in rows], self._shared, probs.device
-        )
-        return (probs / noise).argmax(dim=1)  # [S]
+        # Row-contiguous first: softmax, sort and cumsum along a strided dim are much slower.
+        probs = warp(processed.contiguous(), [row.params for row in rows]).softmax(dim=1)  # [S, V]
+        draws = uniform_draws([row.generator for row in rows], self._shared, probs.device)
+        return inverse_cdf_pick(probs, draws)  # [S]
 
 
 def _package(

@@ -123,6 +123,33 @@ def test_batched_decode_matches_transformers(
     _check(ours, [lg[n - 1 :] for lg, n in zip(hf_logits, prefill_lens, strict=True)])
 
 
+def test_decodes_alongside_prefill_chunks_match_transformers(
+    smollm2_ours: Any, smollm2_reference: Any, hf_logits: Any
+) -> None:
+    """Mixed steps: two requests decode one token each while the third prefills in chunks."""
+    model, blocks = _fresh(smollm2_ours)
+    prompts = smollm2_reference[1]
+    starts = [len(prompts[0]) - 12, len(prompts[1]) - 12]
+    decoded: list[list[torch.Tensor]] = [
+        [lg] for lg in run_step(model, blocks, [(i, prompts[i][: starts[i]], 0) for i in (0, 1)])
+    ]
+    chunk, prefilled = 29, []
+    for step in range(12):
+        pieces = [(i, [prompts[i][starts[i] + step]], starts[i] + step) for i in (0, 1)]
+        lo = step * chunk
+        if lo < len(prompts[2]):
+            pieces.append((2, prompts[2][lo : lo + chunk], lo))
+        logits = run_step(model, blocks, pieces, all_rows=True)
+        for i in (0, 1):
+            decoded[i].append(logits[i][0])
+        prefilled.extend(logits[2:])
+    _check(
+        [torch.stack(decoded[i][:-1]) for i in (0, 1)],
+        [hf_logits[i][starts[i] - 1 : -1] for i in (0, 1)],
+    )
+    _check([torch.cat(prefilled)], [hf_logits[2][: 12 * chunk]])
+
+
 def test_greedy_matches_transformers_generate(smollm2_ours: Any, smollm2_reference: Any) -> None:
     hf_model, prompts = smollm2_reference
     prompts = [prompts[0][:150], prompts[2]]

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from deepinfer.outputs import SampledToken
 from deepinfer.request import SamplingParams
 from deepinfer.sampling import GREEDY_TEMPERATURE, Sampler, SamplingRow, make_generator
-from deepinfer.sampling.generators import request_seed
+from deepinfer.sampling.generators import inverse_cdf_pick, request_seed
 
 VOCAB = 300
 GREEDY = SamplingParams(temperature=0.0)
@@ -53,8 +53,9 @@ def test_batch_work_is_grouped_not_looped() -> None:
     with _CallCounter() as counter:
         Sampler().sample(logits, greedy + sampled)
         Sampler().sample(logits, penalized)
-    assert counter.calls["argmax"] == 3  # greedy rows, sampled rows, then the penalized batch
-    assert counter.calls["exponential_"] == 2  # one draw per call, shared by its rows
+    assert counter.calls["argmax"] == 1  # the greedy rows (the penalized rows are sampled)
+    assert counter.calls["rand"] == 2  # one draw per call, shared by its rows
+    assert counter.calls["searchsorted"] == 4  # the sampled rows' picks and caps, per call
     assert counter.calls["sort"] == counter.calls["topk"] == 1
     assert counter.calls["index_put_"] == 1
 
@@ -235,3 +236,40 @@ def test_cuda_matches_cpu_and_is_reproducible() -> None:
             assert a.token_id == b.token_id
         if a.token_id == b.token_id and a.logprob is not None and b.logprob is not None:
             assert np.isclose(a.logprob, b.logprob, atol=1e-4)
+
+
+def test_inverse_cdf_pick_follows_the_cumulative_mass_and_skips_empty_tokens() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    draws = torch.tensor([0.0, 0.2499, 0.25, 0.9999, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf_pick(probs, draws).tolist() == [1, 1, 3, 3, 3]
+    unnormalized = torch.tensor([[2.0, 0.0, 6.0, 0.0]])  # the total need not be 1
+    assert inverse_cdf_pick(unnormalized, torch.tensor([0.24], dtype=torch.float64)).item() == 0
+    assert inverse_cdf_pick(unnormalized, torch.tensor([0.26], dtype=torch.float64)).item() == 2
+
+
+def test_each_sampled_row_draws_one_number_from_its_generator() -> None:
+    generator = make_generator(5, 0, 0)
+    row = SamplingRow(SamplingParams(temperature=0.9), generator=generator)
+    Sampler().sample(_logits(1, seed=4), [row])
+    expected = make_generator(5, 0, 0)
+    torch.rand(1, generator=expected, dtype=torch.float64)
+    assert torch.equal(generator.get_state(), expected.get_state())
+
+
+def test_logits_are_not_copied_when_nothing_adjusts_them() -> None:
+    logits = _logits(3, seed=8)
+    plain = [SamplingRow(SamplingParams(temperature=0.7)) for _ in range(3)]
+    assert Sampler().process_logits(logits, plain) is logits
+    penalized = [*plain[:2], SamplingRow(SamplingParams(presence_penalty=0.5), [1])]
+    processed = Sampler().process_logits(logits, penalized)
+    assert processed is not logits and torch.equal(processed[:2], logits[:2])
+
+
+def test_transposed_logits_sample_like_contiguous_ones() -> None:
+    """The model hands over [B, V] logits stored as [V, B] (its last matmul, untransposed)."""
+    logits = _logits(6, seed=10)
+    transposed = logits.t().contiguous().t()
+    rows = _mixed_rows()[:6]
+    a = [t.token_id for t in Sampler(seed=3).sample(logits, rows)]
+    b = [t.token_id for t in Sampler(seed=3).sample(transposed, _mixed_rows()[:6])]
+    assert a == b

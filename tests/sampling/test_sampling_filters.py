@@ -106,3 +106,16 @@ def test_filters_with_ties_keep_all_tied_tokens() -> None:
     logits = torch.tensor([[2.0, 2.0, 2.0, 1.0, 0.0]])
     out = warp(logits, [SamplingParams(top_k=2)])
     assert torch.isfinite(out[0, :3]).all() and math.isinf(out[0, 4].item())
+
+
+@pytest.mark.parametrize(("scale", "top_p"), [(6.0, 0.9), (6.0, 0.999), (0.5, 0.5), (0.5, 0.95)])
+def test_top_p_on_a_large_vocabulary_matches_the_reference(scale: float, top_p: float) -> None:
+    """Past `TOP_P_CANDIDATES` tokens the nucleus is first sought among the most likely ones
+    (peaked rows), else in a full sort (flat rows): both give the reference's support."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 5000, generator=g) * scale
+    params = SamplingParams(top_p=top_p)
+    out = warp(logits, [params] * 3)
+    for row, warped in zip(logits.numpy().astype(np.float64), out, strict=True):
+        expected = final_probs(row, params) > 0
+        assert np.array_equal(torch.isfinite(warped).numpy(), expected)

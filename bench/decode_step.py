@@ -1,0 +1,152 @@
+"""Engine-only decode step timing on the real model, with a torch.profiler breakdown.
+
+Loads SmolLM2 through `EngineCore`, prefills B requests of 300-600 random prompt tokens, then
+times `core.step()` over N pure-decode steps (greedy, ignore_eos) for each batch size, and
+prints the top ops by self CPU time plus the phases of a step (recorded as profiler ranges).
+
+    python3 -m bench.decode_step --batch 1 8 32 --steps 20 --profile-steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.core import EngineCore
+from deepinfer.request import Request, SamplingParams
+
+
+def _ranged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with record_function(f"phase:{name}"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def instrument(core: EngineCore) -> None:
+    """Wrap the phases of a step in profiler ranges (instance attributes: no source edits)."""
+    import deepinfer.runner.model_runner as mr
+
+    runner = core.runner
+    targets: list[tuple[object, str, str]] = [
+        (core, "schedule", "schedule"),
+        (core, "execute", "execute"),
+        (core, "update", "update"),
+        (mr, "schedule_to_batch", "batch"),
+        (runner.model, "forward_hidden", "forward"),
+        (runner.model, "compute_logits", "logits"),
+        (runner.sampler, "sample", "sample"),
+    ]
+    targets += [(lane, "schedule", "schedule") for lane in getattr(core, "lanes", ())]
+    for owner, attr, name in targets:
+        if hasattr(owner, attr):  # the engine's API moves; time what exists
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(owner, attr, _ranged(name, getattr(owner, attr)))
+
+
+def make_core(max_seqs: int, threads: int | None) -> EngineCore:
+    config = Config(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(num_blocks=max_seqs * 64 + 64, enable_prefix_caching=False),
+        disk_cache=DiskCacheConfig(enabled=False),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
+    )
+    if threads is not None:
+        from deepinfer.config import RuntimeConfig
+
+        config = config.replace(runtime=RuntimeConfig(num_threads=threads))
+    return EngineCore(config)
+
+
+def prefill(
+    core: EngineCore, batch: int, tag: str, rng: random.Random, temperature: float = 0.0
+) -> list[str]:
+    """Add `batch` requests and step until every one has sampled its first token."""
+    ids = []
+    for i in range(batch):
+        rid = f"{tag}-{i}"
+        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(300, 600))]
+        params = SamplingParams(max_tokens=256, temperature=temperature, ignore_eos=True)
+        core.add_request(Request(request_id=rid, prompt_token_ids=prompt, sampling=params))
+        ids.append(rid)
+    seen: set[str] = set()
+    while len(seen) < batch:
+        for delta in core.step():
+            seen.add(delta.request_id)
+    return ids
+
+
+def time_steps(core: EngineCore, steps: int, batch: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        deltas = core.step()
+        times.append(time.perf_counter() - start)
+        decoded = {d.request_id for d in deltas}
+        assert len(decoded) == batch, f"expected {batch} decodes, got {len(decoded)}"
+    return times
+
+
+def profile_steps(core: EngineCore, steps: int, batch: int, rows: int) -> None:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_steps(core, steps, batch)
+    averages = prof.key_averages()
+    phases = [e for e in averages if e.key.startswith("phase:")]
+    print(f"  phases (ms per step, CPU total, over {steps} steps):")
+    for e in sorted(phases, key=lambda e: -e.cpu_time_total):
+        print(f"    {e.key:<22} {e.cpu_time_total / 1e3 / steps:8.2f}")
+    ops = [e for e in averages if not e.key.startswith("phase:")]
+    total = sum(e.self_cpu_time_total for e in ops)
+    print(f"  top ops by self CPU (ms per step; all ops {total / 1e3 / steps:.1f} ms):")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        print(
+            f"    {e.key:<40} {e.self_cpu_time_total / 1e3 / steps:8.2f} "
+            f"{e.count // steps:6d} calls"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=20, help="steps + warmup + profile <= 250")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=0)
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ns = parser.parse_args()
+    core = make_core(max(ns.batch), ns.threads)
+    instrument(core)
+    rng = random.Random(ns.seed)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for batch in ns.batch:
+        ids = prefill(core, batch, f"b{batch}", rng, ns.temperature)
+        time_steps(core, ns.warmup, batch)
+        times = time_steps(core, ns.steps, batch)
+        med, mean = statistics.median(times) * 1e3, statistics.fmean(times) * 1e3
+        print(
+            f"B={batch:3d}: median {med:7.2f} ms/step, mean {mean:7.2f}, "
+            f"min {min(times) * 1e3:7.2f}  ({batch / (med / 1e3):7.1f} tok/s)"
+        )
+        if ns.profile_steps:
+            profile_steps(core, ns.profile_steps, batch, ns.rows)
+        for rid in ids:
+            core.abort(rid)
+        core.step()
+
+
+if __name__ == "__main__":
+    main()

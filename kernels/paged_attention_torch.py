@@ -1,0 +1,291 @@
+"""Plain-torch paged attention: the CPU path and the tests' oracle (re-exported by `paged_attention`).
+
+A forward pass calls attention once per layer with the same block tables and lengths, so the
+work that depends only on those (host copies of the lengths, the cache rows to gather, the key
+masks, scratch buffers) is done once per step by `plan_paged_attention_reference` and handed to
+every layer as a `PagedAttentionPlan`. Without a plan each call builds its own.
+
+Single-query requests (all of a decode step, and the decodes riding along a prefill chunk) are
+attended to together, in a few groups of similar context length (`length_groups`, to bound the
+padding): a group's keys are gathered, padded to its longest context, by one `index_select` per
+cache into the plan's scratch rows, and one fused SDPA call covers its requests and heads.
+Padding rows gather the request's own first key (finite: it was computed) and are cut by an
+additive -inf mask, so a cache holding NaN past a context never reaches the output, and no
+masked copy of K/V is made. The caches must be contiguous (as `kv_layout` allocates them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP_MIN_FILL = 0.8
+"""A length group's shortest context is at least this fraction of its longest (less padding)."""
+GROUP_COST_KEYS = 256
+"""Key rows of padding that justify one more group (its fixed cost: a few more ops per layer)."""
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-query requests of similar context length, keys padded to the longest (L)."""
+
+    rows: torch.Tensor | None  # [Bg] int64, their rows of q and of the output; None: all, in order
+    slots: torch.Tensor  # [Bg * L] int64, cache row (block_id * S + offset) of key l of each
+    mask: torch.Tensor  # [Bg, 1, 1, L] float32: 0 for keys in the context, -inf past it
+    max_len: int
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Every single-query request of a step, in length groups, and the scratch rows that each
+    group's keys and values are gathered into, layer after layer: one allocation per step
+    instead of two per layer (fresh multi-megabyte tensors cost a page fault per 4 KiB)."""
+
+    groups: list[DecodeGroup]
+    keys: torch.Tensor  # [max over groups of Bg * L, Hkv * D], the caches' dtype
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """One step's attention metadata, shared by every layer (see the module docstring)."""
+
+    query_starts: list[int]  # [B + 1], host copy of query_start_loc
+    context_lens: list[int]  # [B], host copy of context_lens
+    single_query: list[int]
+    """Requests with exactly one new token: attended to together through `decode`."""
+    decode: DecodePlan | None  # None when no request has exactly one new token
+
+
+def length_groups(lens: list[int]) -> list[list[int]]:
+    """Indices of `lens` split into groups of similar length (each ascending), longest first.
+
+    Over descending lengths, a length joins the current group while it is at least
+    `GROUP_MIN_FILL` of the group's longest; then a group is merged into the one before it when
+    that pads fewer than `GROUP_COST_KEYS` more keys."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        if groups and lens[i] >= GROUP_MIN_FILL * lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    merged = groups[:1]
+    for group in groups[1:]:
+        if len(group) * (lens[merged[-1][0]] - lens[group[0]]) < GROUP_COST_KEYS:
+            merged[-1].extend(group)
+        else:
+            merged.append(group)
+    return [sorted(g) for g in merged]
+
+
+def _decode_group(
+    block_tables: torch.Tensor,  # [Bg, max_blocks]
+    lens: list[int],  # [Bg], each in [1, max_blocks * S]
+    rows: torch.Tensor | None,
+    block_size: int,
+) -> DecodeGroup:
+    device, max_len = block_tables.device, max(lens)
+    positions = torch.arange(max_len, device=device)
+    valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]  # [Bg, L]
+    columns = block_tables[:, : -(-max_len // block_size)].long()
+    slots = columns[:, positions // block_size] * block_size + positions % block_size  # [Bg, L]
+    slots = torch.where(valid, slots, slots[:, :1])
+    mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+    mask.masked_fill_(~valid, float("-inf"))
+    return DecodeGroup(rows, slots.reshape(-1), mask[:, None, None, :], max_len)
+
+
+def plan_decode(
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    lens: list[int],  # [B], host copy of the context lengths, each >= 1
+    rows: list[int] | None,  # [B], each request's row of q; None: request b is row b
+    k_cache: torch.Tensor,  # [N, S, Hkv, D], any layer's (for the shape and dtype only)
+) -> DecodePlan:
+    """The padded, length-grouped key layout of `paged_decode_attention_reference`."""
+    device = block_tables.device
+    groups = []
+    members = length_groups(lens) if len(lens) > 1 else [list(range(len(lens)))]
+    for group in members:
+        in_order = len(group) == len(lens) and rows is None
+        index = torch.tensor(group, device=device)
+        row_ids = group if rows is None else [rows[b] for b in group]
+        groups.append(
+            _decode_group(
+                block_tables if in_order else block_tables.index_select(0, index),
+                [lens[b] for b in group],
+                None if in_order else torch.tensor(row_ids, device=device),
+                k_cache.shape[1],
+            )
+        )
+    num_rows = max((g.slots.numel() for g in groups), default=0)
+    keys = torch.empty(
+        (num_rows, k_cache.shape[2] * k_cache.shape[3]), dtype=k_cache.dtype, device=k_cache.device
+    )
+    return DecodePlan(groups, keys, torch.empty_like(keys))
+
+
+def plan_paged_attention_reference(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    k_cache: torch.Tensor,  # [N, S, Hkv, D], one layer's: the shape and dtype all layers share
+) -> PagedAttentionPlan:
+    """The step's plan for the torch references (one host read of the lengths)."""
+    starts: list[int] = query_start_loc.tolist()
+    lens: list[int] = context_lens.tolist()
+    single = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if not single:
+        return PagedAttentionPlan(starts, lens, single, None)
+    if len(single) == len(lens):  # then T == B: q's rows are the requests
+        return PagedAttentionPlan(
+            starts, lens, single, plan_decode(block_tables, lens, None, k_cache)
+        )
+    index = torch.tensor(single, device=block_tables.device)
+    decode = plan_decode(
+        block_tables.index_select(0, index),
+        [lens[b] for b in single],
+        [starts[b] for b in single],
+        k_cache,
+    )
+    return PagedAttentionPlan(starts, lens, single, decode)
+
+
+def attend_single_queries(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    out: torch.Tensor | None,  # [T, H, D]; may be None when one group covers every row of q
+) -> torch.Tensor:  # [T, H, D]: `out` with the plan's rows written
+    for group in plan.groups:
+        group_q = q if group.rows is None else q.index_select(0, group.rows)
+        result = _attend_group(group_q, k_cache, v_cache, group, plan, scale)
+        if group.rows is None:
+            return result
+        assert out is not None, "groups that cover some rows of q need an output"
+        out.index_copy_(0, group.rows, result)
+    assert out is not None
+    return out
+
+
+def _attend_group(
+    q: torch.Tensor,  # [Bg, H, D], one query per request
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [Bg, H, D]
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    shape = (batch, group.max_len, num_kv_heads, head_dim)
+    rows, num_rows = (-1, num_kv_heads * head_dim), group.slots.numel()
+    k = torch.index_select(k_cache.reshape(rows), 0, group.slots, out=plan.keys[:num_rows])
+    v = torch.index_select(v_cache.reshape(rows), 0, group.slots, out=plan.values[:num_rows])
+    k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # [Bg, Hkv, L, D]
+    # A KV head's G query heads act as G queries of one sequence: K/V are read once per group
+    # (no GQA expansion) and the key mask broadcasts over them.
+    group_size = num_heads // num_kv_heads
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, num_kv_heads, group_size, head_dim),  # [Bg, Hkv, G, D]
+        k,  # [Bg, Hkv, L, D]
+        v,
+        attn_mask=group.mask.to(q.dtype),  # [Bg, 1, 1, L]
+        scale=scale,
+    )
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,  # [N, S, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, keys each query attends to (its own included)
+    scale: float,
+    *,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    """Each request's query over the first `context_lens[b]` keys of its blocks. `plan`, if
+    given, must come from `plan_paged_attention_reference` on these very tables and lengths."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if plan is None:
+        decode = plan_decode(block_tables, context_lens.tolist(), None, k_cache)
+    else:
+        assert plan.decode is not None, "a decode plan covers every request"
+        decode = plan.decode
+    out = None if len(decode.groups) == 1 else torch.empty_like(q)
+    return attend_single_queries(q, k_cache, v_cache, decode, scale, out)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` rows of one request's KV, contiguous: [L, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].long()]  # [nb, S, Hkv, D]
+    return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,  # [T, H, D], the new tokens of all requests, concatenated
+    k_cache: torch.Tensor,  # [N, S, Hkv, D], already holding the new tokens' K/V
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32, offsets of each request's tokens in q
+    context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
+    scale: float,
+    *,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Causal attention of each request's new tokens over its whole paged context.
+
+    Query i of request b sits at position `context_lens[b] - q_len_b + i` and attends to keys
+    0..that position: the cached prefix is read from blocks, never recomputed. `plan`, if given,
+    must come from `plan_paged_attention_reference` on these very inputs.
+    """
+    if plan is None:
+        plan = plan_paged_attention_reference(block_tables, query_start_loc, context_lens, k_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.decode is not None:
+        out = attend_single_queries(q, k_cache, v_cache, plan.decode, scale, out)
+    starts, singles = plan.query_starts, set(plan.single_query)
+    for b, ctx_len in enumerate(plan.context_lens):
+        if starts[b + 1] > starts[b] and b not in singles:
+            q_lo, q_hi = starts[b], starts[b + 1]
+            out[q_lo:q_hi] = _prefill_one(
+                q[q_lo:q_hi], k_cache, v_cache, block_tables[b], ctx_len, scale
+            )
+    return out
+
+
+def _prefill_one(
+    q: torch.Tensor,  # [Tq, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    ctx_len: int,
+    scale: float,
+) -> torch.Tensor:  # [Tq, H, D]
+    q_len = q.shape[0]
+    k = _gather_context(k_cache, block_table, ctx_len).transpose(0, 1)  # [Hkv, L, D]
+    v = _gather_context(v_cache, block_table, ctx_len).transpose(0, 1)
+    # 4-D inputs keep torch on its fused CPU kernel (3-D ones fall back to the slow math path)
+    return F.scaled_dot_product_attention(
+        q[None].transpose(1, 2),  # [1, H, Tq, D]
+        k[None],  # [1, Hkv, L, D]
+        v[None],
+        attn_mask=None if q_len == ctx_len else _causal_mask(q_len, ctx_len, q.device),
+        is_causal=q_len == ctx_len,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[2],
+    )[0].transpose(0, 1)
+
+
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, Tq, L]: the last Tq positions of a context of L attend causally."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    return (torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None])[None, None]
