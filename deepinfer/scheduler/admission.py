@@ -1,11 +1,13 @@
-"""Checks shared by both schedulers when a request arrives."""
+"""Request transitions shared by both schedulers: arrival checks, preemption, finishing."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Container
 
+from deepinfer.cache.manager import KVCacheManager
 from deepinfer.errors import ContextLengthError, InvalidRequestError, OverloadedError
-from deepinfer.request import Request
+from deepinfer.request import FinishReason, Request, RequestStatus
 
 
 def check_new_request(
@@ -26,3 +28,23 @@ def check_new_request(
         raise ContextLengthError(request.num_prompt_tokens, max_tokens, max_request_tokens)
     if num_waiting >= max_waiting:
         raise OverloadedError(f"{num_waiting} requests are already waiting; retry later")
+
+
+def preempt_request(kv: KVCacheManager, request: Request, waiting: deque[Request]) -> None:
+    """Free the request's blocks (their content stays hittable) and put it at the front of the
+    waiting queue to recompute; the caller removes it from its running queue."""
+    kv.free(request)
+    request.num_computed_tokens = 0
+    request.status = RequestStatus.PREEMPTED
+    request.num_preemptions += 1
+    waiting.appendleft(request)
+
+
+def finish_request(
+    kv: KVCacheManager, request: Request, reason: FinishReason, requests: dict[str, Request]
+) -> None:
+    """Release everything the request holds; the caller removes it from its queue."""
+    kv.free(request)
+    request.status = RequestStatus.FINISHED
+    request.finish_reason = reason
+    del requests[request.request_id]

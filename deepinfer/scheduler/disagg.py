@@ -27,7 +27,7 @@ from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.admission import check_new_request
+from deepinfer.scheduler.admission import check_new_request, finish_request, preempt_request
 from deepinfer.scheduler.cost_model import StepCostModel
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
@@ -264,18 +264,11 @@ class DisaggScheduler:
             self.waiting = deque(r for r in self.waiting if r is not request)
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+        preempt_request(self.kv, request, self.waiting)
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.kv.free(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        del self._requests[request.request_id]
+        finish_request(self.kv, request, reason, self._requests)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests; prefilling ones hold blocks for their whole

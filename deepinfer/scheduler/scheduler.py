@@ -27,7 +27,7 @@ from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.admission import check_new_request
+from deepinfer.scheduler.admission import check_new_request, finish_request, preempt_request
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.stop import check_finished
@@ -150,12 +150,8 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+        preempt_request(self.kv, request, self.waiting)
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         """Apply a step's results: advance computed prefixes, register newly computed blocks in
@@ -186,11 +182,7 @@ class Scheduler:
         return deltas
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        """Release everything the request holds; the caller removes it from its queue."""
-        self.kv.free(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        del self._requests[request.request_id]
+        finish_request(self.kv, request, reason, self._requests)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests, statuses match queues, budgets hold, and the
