@@ -155,3 +155,29 @@ def test_grouping_bounds_padding_on_spread_lengths() -> None:
     padded = sum(len(g) * max(lens[i] for i in g) for g in groups)
     assert padded < 1.25 * sum(lens) < len(lens) * max(lens)
     assert sum(len(g) for g in groups) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_after_a_prefix_in_low_precision(dtype: torch.dtype) -> None:
+    """Chunks after a cached prefix take the split path (prefix and chunk merged by their
+    log-sum-exp); checked against float64 dense masked attention."""
+    torch.manual_seed(3)
+    requests = [(700, 130), (260, 3), (64, 64), (900, 1)]  # (context, new tokens)
+    lens = [n for n, _ in requests]
+    k64, v64, tables = _caches(lens)
+    q_lens = torch.tensor([0] + [t for _, t in requests])
+    starts = q_lens.cumsum(0).to(torch.int32)
+    q64 = torch.randn(int(q_lens.sum()), KV_HEADS * GROUP, DIM, dtype=torch.float64)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_prefill_attention_reference(
+        q64.to(dtype), k64.to(dtype), v64.to(dtype), tables, starts, context_lens, 0.125
+    )
+    assert out.dtype == dtype
+    expected = paged_prefill_attention_reference(q64, k64, v64, tables, starts, context_lens, 0.125)
+    for b, (n, t) in enumerate(requests[:2]):  # the oracle's loops are slow: spot-check two
+        lo = int(starts[b])
+        rows = slice(lo + t - 2, lo + t)
+        oracle = _oracle(q64[rows], k64, v64, tables[b], n, 0.125)  # the last two positions
+        torch.testing.assert_close(expected[rows], oracle, atol=1e-10, rtol=1e-10)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
