@@ -56,9 +56,9 @@ def instrument(core: EngineCore) -> None:
                 setattr(owner, attr, _ranged(name, getattr(owner, attr)))
 
 
-def make_core(max_seqs: int, threads: int | None) -> EngineCore:
+def make_core(max_seqs: int, threads: int | None, quantized_matmul: str = "auto") -> EngineCore:
     config = Config(
-        model=ModelConfig(dtype="float32"),
+        model=ModelConfig(dtype="float32", quantized_matmul=quantized_matmul),  # type: ignore[arg-type]
         cache=CacheConfig(num_blocks=max_seqs * 64 + 64, enable_prefix_caching=False),
         disk_cache=DiskCacheConfig(enabled=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
@@ -127,11 +127,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--quantized-matmul", choices=["auto", "on", "off"], default="auto")
     ns = parser.parse_args()
-    core = make_core(max(ns.batch), ns.threads)
+    core = make_core(max(ns.batch), ns.threads, ns.quantized_matmul)
     instrument(core)
     rng = random.Random(ns.seed)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    quantized = core.info.quantized_bytes
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"
+    )
     for batch in ns.batch:
         ids = prefill(core, batch, f"b{batch}", rng, ns.temperature)
         time_steps(core, ns.warmup, batch)

@@ -34,10 +34,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=env.get("dtype", "auto"),
     )
     g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
+    g.add_argument(
+        "--quantized-matmul",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="CPU: multiply by a GGUF file's Q4_1/Q8_0 blocks with the native kernel (auto: "
+        "when a C compiler and AVX2 are there; off: dequantize to the serving dtype)",
+    )
     g.add_argument("--device", default=env.get("device", "auto"), help="auto, cpu, cuda, cuda:N")
     g.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "cpu", "torch", "triton"],
         default=env.get("attention_backend", "auto"),
     )
     g.add_argument("--threads", type=int, default=None, help="torch threads for forward passes")
@@ -147,7 +154,12 @@ def config_from_args(ns: argparse.Namespace) -> Config:
             max_body_bytes=ns.max_body_bytes,
         )
     return Config(
-        model=ModelConfig(path=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len),
+        model=ModelConfig(
+            path=ns.model,
+            dtype=ns.dtype,
+            max_model_len=ns.max_model_len,
+            quantized_matmul=ns.quantized_matmul,
+        ),
         disk_cache=DiskCacheConfig(
             enabled=not ns.no_disk_cache,
             cache_dir=ns.cache_dir,

@@ -21,7 +21,8 @@ RETENTION_CLASSES = ("agent", "chat", "none")
 """Per-request disk-cache retention classes (`none` opts out of the disk tier)."""
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
+QuantizedMatmul = Literal["auto", "on", "off"]
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,9 @@ class ModelConfig:
     """Serving dtype: `auto` is float32 on CPU and bfloat16 on CUDA."""
     max_model_len: int | None = None
     """Cap on context length in tokens; None: the model's own."""
+    quantized_matmul: QuantizedMatmul = "auto"
+    """Serve a GGUF file's Q4_1/Q8_0 matrices in their blocks through the native CPU kernel
+    (float32 on CPU only): `auto` when it builds here, `on` (an error if it cannot), `off`."""
 
     def resolved_path(self) -> Path:
         return self.path if self.path is not None else default_model_path()
@@ -137,7 +141,8 @@ class RuntimeConfig:
     device: str = "auto"
     """`auto` (cuda if present, else cpu), `cpu`, `cuda`, `cuda:N`."""
     attention_backend: AttentionBackendName = "auto"
-    """`auto`: Triton on CUDA, torch elsewhere. `triton` on CPU needs TRITON_INTERPRET=1."""
+    """`auto`: Triton on CUDA; on CPU `cpu` (native decode attention) when the native kernels
+    build, else torch. `triton` on CPU needs TRITON_INTERPRET=1."""
     num_threads: int | None = None
     """Torch intra-op threads for forward passes on CPU; None: torch's default."""
     seed: int = 0

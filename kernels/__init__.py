@@ -8,6 +8,10 @@ Modules: `kv_store`, `paged_attention` (kernels in `paged_attention_kernels`, to
 and their per-step `PagedAttentionPlan` in `paged_attention_torch`), `norm`, `rotary`,
 `matmul`, and `dispatch` (backend checks). This package imports only torch and triton, relatively.
 
+Native CPU kernels (C with AVX2 intrinsics, `cpu/*.c`) are built and loaded by `cpu_native`:
+`quant_matmul` (linear layers over GGUF Q4_1/Q8_0 blocks) and `paged_attention_cpu` (the `cpu`
+backend's decode attention, reading the paged caches directly).
+
 KV layout (shared by every attention kernel): per layer, `k_cache` and `v_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
 `block_id * block_size + offset_in_block`. Block tables are `int32 [B, max_blocks]`, padded with 0.

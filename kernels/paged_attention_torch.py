@@ -49,6 +49,16 @@ class DecodePlan:
 
 
 @dataclass(frozen=True)
+class NativeDecodePlan:
+    """The single-query requests of a step for the native CPU kernel (`paged_attention_cpu`),
+    which reads the paged caches directly: their rows of q, block tables and lengths."""
+
+    rows: torch.Tensor | None  # [Bs] int64 rows of q; None: every row, in order
+    block_tables: torch.Tensor  # [Bs, max_blocks] int32, contiguous
+    context_lens: torch.Tensor  # [Bs] int32, contiguous
+
+
+@dataclass(frozen=True)
 class PagedAttentionPlan:
     """One step's attention metadata, shared by every layer (see the module docstring)."""
 
@@ -57,6 +67,8 @@ class PagedAttentionPlan:
     single_query: list[int]
     """Requests with exactly one new token: attended to together through `decode`."""
     decode: DecodePlan | None  # None when no request has exactly one new token
+    native: NativeDecodePlan | None = None
+    """Set instead of `decode` by the native CPU backend's planner."""
 
 
 def length_groups(lens: list[int]) -> list[list[int]]:
@@ -252,6 +264,18 @@ def paged_prefill_attention_reference(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.decode is not None:
         out = attend_single_queries(q, k_cache, v_cache, plan.decode, scale, out)
+    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out)
+
+
+def attend_multi_token_queries(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    plan: PagedAttentionPlan,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]
+) -> torch.Tensor:  # `out`, with the rows of every request of two or more new tokens written
     starts, singles = plan.query_starts, set(plan.single_query)
     for b, ctx_len in enumerate(plan.context_lens):
         if starts[b + 1] > starts[b] and b not in singles:

@@ -51,6 +51,8 @@ class RuntimeInfo:
     max_model_len: int
     fingerprint: str
     attention_backend: str
+    quantized_bytes: int = 0
+    """Bytes of matrices served in GGUF blocks by the native CPU kernel (0: none)."""
 
 
 def _build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
@@ -124,7 +126,9 @@ class EngineCore:
         dtype = resolve_dtype(config.model.dtype, device)
         if config.runtime.num_threads and device.type == "cpu":
             torch.set_num_threads(config.runtime.num_threads)
-        loaded = load_model(path, dtype, device, config.runtime.attention_backend)
+        loaded = load_model(
+            path, dtype, device, config.runtime.attention_backend, config.model.quantized_matmul
+        )
         self.tokenizer = _build_tokenizer(loaded, path)
         self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
         block_size = config.cache.block_size
@@ -147,6 +151,7 @@ class EngineCore:
             max_model_len=max_len,
             fingerprint=fingerprint,
             attention_backend=model.attention_backend.name,
+            quantized_bytes=loaded.quantized_bytes,
         )
         self.kv = KVCacheManager(
             num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.config import ConfigError
+from deepinfer.kernels.cpu_native import NativeUnavailableError, native_available, native_library
 from deepinfer.kernels.dispatch import run_or_fallback
 from deepinfer.kernels.paged_attention import PagedAttentionPlan
 
@@ -140,16 +141,39 @@ def triton_backend() -> KernelBackend:
     return KernelBackend(name="triton", **ops)
 
 
+def cpu_backend() -> KernelBackend:
+    """The torch references, with decode attention through the native CPU kernel."""
+    from deepinfer.kernels import paged_attention_cpu as cpu
+
+    ops = {op: getattr(_kernel_module(mod), ref) for op, (mod, ref) in _OPS.items()}
+    ops["plan_paged_attention"] = cpu.plan_paged_attention_cpu
+    ops["paged_decode_attention"] = cpu.paged_decode_attention_cpu
+    ops["paged_prefill_attention"] = cpu.paged_prefill_attention_cpu
+    return KernelBackend(name="cpu", **ops)
+
+
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 def select_attention_backend(name: str, device: torch.device) -> KernelBackend:
-    """Pick the backend once: `auto` is triton on CUDA when triton is importable, else torch."""
+    """Pick the backend once: `auto` is triton on CUDA when triton is importable, cpu on CPU
+    when the native kernels build, else torch."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if _triton_available() else "torch"
+        else:
+            name = "cpu" if device.type == "cpu" and native_available() else "torch"
     if name == "torch":
         return torch_backend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ConfigError(f"attention backend 'cpu' runs on CPU, not {device.type}")
+        try:
+            native_library()
+        except NativeUnavailableError as exc:
+            raise ConfigError(f"attention backend 'cpu' cannot run here: {exc}") from exc
+        return cpu_backend()
     if name == "triton":
         if not _triton_available():
             raise ConfigError("attention backend 'triton' needs the triton package installed")
@@ -159,4 +183,4 @@ def select_attention_backend(name: str, device: torch.device) -> KernelBackend:
                 "use 'torch' or 'auto' instead"
             )
         return triton_backend()
-    raise ConfigError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    raise ConfigError(f"unknown attention backend {name!r}; choose auto, cpu, torch or triton")

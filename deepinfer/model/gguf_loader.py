@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 from deepinfer.errors import ModelLoadError
+from deepinfer.kernels.quant_matmul import QK, QuantFormat, QuantizedWeight
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.registry import check_architecture
 
 GGUF_MAGIC = b"GGUF"
+_KERNEL_FORMATS = {"Q4_1": QuantFormat.Q4_1, "Q8_0": QuantFormat.Q8_0}
+"""GGUF tensor types the native quantized matmul takes as they are."""
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -136,6 +139,19 @@ class GGUFTensorSource:
     def names(self) -> set[str]:
         return set(self._tensors)
 
+    def load_quantized(self, name: str) -> QuantizedWeight | None:
+        """The tensor's blocks as stored (rows in the model's order), if it is a matrix in a
+        format the native kernel takes (Q4_1, Q8_0); else None."""
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.tensor_type.name not in _KERNEL_FORMATS:
+            return None
+        fmt = _KERNEL_FORMATS[tensor.tensor_type.name]
+        array = self._unpermuted(name, np.asarray(tensor.data))
+        if array.ndim != 2:
+            return None
+        blocks = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
+        return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * QK)
+
     def load(self, name: str) -> torch.Tensor:
         tensor = self._tensors[name]
         try:
@@ -144,12 +160,16 @@ class GGUFTensorSource:
             raise ModelLoadError(
                 f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}"
             ) from exc
-        array = np.asarray(array, dtype=np.float32)
-        if self._arch.architecture == "llama":
-            if name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = unpermute_qk(array, self._arch.num_heads)
-            elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = unpermute_qk(array, self._arch.num_kv_heads)
+        array = self._unpermuted(name, np.asarray(array, dtype=np.float32))
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)
         return torch.from_numpy(array)
+
+    def _unpermuted(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Llama's Q and K rows back in rotate-half order (rows of weights or of blocks)."""
+        if self._arch.architecture == "llama":
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                return unpermute_qk(array, self._arch.num_heads)
+            if name.endswith(("k_proj.weight", "k_proj.bias")):
+                return unpermute_qk(array, self._arch.num_kv_heads)
+        return array

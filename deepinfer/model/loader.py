@@ -14,6 +14,7 @@ from deepinfer.model.attention import select_attention_backend
 from deepinfer.model.fingerprint import directory_digest, file_digest, kv_fingerprint
 from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
 from deepinfer.model.protocol import CausalLM
+from deepinfer.model.quantized import quantize_linears, quantized_matmul_wanted
 from deepinfer.model.registry import get_model_class
 from deepinfer.model.safetensors_loader import open_safetensors_dir
 from deepinfer.model.weights import TensorSource, build_state_dict
@@ -31,6 +32,8 @@ class LoadedModel:
     """sha256 identity of the weights file(s); see deepinfer.model.fingerprint."""
     gguf_reader: gguf.GGUFReader | None
     """The open reader for GGUF files (the tokenizer is built from its metadata); else None."""
+    quantized_bytes: int = 0
+    """Bytes of matrices served in GGUF blocks by the native kernel (0: all fp32)."""
 
 
 def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | None]:
@@ -45,9 +48,16 @@ def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | N
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device | str, attention_backend: str = "auto"
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attention_backend: str = "auto",
+    quantized_matmul: str = "auto",
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
+
+    `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_1/Q8_0 matrices in their blocks
+    through the native CPU kernel (see deepinfer.model.quantized).
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """
@@ -62,13 +72,20 @@ def load_model(
     except RuntimeError as exc:  # shape mismatches between metadata and tensors
         raise ModelLoadError(f"{path}: tensors do not match the model's metadata: {exc}") from exc
     model.eval()
+    quantized = 0
+    if isinstance(source, GGUFTensorSource) and quantized_matmul_wanted(
+        quantized_matmul, device, dtype
+    ):
+        quantized = quantize_linears(model, source, arch.num_layers)
     causal_lm: CausalLM = model  # type: ignore[assignment]
-    return LoadedModel(causal_lm, arch, path, dtype, device, weights_digest, reader)
+    return LoadedModel(causal_lm, arch, path, dtype, device, weights_digest, reader, quantized)
 
 
 def model_fingerprint(loaded: LoadedModel, dtype: torch.dtype, block_size: int) -> str:
     """sha256 hex digest of weights identity + serving dtype + KV layout: seeds prefix-cache keys."""
     a = loaded.arch
+    # the quantized kernel sums in another order than BLAS: KV from one is not the other's
+    numerics = f"{dtype}+quantized-matmul" if loaded.quantized_bytes else str(dtype)
     return kv_fingerprint(
-        loaded.weights_digest, str(dtype), a.num_layers, a.num_kv_heads, a.head_dim, block_size
+        loaded.weights_digest, numerics, a.num_layers, a.num_kv_heads, a.head_dim, block_size
     )

@@ -48,21 +48,32 @@ class _Taker:
         return fused.to(device=self.device, dtype=self.dtype)
 
 
+def linear_sources(i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's linear modules (model names) and the canonical weights fused into each, in
+    row order."""
+    src, dst = f"layers.{i}.", f"layers.{i}."
+    attn = src + "self_attn."
+    return {
+        dst + "self_attn.qkv_proj": (
+            attn + "q_proj.weight",
+            attn + "k_proj.weight",
+            attn + "v_proj.weight",
+        ),
+        dst + "self_attn.o_proj": (attn + "o_proj.weight",),
+        dst + "mlp.gate_up_proj": (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"),
+        dst + "mlp.down_proj": (src + "mlp.down_proj.weight",),
+    }
+
+
 def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
     src, dst = f"layers.{i}.", f"layers.{i}."
     attn = src + "self_attn."
     state = {
         dst + "input_norm.weight": take(src + "input_layernorm.weight"),
-        dst + "self_attn.qkv_proj.weight": take(
-            attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"
-        ),
-        dst + "self_attn.o_proj.weight": take(attn + "o_proj.weight"),
         dst + "post_attention_norm.weight": take(src + "post_attention_layernorm.weight"),
-        dst + "mlp.gate_up_proj.weight": take(
-            src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"
-        ),
-        dst + "mlp.down_proj.weight": take(src + "mlp.down_proj.weight"),
     }
+    for module, names in linear_sources(i).items():
+        state[module + ".weight"] = take(*names)
     if arch.qkv_bias:
         state[dst + "self_attn.qkv_proj.bias"] = take(
             attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"

@@ -7,6 +7,7 @@ import torch
 
 from deepinfer.config import ConfigError
 from deepinfer.errors import ModelLoadError
+from deepinfer.kernels.cpu_native import native_available
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
@@ -83,7 +84,7 @@ def test_arch_validation() -> None:
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert select_attention_backend("auto", cpu).name == "torch"
+    assert select_attention_backend("auto", cpu).name == ("cpu" if native_available() else "torch")
     assert select_attention_backend("torch", cpu).name == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET"):

@@ -21,6 +21,7 @@ from model_test_utils import (
 )
 
 from deepinfer.config import default_model_path
+from deepinfer.kernels.cpu_native import native_available
 from deepinfer.model import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")
@@ -95,6 +96,9 @@ def test_metadata(smollm2_ours: Any) -> None:
     assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
     assert arch.tie_word_embeddings and arch.rope_theta == 100000.0
     assert smollm2_ours.gguf_reader is not None
+    if native_available():  # the comparisons below then cover the native CPU kernels
+        assert smollm2_ours.quantized_bytes > 90e6  # Q4_1 matrices and the Q8_0 head, as stored
+        assert smollm2_ours.model.attention_backend.name == "cpu"
 
 
 def test_prefill_matches_transformers(

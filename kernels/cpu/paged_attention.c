@@ -1,0 +1,198 @@
+/* Paged decode attention on x86-64 CPUs with AVX2 and FMA: one query per request, read straight
+   from the paged KV cache (no gathered copy of K/V, unlike the torch path).
+
+   Caches are [num_blocks, block_size, Hkv, D] float32, contiguous; a request's key p sits in
+   block block_tables[b][p / block_size] at offset p % block_size. One task per (request, KV head)
+   (OpenMP, dynamic: contexts differ): its G = H / Hkv query heads share every key and value
+   row, each read once. Pass 1: scores of the G heads for every key, into a per-task buffer.
+   Softmax with a vectorized exp. Pass 2: the weighted sum of value rows.
+   D must be a multiple of 16 and at most 256; G at most 16.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_D 256
+#define MAX_G 16
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for x <= 0 (softmax arguments), relative error ~2e-7: x = n ln2 + r, |r| <= ln2 / 2,
+   e^r by a degree-6 Taylor polynomial, 2^n through the exponent bits. Below -87: 0. */
+static inline __m256 exp_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(underflow, result);
+}
+
+/* Four dot products of D floats each (a0..a3) summed into one vector [s0, s1, s2, s3]. */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* scores[g * L + p] = scale * q_g . k_p for the G heads of one KV head. NV = D / 8 is a
+   compile-time constant in each instantiation (always inlined), so the loops over D unroll. */
+static inline __attribute__((always_inline)) void scores_impl(
+    const float *q, long q_stride_h, int G, const float *k_cache, const int32_t *table, int L,
+    int S, long row, long head_off, float scale, float *scores, const int NV) {
+    for (int g = 0; g < G; g++) {
+        __m256 qv[MAX_D / 8];
+        for (int i = 0; i < NV; i++)
+            qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_stride_h + 8 * i), _mm256_set1_ps(scale));
+        float *sg = scores + (long)g * L;
+        for (int p0 = 0; p0 < L; p0 += S) {
+            const float *k = k_cache + (long)table[p0 / S] * S * row + head_off;
+            const int n = L - p0 < S ? L - p0 : S;
+            int j = 0;
+            for (; j + 4 <= n; j += 4) {
+                const float *k0 = k + j * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+                __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+                __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+                __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k2));
+                __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k3));
+                for (int i = 1; i < NV; i++) {
+                    a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), a0);
+                    a1 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k1 + 8 * i), a1);
+                    a2 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k2 + 8 * i), a2);
+                    a3 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k3 + 8 * i), a3);
+                }
+                _mm_storeu_ps(sg + p0 + j, hsum4x8(a0, a1, a2, a3));
+            }
+            for (; j < n; j++) {
+                const float *kj = k + j * row;
+                __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+                for (int i = 1; i < NV; i++) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kj + 8 * i), a);
+                sg[p0 + j] = hsum8(a);
+            }
+        }
+    }
+}
+
+static void scores_pass(const float *q, long q_stride_h, int G, const float *k_cache,
+                        const int32_t *table, int L, int S, int Hkv, int kvh, int D, float scale,
+                        float *scores) {
+    const long row = (long)Hkv * D, off = (long)kvh * D;
+    switch (D) {
+        case 64: scores_impl(q, q_stride_h, G, k_cache, table, L, S, row, off, scale, scores, 8); break;
+        case 128: scores_impl(q, q_stride_h, G, k_cache, table, L, S, row, off, scale, scores, 16); break;
+        default: scores_impl(q, q_stride_h, G, k_cache, table, L, S, row, off, scale, scores, D / 8);
+    }
+}
+
+/* In place: scores of one head -> softmax weights (divided by their sum). */
+static void softmax(float *s, int L) {
+    float mx = -INFINITY;
+    for (int p = 0; p < L; p++) mx = s[p] > mx ? s[p] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int p = 0;
+    for (; p + 8 <= L; p += 8) {
+        const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+        _mm256_storeu_ps(s + p, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; p < L; p++) {
+        s[p] = expf(s[p] - mx);
+        sum += s[p];
+    }
+    const float inv = 1.0f / sum;
+    for (p = 0; p < L; p++) s[p] *= inv;
+}
+
+/* out_g[c:c+16] = sum_p w[g * L + p] * v_p[c:c+16] for G heads at once (G a compile-time
+   constant in each instantiation: 2G accumulators and G weights stay in registers). */
+static inline __attribute__((always_inline)) void values_impl(
+    const float *w, const float *v_cache, const int32_t *table, int L, int S, long row,
+    long head_off, int D, float *out, long out_stride_h, const int G) {
+    for (int c = 0; c < D; c += 16) {
+        __m256 lo[MAX_G], hi[MAX_G];
+        for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+        for (int p0 = 0; p0 < L; p0 += S) {
+            const float *v = v_cache + (long)table[p0 / S] * S * row + head_off + c;
+            const int n = L - p0 < S ? L - p0 : S;
+            for (int j = 0; j < n; j++) {
+                const __m256 v0 = _mm256_loadu_ps(v + j * row), v1 = _mm256_loadu_ps(v + j * row + 8);
+                for (int g = 0; g < G; g++) {
+                    const __m256 wg = _mm256_broadcast_ss(w + (long)g * L + p0 + j);
+                    lo[g] = _mm256_fmadd_ps(wg, v0, lo[g]);
+                    hi[g] = _mm256_fmadd_ps(wg, v1, hi[g]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(out + g * out_stride_h + c, lo[g]);
+            _mm256_storeu_ps(out + g * out_stride_h + c + 8, hi[g]);
+        }
+    }
+}
+
+static void values_pass(const float *w, int G, const float *v_cache, const int32_t *table, int L,
+                        int S, int Hkv, int kvh, int D, float *out, long out_stride_h) {
+    const long row = (long)Hkv * D, off = (long)kvh * D;
+#define VALUES_CASE(n) case n: values_impl(w, v_cache, table, L, S, row, off, D, out, out_stride_h, n); break;
+    switch (G) {
+        VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4)
+        VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7) VALUES_CASE(8)
+        default: values_impl(w, v_cache, table, L, S, row, off, D, out, out_stride_h, G);
+    }
+#undef VALUES_CASE
+}
+
+/* q: [B, H, D] with strides (q_stride_b, q_stride_h, 1); out: [B, H, D] contiguous.
+   Returns 0, -1 on bad arguments, -2 when out of memory. */
+int di_paged_decode_attention(const float *q, long q_stride_b, long q_stride_h,
+                              const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, int max_blocks,
+                              const int32_t *context_lens, float *out, int B, int H, int Hkv,
+                              int D, int S, float scale, int num_threads) {
+    if (B < 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || D % 16 != 0 || D > MAX_D ||
+        D <= 0 || S <= 0) {
+        return -1;
+    }
+    for (int b = 0; b < B; b++) {
+        if (context_lens[b] <= 0 || context_lens[b] > max_blocks * S) return -1;
+    }
+    const int G = H / Hkv;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int task = 0; task < B * Hkv; task++) {
+        const int b = task / Hkv, kvh = task % Hkv;
+        const int L = context_lens[b];
+        float *scores = malloc(sizeof(float) * (size_t)G * L);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        const int32_t *table = block_tables + (long)b * max_blocks;
+        const float *qh = q + b * q_stride_b + (long)kvh * G * q_stride_h;
+        scores_pass(qh, q_stride_h, G, k_cache, table, L, S, Hkv, kvh, D, scale, scores);
+        for (int g = 0; g < G; g++) softmax(scores + (long)g * L, L);
+        values_pass(scores, G, v_cache, table, L, S, Hkv, kvh, D,
+                    out + ((long)b * H + (long)kvh * G) * D, D);
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

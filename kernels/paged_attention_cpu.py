@@ -1,0 +1,142 @@
+"""Paged attention for the `cpu` backend: single-query requests (decode) through the native
+kernel (`cpu/paged_attention.c`), which reads K/V straight from the paged caches instead of
+gathering a padded copy as the torch path does; prompt chunks through the torch reference.
+
+Same signatures as the references in `paged_attention_torch`. The planner returns the torch
+plan (and the functions the torch path) wherever the native kernel does not apply: caches not
+float32 or not on CPU, head sizes it does not take, or no native library here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_native import native_available, native_library
+from .paged_attention_torch import (
+    NativeDecodePlan,
+    PagedAttentionPlan,
+    attend_multi_token_queries,
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+    plan_paged_attention_reference,
+)
+
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+
+
+def native_decode_applies(k_cache: torch.Tensor, num_heads: int | None = None) -> bool:
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and head_dim % 16 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and (num_heads is None or (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP))
+        and native_available()
+    )  # fmt: skip
+
+
+def plan_paged_attention_cpu(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+) -> PagedAttentionPlan:
+    if not native_decode_applies(k_cache):
+        return plan_paged_attention_reference(block_tables, query_start_loc, context_lens, k_cache)
+    starts: list[int] = query_start_loc.tolist()
+    lens: list[int] = context_lens.tolist()
+    single = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if not single:
+        return PagedAttentionPlan(starts, lens, single, None)
+    tables, ctx = block_tables.to(torch.int32), context_lens.to(torch.int32)
+    if len(single) == len(lens):  # T == B: q's rows are the requests
+        native = NativeDecodePlan(None, tables.contiguous(), ctx.contiguous())
+    else:
+        index = torch.tensor(single)
+        native = NativeDecodePlan(
+            torch.tensor([starts[b] for b in single]),
+            tables.index_select(0, index).contiguous(),
+            ctx.index_select(0, index).contiguous(),
+        )
+    return PagedAttentionPlan(starts, lens, single, None, native)
+
+
+def _attend_native(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: NativeDecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [Bs, H, D], the plan's rows of q attended
+    rows = q if plan.rows is None else q.index_select(0, plan.rows)
+    if rows.stride(2) != 1:
+        rows = rows.contiguous()
+    batch, num_heads, head_dim = rows.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+        raise ValueError("the native kernel needs matching contiguous K and V caches")
+    out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
+    if batch:
+        tables = plan.block_tables
+        native_library().paged_decode_attention(
+            rows.data_ptr(), rows.stride(0), rows.stride(1), k_cache.data_ptr(),
+            v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            plan.context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
+            head_dim, block_size, scale, torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    *,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if plan is None and native_decode_applies(k_cache, q.shape[1]) and q.dtype == torch.float32:
+        starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        plan = plan_paged_attention_cpu(block_tables, starts, context_lens, k_cache)
+    if plan is None or plan.native is None or q.dtype != torch.float32:
+        return paged_decode_attention_reference(
+            q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan
+        )
+    return _attend_native(q, k_cache, v_cache, plan.native, scale)
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    if plan is None:
+        plan = plan_paged_attention_cpu(block_tables, query_start_loc, context_lens, k_cache)
+    if plan.native is None or q.dtype != torch.float32:
+        if plan.native is not None:  # a native plan for a query it cannot take: plan again
+            plan = plan_paged_attention_reference(
+                block_tables, query_start_loc, context_lens, k_cache
+            )
+        return paged_prefill_attention_reference(
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, plan=plan
+        )
+    out = torch.empty(q.shape, dtype=q.dtype)
+    attended = _attend_native(q, k_cache, v_cache, plan.native, scale)
+    if plan.native.rows is None:
+        out.copy_(attended)
+    else:
+        out.index_copy_(0, plan.native.rows, attended)
+    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out)

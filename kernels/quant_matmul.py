@@ -1,0 +1,110 @@
+"""Linear layers over GGUF block-quantized weights (Q4_1, Q8_0), kept quantized in memory.
+
+A quantized weight is its file's blocks, row by row: `blocks` is `uint8 [N, K / 32 * B]` with
+B = 20 bytes for Q4_1 (fp16 d, fp16 m, 16 bytes of nibbles) and 34 for Q8_0 (fp16 d, 32 int8).
+`quant_linear` multiplies by it on CPU through the native AVX2 kernel (`cpu/quant_gemm.c`), which
+dequantizes tiles of rows on the fly: the weights read per step are 4-7x smaller than fp32, and
+the values multiplied are exactly `dequantize_reference`'s. `quant_linear_reference` is the
+plain-torch path and the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .cpu_native import native_library
+
+QK = 32
+"""Weights per block."""
+
+
+class QuantFormat(enum.IntEnum):
+    """Block formats, numbered as the native kernel expects."""
+
+    Q4_1 = 0
+    Q8_0 = 1
+
+    @property
+    def block_bytes(self) -> int:
+        return 20 if self is QuantFormat.Q4_1 else 34
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [out_features, in_features] weight as contiguous blocks, row after row."""
+
+    fmt: QuantFormat
+    blocks: torch.Tensor  # uint8 [out_features, in_features / 32 * block_bytes], contiguous CPU
+    in_features: int
+
+    def __post_init__(self) -> None:
+        b = self.blocks
+        if self.in_features <= 0 or self.in_features % QK:
+            raise ValueError(f"in_features must be a positive multiple of {QK}")
+        row = self.in_features // QK * self.fmt.block_bytes
+        if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != row or not b.is_contiguous():
+            raise ValueError(
+                f"{self.fmt.name} blocks must be contiguous uint8 [N, {row}], got "
+                f"{b.dtype} {tuple(b.shape)}"
+            )
+
+    @property
+    def out_features(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Row-wise concatenation (fused projections); formats and widths must agree."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.in_features != first.in_features for p in parts):
+            raise ValueError("fused quantized weights must share their format and width")
+        blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else first.blocks
+        return QuantizedWeight(first.fmt, blocks, first.in_features)
+
+
+def dequantize_reference(w: QuantizedWeight) -> torch.Tensor:  # float32 [N, K]
+    """The fp32 weights, computed as gguf-py computes them (a multiply, then the add)."""
+    n, nb = w.out_features, w.in_features // QK
+    raw = w.blocks.view(n, nb, w.fmt.block_bytes)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    if w.fmt is QuantFormat.Q8_0:
+        q = raw[..., 2:].contiguous().view(torch.int8).float()  # [N, nb, 32]
+        return (d * q).reshape(n, w.in_features)
+    m = raw[..., 2:4].contiguous().view(torch.float16).float()
+    qs = raw[..., 4:]  # [N, nb, 16]: low nibbles are weights 0-15, high nibbles 16-31
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    return (d * q + m).reshape(n, w.in_features)
+
+
+def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    return x.float() @ dequantize_reference(w).t()
+
+
+def quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
+    """x @ W^T on CPU through the native kernel, on the calling thread's torch thread count.
+
+    Raises `NativeUnavailableError` when the kernel cannot be built here (check once, at load,
+    with `native_library()`). Every output is reduced in one fixed order whatever M is.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"quant_linear takes float32 CPU [M, K] inputs, got {x.dtype} {x.shape}")
+    if x.shape[1] != w.in_features:
+        raise ValueError(
+            f"cannot multiply {tuple(x.shape)} by a [{w.out_features}, {w.in_features}] weight"
+        )
+    x = x.contiguous()
+    m, n = x.shape[0], w.out_features
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m:
+        native_library().gemm(
+            int(w.fmt), w.blocks.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return y

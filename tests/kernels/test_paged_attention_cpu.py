@@ -1,0 +1,103 @@
+"""The `cpu` backend's paged attention (native decode kernel, kernels/cpu/paged_attention.c)
+against the float64 torch reference, on caches that are NaN wherever no token was written (a
+key read past a context, or from the wrong block, poisons the output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.paged_attention_cpu import (
+    native_decode_applies,
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    plan_paged_attention_cpu,
+)
+from deepinfer.kernels.paged_attention_torch import (
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+)
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
+
+
+def _caches(
+    lens: list[int], block_size: int, kv_heads: int, dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 (k_cache, v_cache, block_tables): shuffled blocks, random K/V, NaN elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    per_request = [-(-n // block_size) for n in lens]
+    num_blocks = 1 + sum(per_request)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    tables = torch.zeros(len(lens), max(per_request) + 1, dtype=torch.int32)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    for b, n in enumerate(lens):
+        blocks = [free.pop() for _ in range(per_request[b])]
+        tables[b, : len(blocks)] = torch.tensor(blocks)
+        for cache in (k_cache, v_cache):
+            rows = cache.view(-1, kv_heads, dim)
+            slots = torch.tensor(
+                [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+            )
+            rows[slots] = torch.randn(n, kv_heads, dim, generator=gen)
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize(
+    ("group", "dim", "block_size"),
+    [(3, 64, 16), (1, 64, 16), (4, 128, 16), (3, 64, 5), (10, 32, 16), (2, 16, 3)],
+)
+def test_decode_matches_float64_reference(group: int, dim: int, block_size: int) -> None:
+    lens = [1, 3, 4, 17, 300, 61, 5, 129]
+    kv_heads = 2
+    k_cache, v_cache, tables = _caches(lens, block_size, kv_heads, dim, seed=group * dim)
+    assert native_decode_applies(k_cache, kv_heads * group)
+    # q as a strided view of fused QKV rows, as the model passes it
+    qkv = torch.randn(len(lens), (kv_heads * group + 2 * kv_heads) * dim)
+    q = qkv[:, : kv_heads * group * dim].view(len(lens), kv_heads * group, dim)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, context_lens, 0.3)
+    want = paged_decode_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, context_lens, 0.3
+    )
+    assert got.dtype == torch.float32 and not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+
+
+def test_mixed_step_native_decodes_and_torch_chunks() -> None:
+    """Single-query rows (native) next to prompt chunks and an empty request (torch)."""
+    requests = [(300, 1), (40, 7), (5, 0), (600, 1), (33, 33), (17, 1)]  # (context, new tokens)
+    lens = [n for n, _ in requests]
+    k_cache, v_cache, tables = _caches(lens, 16, 3, 64, seed=7)
+    q_lens = torch.tensor([0] + [t for _, t in requests])
+    starts = q_lens.cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), 9, 64)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = plan_paged_attention_cpu(tables, starts, context_lens, k_cache)
+    assert plan.native is not None and plan.decode is None and plan.single_query == [0, 3, 5]
+    got = paged_prefill_attention_cpu(
+        q, k_cache, v_cache, tables, starts, context_lens, 0.125, plan=plan
+    )
+    want = paged_prefill_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, starts, context_lens, 0.125
+    )
+    for b, (_, t) in enumerate(requests):
+        lo, hi = int(starts[b]), int(starts[b + 1])
+        if t:
+            torch.testing.assert_close(got[lo:hi].double(), want[lo:hi], atol=2e-5, rtol=2e-5)
+
+
+def test_other_dtypes_take_the_torch_path() -> None:
+    k_cache, v_cache, tables = _caches([20, 9], 16, 2, 64, seed=3)
+    k64, v64 = k_cache.double(), v_cache.double()
+    assert not native_decode_applies(k64)
+    starts = torch.arange(3, dtype=torch.int32)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    plan = plan_paged_attention_cpu(tables, starts, lens, k64)
+    assert plan.native is None and plan.decode is not None
+    q = torch.randn(2, 4, 64, dtype=torch.float64)
+    got = paged_decode_attention_cpu(q, k64, v64, tables, lens, 0.125, plan=plan)
+    assert torch.equal(got, paged_decode_attention_reference(q, k64, v64, tables, lens, 0.125))

@@ -1,0 +1,133 @@
+"""Serving a GGUF file's Q4_1/Q8_0 matrices in their blocks (native kernel) on a tiny model
+written here: logits match transformers run on gguf-py's dequantization of the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
+from test_model_gguf_loader import HF_TO_GGUF, llama_cpp_permute
+
+from deepinfer.errors import ModelLoadError
+from deepinfer.kernels.cpu_native import native_available
+from deepinfer.model import load_model, model_fingerprint
+
+transformers = pytest.importorskip("transformers")
+needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
+
+CONFIG = dict(
+    vocab_size=67,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=5000.0,
+)
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+
+
+def _quantized(
+    array: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, np.ndarray]:
+    blocks = gguf.quants.quantize(array, qtype)
+    return blocks, gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+
+
+def write_quantized_gguf(path: Path, hf_model: Any, tie: bool) -> None:
+    """Matrices in Q4_1, the embedding in Q8_0; the HF model gets the dequantized values."""
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(CONFIG["rope_theta"])
+    state = hf_model.state_dict()
+    for name, tensor in state.items():
+        array = tensor.float().numpy().copy()
+        if name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+            continue
+        if name == "lm_head.weight" and tie:
+            continue
+        if name.endswith("norm.weight"):
+            _, _, layer, rest = name.split(".", 3)
+            writer.add_tensor(f"blk.{layer}.{HF_TO_GGUF[rest]}", array)
+            continue
+        qtype = Q8_0 if name == "model.embed_tokens.weight" else Q4_1
+        blocks, dequantized = _quantized(array, qtype)
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(dequantized))
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{HF_TO_GGUF[rest]}"
+            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+            for proj, n in heads.items():
+                if proj in rest:  # whole rows of blocks move, as whole rows of weights would
+                    blocks = llama_cpp_permute(blocks, n)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "separate-head"])
+def quantized_gguf(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Any]:
+    torch.manual_seed(5)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**CONFIG, tie_word_embeddings=request.param)
+    ).eval()
+    path = tmp_path_factory.mktemp("qgguf") / "tiny-q.gguf"
+    write_quantized_gguf(path, hf_model, request.param)
+    return path, hf_model
+
+
+def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    bind_fresh_caches(model, num_blocks=32, block_size=4)
+    (got,) = run_step(model, SequentialBlocks(4), [(0, prompt, 0)], all_rows=True)
+    return got
+
+
+@needs_native
+def test_quantized_matmul_matches_transformers(quantized_gguf: Any) -> None:
+    path, hf_model = quantized_gguf
+    loaded = load_model(path, torch.float32, "cpu", quantized_matmul="on")
+    assert loaded.quantized_bytes > 0
+    assert loaded.model.lm_head_quantized is not None  # type: ignore[attr-defined]
+    prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0]
+    got = _logits(loaded.model, prompt)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    plain = load_model(path, torch.float32, "cpu", quantized_matmul="off")
+    assert plain.quantized_bytes == 0
+    torch.testing.assert_close(_logits(plain.model, prompt), got, atol=1e-4, rtol=0)
+    # KV computed by one is not served to the other
+    assert model_fingerprint(loaded, torch.float32, 16) != model_fingerprint(
+        plain, torch.float32, 16
+    )
+
+
+def test_on_refuses_where_the_kernel_cannot_run(quantized_gguf: Any) -> None:
+    path, _ = quantized_gguf
+    with pytest.raises(ModelLoadError, match="quantized-matmul on"):
+        load_model(path, torch.bfloat16, "cpu", quantized_matmul="on")
+    assert load_model(path, torch.bfloat16, "cpu").quantized_bytes == 0  # auto: fp weights
