@@ -53,8 +53,8 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: Path, arch: str, hf_model: Any, tie: bool) -> None:
-    cfg = hf_model.config
+def gguf_writer(path: Path, arch: str, cfg: Any, rope_theta: float) -> gguf.GGUFWriter:
+    """A writer with the architecture metadata of a transformers config."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -63,7 +63,13 @@ def write_gguf(path: Path, arch: str, hf_model: Any, tie: bool) -> None:
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(CONFIG["rope_theta"])
+    writer.add_rope_freq_base(rope_theta)
+    return writer
+
+
+def write_gguf(path: Path, arch: str, hf_model: Any, tie: bool) -> None:
+    cfg = hf_model.config
+    writer = gguf_writer(path, arch, cfg, CONFIG["rope_theta"])
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy().copy()
         if name == "model.embed_tokens.weight":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
-from test_model_gguf_loader import HF_TO_GGUF, llama_cpp_permute
+from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
@@ -44,15 +44,7 @@ def _quantized(
 def write_quantized_gguf(path: Path, hf_model: Any, tie: bool) -> None:
     """Matrices in Q4_1, the embedding in Q8_0; the HF model gets the dequantized values."""
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(CONFIG["rope_theta"])
+    writer = gguf_writer(path, "llama", cfg, CONFIG["rope_theta"])
     state = hf_model.state_dict()
     for name, tensor in state.items():
         array = tensor.float().numpy().copy()
