@@ -271,11 +271,15 @@ def run_llama(args: argparse.Namespace) -> Scenario | None:
     port = free_port()
     slots = args.concurrency or args.sessions
     cmd = llama_cmd(binary, default_model_path(), port, slots, args.llama_ctx_per_slot)
-    with running(cmd, port, OUT / "prefix_cache_llama.log") as url:
-        target = Target(url, {"cache_prompt": True}, has_metrics=False)
-        llama = asyncio.run(
-            run_sessions(target, fresh_histories(args.sessions), range(args.turns), args, "llama-server")
-        )  # fmt: skip
+    try:
+        with running(cmd, port, OUT / "prefix_cache_llama.log") as url:
+            target = Target(url, {"cache_prompt": True}, has_metrics=False)
+            llama = asyncio.run(
+                run_sessions(target, fresh_histories(args.sessions), range(args.turns), args, "llama-server")
+            )  # fmt: skip
+    except (httpx.HTTPError, RuntimeError) as exc:  # the peer failing must not lose our figures
+        print(f"llama-server run failed ({exc!r}); see {OUT / 'prefix_cache_llama.log'}")
+        return None
     report(llama)
     return llama
 

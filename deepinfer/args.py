@@ -49,7 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--threads", type=int, default=None, help="torch threads for forward passes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-memory-gb", type=float, default=1.0, help="memory budget of the KV pool")
+    g.add_argument(
+        "--kv-memory-gb",
+        type=float,
+        default=None,
+        help="memory budget of the KV pool (default: CPU a quarter of RAM up to 4, CUDA 1)",
+    )
     g.add_argument("--num-blocks", type=int, default=None, help="exact KV block count")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -172,7 +177,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         ),
         cache=CacheConfig(
             block_size=ns.block_size,
-            kv_memory_bytes=int(ns.kv_memory_gb * (1 << 30)),
+            kv_memory_bytes=None if ns.kv_memory_gb is None else int(ns.kv_memory_gb * (1 << 30)),
             num_blocks=ns.num_blocks,
             enable_prefix_caching=not ns.no_prefix_caching,
         ),

@@ -63,8 +63,10 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
-    kv_memory_bytes: int = 1 << 30
-    """Memory budget for the device KV pool; the number of blocks follows from it."""
+    kv_memory_bytes: int | None = None
+    """Memory budget for the device KV pool; the number of blocks follows from it. None: on CPU
+    a quarter of the machine's memory, at most 4 GiB (the pool lives in RAM beside everything
+    else); on CUDA 1 GiB."""
     num_blocks: int | None = None
     """Exact number of KV blocks (overrides the byte budget; tests use it)."""
     enable_prefix_caching: bool = True

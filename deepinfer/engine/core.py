@@ -8,6 +8,7 @@ call `step()` directly.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,10 +113,26 @@ def _build_scheduler(
     )
 
 
-def _num_blocks(config: Config, bytes_per_block: int) -> int:
+CPU_KV_MEMORY_CAP = 4 << 30
+"""Default KV pool on CPU: a quarter of physical memory, at most this."""
+
+
+def _kv_memory_bytes(config: Config, device: torch.device) -> int:
+    if config.cache.kv_memory_bytes is not None:
+        return config.cache.kv_memory_bytes
+    if device.type != "cpu":
+        return 1 << 30
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not every platform reports it
+        return 1 << 30
+    return max(1 << 30, min(CPU_KV_MEMORY_CAP, physical // 4))
+
+
+def _num_blocks(config: Config, bytes_per_block: int, device: torch.device) -> int:
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
-    return max(2, config.cache.kv_memory_bytes // bytes_per_block)
+    return max(2, _kv_memory_bytes(config, device) // bytes_per_block)
 
 
 class EngineCore:
@@ -132,7 +149,7 @@ class EngineCore:
         self.tokenizer = _build_tokenizer(loaded, path)
         self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
         block_size = config.cache.block_size
-        num_blocks = _num_blocks(config, kv_bytes_per_block(loaded.arch, block_size, dtype))
+        num_blocks = _num_blocks(config, kv_bytes_per_block(loaded.arch, block_size, dtype), device)
         model = loaded.model
         self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
         model.bind_kv_caches(self.kv_caches)

@@ -113,6 +113,12 @@ class DiskTier:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+            with self._count_lock:
+                c = dict(self._counts)
+            logger.info(
+                "disk cache closed: %d blocks written, %d offers dropped, %d bytes still queued",
+                c["writes"], c["dropped"], self._queue.pending_bytes,
+            )  # fmt: skip
         with self._write_lock:
             if self._store is not None:
                 self._store.close()
