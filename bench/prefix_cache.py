@@ -354,10 +354,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight (0: sessions)")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument(
+        "--llama-only", action="store_true", help="only the llama-server scenario (its row)"
+    )
     ap.add_argument("--llama-ctx-per-slot", type=int, default=4096)
     ap.add_argument("--deepinfer-args", default="", help="extra flags for server.py")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.llama_only:
+        llama_row = run_llama(args)
+        if llama_row is not None:
+            (OUT / "prefix_cache_llama.json").write_text(json.dumps(llama_row.row(), indent=1))
+        return
     with tempfile.TemporaryDirectory(prefix="deepinfer-prefix-bench-") as work:
         scenarios = run_deepinfer(args, Path(work))
     llama = run_llama(args)
