@@ -4,7 +4,7 @@ After the model is loaded (fp32 weights, exactly the file's values), `quantize_l
 linear layer whose source tensors are all Q4_1 or Q8_0 its blocks instead, and the tied or
 separate LM head too, then drops the fp32 copies. The kernel multiplies by the same fp32 values
 (dequantized on the fly), reading 4-7x fewer bytes per step; only the order of each dot product's
-sum differs from BLAS. `quantized_matmul_mode` decides, per the config's `auto|on|off`.
+sum differs from BLAS. `quantized_matmul_wanted` decides, per the config's `auto|on|off`.
 """
 
 from __future__ import annotations
