@@ -149,9 +149,21 @@ async def one_turn(
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True},
             **target.extra_body}  # fmt: skip
-    start = time.perf_counter()
+    for attempt in range(3):
+        start = time.perf_counter()
+        try:
+            return await _stream_turn(client, f"{target.url}/v1/chat/completions", body, start)
+        except httpx.RemoteProtocolError:  # a kept-alive connection the server had just closed
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _stream_turn(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], start: float
+) -> tuple[float, str, dict[str, Any]]:
     ttft, pieces, usage = float("nan"), list[str](), dict[str, Any]()
-    async with client.stream("POST", f"{target.url}/v1/chat/completions", json=body) as resp:
+    async with client.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
