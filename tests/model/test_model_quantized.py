@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
+from test_model_gguf_loader import CONFIG as BASE_CONFIG
 from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
 
 from deepinfer.errors import ModelLoadError
@@ -20,17 +21,8 @@ from deepinfer.model import load_model, model_fingerprint
 transformers = pytest.importorskip("transformers")
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
 
-CONFIG = dict(
-    vocab_size=67,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    rope_theta=5000.0,
-)
+# rows of whole 32-weight blocks: every matrix's width is a multiple of 32
+CONFIG = {**BASE_CONFIG, "vocab_size": 67, "hidden_size": 64, "intermediate_size": 96}
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 
 
