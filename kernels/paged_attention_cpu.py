@@ -71,11 +71,17 @@ def _attend_native(
     plan: NativeDecodePlan,
     scale: float,
 ) -> torch.Tensor:  # [Bs, H, D], the plan's rows of q attended
+    """The kernel where it applies to these queries (float32, at most MAX_GROUP query heads per
+    KV head), else the torch reference on the same rows."""
     rows = q if plan.rows is None else q.index_select(0, plan.rows)
-    if rows.stride(2) != 1:
-        rows = rows.contiguous()
     batch, num_heads, head_dim = rows.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.dtype != torch.float32 or not native_decode_applies(k_cache, num_heads):
+        return paged_decode_attention_reference(
+            rows, k_cache, v_cache, plan.block_tables, plan.context_lens, scale
+        )
+    if rows.stride(2) != 1:
+        rows = rows.contiguous()
     if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
         raise ValueError("the native kernel needs matching contiguous K and V caches")
     out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
@@ -102,10 +108,10 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:  # [B, H, D]
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    if plan is None and native_decode_applies(k_cache, q.shape[1]) and q.dtype == torch.float32:
+    if plan is None:
         starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
         plan = plan_paged_attention_cpu(block_tables, starts, context_lens, k_cache)
-    if plan is None or plan.native is None or q.dtype != torch.float32:
+    if plan.native is None:  # the caches are not the kernel's: the torch plan and path
         return paged_decode_attention_reference(
             q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan
         )
@@ -125,11 +131,7 @@ def paged_prefill_attention_cpu(
 ) -> torch.Tensor:  # [T, H, D]
     if plan is None:
         plan = plan_paged_attention_cpu(block_tables, query_start_loc, context_lens, k_cache)
-    if plan.native is None or q.dtype != torch.float32:
-        if plan.native is not None:  # a native plan for a query it cannot take: plan again
-            plan = plan_paged_attention_reference(
-                block_tables, query_start_loc, context_lens, k_cache
-            )
+    if plan.native is None:
         return paged_prefill_attention_reference(
             q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, plan=plan
         )

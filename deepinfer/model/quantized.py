@@ -56,11 +56,11 @@ def quantize_linears(model: nn.Module, source: GGUFTensorSource, num_layers: int
             if weight is not None and isinstance(module, Linear):
                 module.quantize(weight)
                 total += weight.nbytes
-    head_name = "embed_tokens.weight" if getattr(model, "lm_head", None) is None else None
-    head = source.load_quantized(head_name or "lm_head.weight")
+    tied = getattr(model, "lm_head", None) is None
+    head = source.load_quantized("embed_tokens.weight" if tied else "lm_head.weight")
     if head is not None:
         setattr(model, "lm_head_quantized", head)  # noqa: B010 (any model with the attribute)
-        if head_name is None:  # a separate head: its fp32 copy is no longer read
+        if not tied:  # a separate head: its fp32 copy is no longer read
             setattr(model, "lm_head", None)  # noqa: B010
         total += head.nbytes
     return total

@@ -101,3 +101,20 @@ def test_other_dtypes_take_the_torch_path() -> None:
     q = torch.randn(2, 4, 64, dtype=torch.float64)
     got = paged_decode_attention_cpu(q, k64, v64, tables, lens, 0.125, plan=plan)
     assert torch.equal(got, paged_decode_attention_reference(q, k64, v64, tables, lens, 0.125))
+
+
+def test_queries_the_kernel_cannot_take_fall_back_to_torch() -> None:
+    """More query heads per KV head than the kernel takes (20 > 16): the same rows, by torch."""
+    lens = [7, 40]
+    k_cache, v_cache, tables = _caches(lens, 16, 1, 32, seed=9)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = plan_paged_attention_cpu(
+        tables, torch.arange(3, dtype=torch.int32), context_lens, k_cache
+    )
+    assert plan.native is not None and not native_decode_applies(k_cache, 20)
+    q = torch.randn(2, 20, 32)
+    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, context_lens, 0.2, plan=plan)
+    want = paged_decode_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, context_lens, 0.2
+    )
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
