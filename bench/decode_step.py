@@ -5,6 +5,7 @@ times `core.step()` over N pure-decode steps (greedy, ignore_eos) for each batch
 prints the top ops by self CPU time plus the phases of a step (recorded as profiler ranges).
 
     python3 -m bench.decode_step --batch 1 8 32 --steps 20 --profile-steps 5
+    python3 -m bench.decode_step --device cuda --dtype bfloat16 --batch 1 8 32 64
 """
 
 from __future__ import annotations
@@ -56,17 +57,22 @@ def instrument(core: EngineCore) -> None:
                 setattr(owner, attr, _ranged(name, getattr(owner, attr)))
 
 
-def make_core(max_seqs: int, threads: int | None, quantized_matmul: str = "auto") -> EngineCore:
+def make_core(
+    max_seqs: int,
+    threads: int | None,
+    quantized_matmul: str = "auto",
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> EngineCore:
+    from deepinfer.config import RuntimeConfig
+
     config = Config(
-        model=ModelConfig(dtype="float32", quantized_matmul=quantized_matmul),  # type: ignore[arg-type]
+        model=ModelConfig(dtype=dtype, quantized_matmul=quantized_matmul),  # type: ignore[arg-type]
         cache=CacheConfig(num_blocks=max_seqs * 64 + 64, enable_prefix_caching=False),
         disk_cache=DiskCacheConfig(enabled=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
+        runtime=RuntimeConfig(device=device, num_threads=threads),
     )
-    if threads is not None:
-        from deepinfer.config import RuntimeConfig
-
-        config = config.replace(runtime=RuntimeConfig(num_threads=threads))
     return EngineCore(config)
 
 
@@ -128,13 +134,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--quantized-matmul", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
     ns = parser.parse_args()
-    core = make_core(max(ns.batch), ns.threads, ns.quantized_matmul)
+    core = make_core(max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype)
     instrument(core)
     rng = random.Random(ns.seed)
     quantized = core.info.quantized_bytes
+    info = core.info
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, {info.device} {str(info.dtype).removeprefix('torch.')}, "
+        f"attention {info.attention_backend}, {torch.get_num_threads()} threads, "
         f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"
     )
     for batch in ns.batch:

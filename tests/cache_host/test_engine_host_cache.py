@@ -1,10 +1,11 @@
-"""The host tier through the engine, on a tiny random Llama with the real tokenizer (CPU, the tier
-forced on): greedy output is the same cold and when served from host memory after the device
+"""The host tier through the engine, on a tiny random Llama with the real tokenizer (CPU with the
+tier forced on; on a GPU machine `DEEPINFER_TEST_DEVICE=cuda` runs it with page-locked copies): greedy output is the same cold and when served from host memory after the device
 blocks were evicted, and cached tokens are reported by the tier that served them (host, then disk
 for the blocks after the host hit), in `Usage` and in the Prometheus metrics."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from deepinfer.engine.types import Usage
 from deepinfer.request import SamplingParams
 
 BLOCK = 16
+DEVICE = os.environ.get("DEEPINFER_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -45,7 +47,7 @@ def _config(model_dir: Path, cache_dir: Path, host: HostCacheMode, disk: bool) -
         cache=CacheConfig(num_blocks=24, block_size=BLOCK),  # 23 usable: fillers evict
         disk_cache=DiskCacheConfig(enabled=disk, cache_dir=cache_dir),
         host_cache=HostCacheConfig(enabled=host),
-        runtime=RuntimeConfig(device="cpu"),
+        runtime=RuntimeConfig(device=DEVICE),
     )
 
 
@@ -84,8 +86,9 @@ def _metric(metrics: ApiMetrics, name: str, labels: str = "") -> float:
     raise AssertionError(f"{line!r} not exported")
 
 
-def test_auto_is_off_on_cpu_and_on_forces_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    assert EngineCore(_config(tiny_model_dir, tmp_path, "auto", disk=False)).host is None
+def test_auto_is_on_with_cuda_only_and_on_forces_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    auto = EngineCore(_config(tiny_model_dir, tmp_path, "auto", disk=False)).host
+    assert (auto is not None) == (DEVICE != "cpu")
     core = EngineCore(_config(tiny_model_dir, tmp_path, "on", disk=False))
     assert core.host is not None and core.kv.track_new_blocks
     head_dim = HIDDEN // HEADS

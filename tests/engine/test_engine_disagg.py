@@ -76,7 +76,8 @@ async def test_long_prompt_does_not_stall_streams() -> None:
             await asyncio.gather(*streams, return_exceptions=True)
     baseline = _gaps(arrivals, t_long - BASELINE_S + 2.0, t_long)
     during = _gaps(arrivals, t_long, t_first)
-    assert len(baseline) > 40 and len(during) > 100, (len(baseline), len(during))
+    # a GPU prefills the prompt in well under a second: fewer gaps fall inside it than on CPU
+    assert len(baseline) > 40 and len(during) > 40, (len(baseline), len(during))
     ratio = _p99(during) / _p99(baseline)
     print(
         f"ITL p99 baseline {_p99(baseline) * 1e3:.0f} ms, during the 6k prefill "

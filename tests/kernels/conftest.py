@@ -1,9 +1,14 @@
-"""Shared fixtures for the kernel tests: interpreter check, fresh seeds, dtype tolerances."""
+"""Shared fixtures for the kernel tests: interpreter check, fresh seeds, dtype tolerances.
+
+The Triton kernel tests run on CPU tensors through Triton's interpreter. On a GPU machine,
+`DEEPINFER_TEST_DEVICE=cuda TRITON_INTERPRET=0` runs the same tests compiled for the GPU: every
+tensor a test makes lands there (torch's default device), references included.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -26,12 +31,28 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 """(atol, rtol) against a float64 reference; bf16 allows for the interpreter truncating on casts."""
 
 
+DEVICE = os.environ.get("DEEPINFER_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(autouse=True)
-def _interpreted_kernels() -> None:
+def _kernel_device() -> Iterator[None]:
+    """CPU tensors through the interpreter, or (DEEPINFER_TEST_DEVICE=cuda) compiled on the GPU."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    if os.environ.get("TRITON_INTERPRET") != "1" or not all(map(is_interpreted, _KERNELS)):
-        pytest.skip("kernels were imported without TRITON_INTERPRET=1; see tests/conftest.py")
+    if DEVICE == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1" or not all(map(is_interpreted, _KERNELS)):
+            pytest.skip("kernels were imported without TRITON_INTERPRET=1; see tests/conftest.py")
+        yield
+        return
+    if not torch.cuda.is_available():
+        pytest.skip(f"DEEPINFER_TEST_DEVICE={DEVICE}, but no CUDA device is available")
+    if any(map(is_interpreted, _KERNELS)):
+        pytest.skip("kernels were imported for the interpreter: run with TRITON_INTERPRET=0")
+    torch.set_default_device(DEVICE)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ Close = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
 def test_apply_rotary(
     assert_close: Close, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, dim: int
 ) -> None:
-    cos_sin = rotary_cos_sin(dim, 4096, 100000.0)
+    cos_sin = rotary_cos_sin(dim, 4096, 100000.0, torch.get_default_device())
     positions = torch.randint(0, 4096, (tokens,))
     # q and k are views into one fused QKV buffer, as the model produces them.
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)
@@ -35,10 +35,11 @@ def test_apply_rotary(
 
 
 def test_rotary_validation() -> None:
-    cos_sin = rotary_cos_sin(16, 8, 10000.0)
+    device = torch.get_default_device()
+    cos_sin = rotary_cos_sin(16, 8, 10000.0, device)
     q, k, positions = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.arange(3)
     with pytest.raises(KernelInputError, match="cos_sin must be"):
-        apply_rotary(q, k, positions, rotary_cos_sin(32, 8, 10000.0))
+        apply_rotary(q, k, positions, rotary_cos_sin(32, 8, 10000.0, device))
     with pytest.raises(KernelInputError, match="cos_sin must have dtype"):
         apply_rotary(q, k, positions, cos_sin.double())
     with pytest.raises(KernelInputError, match="one entry per token"):

@@ -28,9 +28,15 @@ class SequentialBlocks:
         return list(blocks)
 
 
+def _device(model: Any) -> torch.device:
+    return model.embed_tokens.weight.device  # type: ignore[no-any-return]
+
+
 def bind_fresh_caches(model: Any, num_blocks: int, block_size: int) -> None:
+    """Fresh paged caches on the model's own device (CPU, or CUDA when a test puts it there)."""
     dtype = model.embed_tokens.weight.dtype
-    model.bind_kv_caches(allocate_kv_caches(model.arch, num_blocks, block_size, dtype, "cpu"))
+    caches = allocate_kv_caches(model.arch, num_blocks, block_size, dtype, _device(model))
+    model.bind_kv_caches(caches)
 
 
 def run_step(
@@ -42,15 +48,18 @@ def run_step(
     """One forward over (request, token_ids, start_position) pieces; logits per piece.
 
     With `all_rows` every token's logits come back ([n, V] per piece); else the last token's ([V]).
+    Logits come back on the CPU, whatever the model's device.
     """
     chunks = [
         BatchChunk(tokens, start, blocks.table(req, start + len(tokens)))
         for req, tokens, start in pieces
     ]
-    batch = build_forward_batch(chunks, blocks.block_size)
+    device = _device(model)
+    batch = build_forward_batch(chunks, blocks.block_size, device)
     if all_rows:
-        batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
-    logits = model(batch)
+        rows = torch.arange(batch.num_tokens, device=device)
+        batch = dataclasses.replace(batch, logits_indices=rows)
+    logits = model(batch).float().cpu()
     if not all_rows:
         return list(logits)
     bounds = batch.query_start_loc.tolist()

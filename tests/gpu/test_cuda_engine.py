@@ -1,0 +1,88 @@
+"""The engine on a CUDA device, with the real SmolLM2 (skipped where there is none).
+
+The same code as on CPU, with what only CUDA has: Triton kernels compiled for the GPU, each
+worker's steps on its own CUDA stream, KV written on the prefill worker's stream and read on the
+decode worker's. Greedy tokens are compared across backends and devices; tests/gpu/README.md says
+how the GPU run is made (kernel, model and engine tests run there too, on CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.config import (
+    CacheConfig,
+    Config,
+    DiskCacheConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+)
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.core import EngineCore
+from deepinfer.request import Request, SamplingParams
+from deepinfer.text.recipe import ChatMessage
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PROMPTS = [
+    "The history of the Roman Empire spans more than a thousand years. It began when",
+    "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n",
+    "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def _config(device: str, backend: str = "auto", dtype: str = "float32") -> Config:
+    return Config(
+        model=ModelConfig(dtype=dtype, quantized_matmul="off"),  # type: ignore[arg-type]
+        cache=CacheConfig(num_blocks=256, block_size=16),
+        disk_cache=DiskCacheConfig(enabled=False),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+        runtime=RuntimeConfig(device=device, attention_backend=backend),  # type: ignore[arg-type]
+    )
+
+
+def _greedy(config: Config, num_tokens: int = 24) -> list[list[int]]:
+    core = EngineCore(config)
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    for i, text in enumerate(PROMPTS):
+        ids = core.tokenizer.encode_with_specials(text)
+        core.add_request(Request(f"r{i}", ids, params))
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while core.has_work:
+        for delta in core.step():
+            outputs[delta.request_id].extend(delta.token_ids)
+        core.check_integrity()
+    return [outputs[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def test_triton_and_torch_attention_agree_with_the_cpu() -> None:
+    """float32 everywhere: Triton on CUDA, torch on CUDA and torch on CPU pick the same tokens."""
+    triton = _greedy(_config("cuda", "triton"))
+    assert triton == _greedy(_config("cuda", "torch"))
+    assert triton == _greedy(_config("cpu", "torch"))
+
+
+async def test_bfloat16_default_answers_and_workers_use_their_own_streams() -> None:
+    """CUDA's defaults (bfloat16, Triton, disaggregated): the answer, each worker on its own
+    non-default stream, both workers stepping, no block leaked."""
+    config = Config(disk_cache=DiskCacheConfig(enabled=False), runtime=RuntimeConfig(device="cuda"))
+    async with AsyncEngine(config) as engine:
+        assert engine.info.device.type == "cuda"
+        assert engine.info.attention_backend == "triton"
+        streams = [w._stream for w in engine._workers]
+        assert len(streams) == 2 and None not in streams
+        assert streams[0] != streams[1]
+        assert all(s != torch.cuda.default_stream() for s in streams if s is not None)
+        messages = [ChatMessage("user", "What is the capital of France?")]
+        params = SamplingParams(max_tokens=24, temperature=0.0)
+        text = "".join([out.text async for out in engine.generate(messages, params)])
+        assert "Paris" in text
+        workers = {w.name: w for w in engine.stats().workers}
+        assert workers["prefill"].num_steps > 0 and workers["decode"].num_steps > 0
+        engine.check_integrity()
