@@ -63,6 +63,7 @@ def make_core(
     quantized_matmul: str = "auto",
     device: str = "cpu",
     dtype: str = "float32",
+    cuda_graphs: str = "auto",
 ) -> EngineCore:
     from deepinfer.config import RuntimeConfig
 
@@ -71,7 +72,7 @@ def make_core(
         cache=CacheConfig(num_blocks=max_seqs * 64 + 64, enable_prefix_caching=False),
         disk_cache=DiskCacheConfig(enabled=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
-        runtime=RuntimeConfig(device=device, num_threads=threads),
+        runtime=RuntimeConfig(device=device, num_threads=threads, cuda_graphs=cuda_graphs),  # type: ignore[arg-type]
     )
     return EngineCore(config)
 
@@ -136,8 +137,11 @@ def main() -> None:
     parser.add_argument("--quantized-matmul", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
     ns = parser.parse_args()
-    core = make_core(max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype)
+    core = make_core(
+        max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs
+    )
     instrument(core)
     rng = random.Random(ns.seed)
     quantized = core.info.quantized_bytes
@@ -145,6 +149,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {info.device} {str(info.dtype).removeprefix('torch.')}, "
         f"attention {info.attention_backend}, {torch.get_num_threads()} threads, "
+        f"decode graphs {info.decode_graph_sizes or 'off'}, "
         f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"
     )
     for batch in ns.batch:

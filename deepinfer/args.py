@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "cpu", "torch", "triton"],
         default=env.get("attention_backend", "auto"),
     )
+    g.add_argument(
+        "--cuda-graphs",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="replay decode steps from CUDA graphs (auto: on CUDA with the Triton backend)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch threads for forward passes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
@@ -190,6 +196,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         runtime=RuntimeConfig(
             device=ns.device,
             attention_backend=ns.attention_backend,
+            cuda_graphs=ns.cuda_graphs,
             num_threads=ns.threads,
             seed=ns.seed,
         ),

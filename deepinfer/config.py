@@ -23,6 +23,7 @@ RETENTION_CLASSES = ("agent", "chat", "none")
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 QuantizedMatmul = Literal["auto", "on", "off"]
+CudaGraphsMode = Literal["auto", "on", "off"]
 
 
 class ConfigError(ValueError):
@@ -147,6 +148,9 @@ class RuntimeConfig:
     build, else torch. `triton` on CPU needs TRITON_INTERPRET=1."""
     num_threads: int | None = None
     """Torch intra-op threads for forward passes on CPU; None: torch's default."""
+    cuda_graphs: CudaGraphsMode = "auto"
+    """Replay decode steps from CUDA graphs: `auto` on CUDA with the Triton backend, `on` (an
+    error where it cannot), `off` (eager)."""
     seed: int = 0
     """Seed for requests that give none."""
 

@@ -24,6 +24,7 @@ from deepinfer.model.kv_layout import allocate_kv_caches, kv_bytes_per_block
 from deepinfer.model.loader import LoadedModel, load_model, model_fingerprint
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
+from deepinfer.runner.cuda_graphs import capture_decode_graphs
 from deepinfer.runner.device import resolve_device, resolve_dtype
 from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_transfer import read_blocks, write_blocks
@@ -54,6 +55,8 @@ class RuntimeInfo:
     attention_backend: str
     quantized_bytes: int = 0
     """Bytes of matrices served in GGUF blocks by the native CPU kernel (0: none)."""
+    decode_graph_sizes: tuple[int, ...] = ()
+    """Batch sizes whose decode steps replay from CUDA graphs (empty: eager)."""
 
 
 def _build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
@@ -159,6 +162,13 @@ class EngineCore:
             max_len = min(max_len, config.model.max_model_len)
         if max_len < 16:
             raise ModelLoadError(f"the KV pool of {num_blocks} blocks is too small to serve")
+        graphs = capture_decode_graphs(
+            config.runtime.cuda_graphs,
+            model,
+            device,
+            config.scheduler.max_num_seqs,
+            -(-max_len // block_size),
+        )
         self.info = RuntimeInfo(
             model_name=config.server.served_model_name or path.stem,
             device=device,
@@ -169,6 +179,7 @@ class EngineCore:
             fingerprint=fingerprint,
             attention_backend=model.attention_backend.name,
             quantized_bytes=loaded.quantized_bytes,
+            decode_graph_sizes=graphs.sizes if graphs is not None else (),
         )
         self.kv = KVCacheManager(
             num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching
@@ -183,7 +194,7 @@ class EngineCore:
         self.scheduler = _build_scheduler(config, self.kv, max_len, device)
         self.lanes: tuple[StepLane, ...] = self.scheduler.lanes()
         """One lane (colocated) or two (prefill, decode); each is run by one worker."""
-        self.runner = ModelRunner(model, block_size, device, config.runtime.seed)
+        self.runner = ModelRunner(model, block_size, device, config.runtime.seed, graphs)
         log.info("engine ready: %s", self.info)
 
     # -- a step of each lane: schedule and update on the caller's thread, execute anywhere --

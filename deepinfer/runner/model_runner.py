@@ -11,6 +11,7 @@ from deepinfer.model.protocol import CausalLM
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
+from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.sampling.generators import make_generator
 from deepinfer.sampling.sampler import Sampler, SamplingRow
 from deepinfer.scheduler.output import ScheduleOutput
@@ -22,11 +23,20 @@ class ModelRunner:
     Only the engine's single forward thread calls `execute`; `release` is called between steps.
     """
 
-    def __init__(self, model: CausalLM, block_size: int, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        device: torch.device,
+        seed: int,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.default_seed = seed
+        self.graphs = graphs
+        """Captured decode forwards (CUDA), replayed for the decode-only steps that fit them."""
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -48,6 +58,8 @@ class ModelRunner:
         return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=time.perf_counter() - start)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
+            return logits
         return self.model(batch)
 
     def _row(self, request: Request) -> SamplingRow:

@@ -30,13 +30,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 KERNEL_TESTS=(tests/kernels/test_{kv_store,matmul,norm,paged_attention,rotary}_kernel.py)
 step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TESTS[@]}"
-step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \
-  tests/model/test_model_gguf_smollm2.py tests/cache_host/test_engine_host_cache.py \
-  tests/sampling/test_sampler.py tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py
+CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
+  tests/cache_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
+  tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py}
+# shellcheck disable=SC2086  # a list of paths
+step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS
 step decode_step 120 python3 -m bench.decode_step --device cuda --dtype bfloat16 \
   --batch 1 8 32 64 --steps 20 --warmup 3
 step kernels_bench 120 python3 -m bench.kernels
-step interference 240 python3 bench/interference.py --modes disagg,colocated --baseline-s 10 \
+step interference 240 python3 bench/interference.py --modes disagg,colocated \
+  --baseline-s "${BASELINE_S:-10}" \
   "--deepinfer-args=--device cuda"
 step serve 150 python3 bench/serve.py --skip-llama --levels 1,8,32,64 "--deepinfer-args=--device cuda"
 mkdir -p bench/out && cp "$OUT/summary.txt" "$LOGS/" && cp -r bench/out "$LOGS/bench_out"

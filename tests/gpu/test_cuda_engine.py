@@ -37,17 +37,23 @@ PROMPTS = [
 ]
 
 
-def _config(device: str, backend: str = "auto", dtype: str = "float32") -> Config:
+def _config(
+    device: str, backend: str = "auto", dtype: str = "float32", graphs: str = "auto"
+) -> Config:
     return Config(
         model=ModelConfig(dtype=dtype, quantized_matmul="off"),  # type: ignore[arg-type]
         cache=CacheConfig(num_blocks=256, block_size=16),
         disk_cache=DiskCacheConfig(enabled=False),
         scheduler=SchedulerConfig(max_num_seqs=8),
-        runtime=RuntimeConfig(device=device, attention_backend=backend),  # type: ignore[arg-type]
+        runtime=RuntimeConfig(device=device, attention_backend=backend, cuda_graphs=graphs),  # type: ignore[arg-type]
     )
 
 
 def _greedy(config: Config, num_tokens: int = 24) -> list[list[int]]:
+    return _greedy_core(config, num_tokens)[0]
+
+
+def _greedy_core(config: Config, num_tokens: int = 24) -> tuple[list[list[int]], EngineCore]:
     core = EngineCore(config)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     for i, text in enumerate(PROMPTS):
@@ -58,14 +64,24 @@ def _greedy(config: Config, num_tokens: int = 24) -> list[list[int]]:
         for delta in core.step():
             outputs[delta.request_id].extend(delta.token_ids)
         core.check_integrity()
-    return [outputs[f"r{i}"] for i in range(len(PROMPTS))]
+    return [outputs[f"r{i}"] for i in range(len(PROMPTS))], core
 
 
 def test_triton_and_torch_attention_agree_with_the_cpu() -> None:
-    """float32 everywhere: Triton on CUDA, torch on CUDA and torch on CPU pick the same tokens."""
+    """float32 everywhere: Triton on CUDA (decode from CUDA graphs), torch on CUDA and torch on
+    CPU (both eager) pick the same tokens."""
     triton = _greedy(_config("cuda", "triton"))
     assert triton == _greedy(_config("cuda", "torch"))
     assert triton == _greedy(_config("cpu", "torch"))
+
+
+def test_decode_graphs_replay_the_eager_tokens() -> None:
+    graphed, core = _greedy_core(_config("cuda", "triton", graphs="on"))
+    assert core.info.decode_graph_sizes == (1, 2, 4, 8)
+    assert core.runner.graphs is not None and core.runner.graphs.num_replays >= 20
+    eager, core = _greedy_core(_config("cuda", "triton", graphs="off"))
+    assert core.runner.graphs is None and core.info.decode_graph_sizes == ()
+    assert graphed == eager
 
 
 async def test_bfloat16_default_answers_and_workers_use_their_own_streams() -> None:
@@ -75,6 +91,7 @@ async def test_bfloat16_default_answers_and_workers_use_their_own_streams() -> N
     async with AsyncEngine(config) as engine:
         assert engine.info.device.type == "cuda"
         assert engine.info.attention_backend == "triton"
+        assert engine.info.decode_graph_sizes[-1] == engine.config.scheduler.max_num_seqs
         streams = [w._stream for w in engine._workers]
         assert len(streams) == 2 and None not in streams
         assert streams[0] != streams[1]
