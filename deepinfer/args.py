@@ -107,6 +107,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--prefill-threads", type=int, default=None, help="CPU threads of prefill")
     w.add_argument("--decode-threads", type=int, default=None, help="CPU threads of decode")
     w.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=0.5,
+        help="Python's GIL switch interval while the engine runs (0: leave Python's 5 ms)",
+    )
+    w.add_argument(
         "--lend-idle-threads",
         action="store_true",
         help="CPU: a worker borrows its idle peer's cores (throughput over steady latency)",
@@ -137,6 +143,7 @@ def workers_from_args(ns: argparse.Namespace) -> WorkersConfig:
         prefill_threads=ns.prefill_threads,
         decode_threads=ns.decode_threads,
         lend_idle_threads=ns.lend_idle_threads,
+        gil_switch_interval_ms=ns.gil_switch_interval_ms or None,
         prefill_step_ms=ns.prefill_step_ms,
         prefill_buckets=buckets,
     )

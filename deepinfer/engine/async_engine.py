@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,7 @@ class AsyncEngine:
         self._kv_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-io")
         """Copies between device blocks and lower tiers (into blocks no step can see yet)."""
         self._counter = itertools.count()
+        self._saved_switch_interval: float | None = None
         self._dead: BaseException | None = None
         self.step_observers: list[Callable[[ScheduleOutput, RunnerOutput], None]] = []
         """Callables `(so, out)` run on the loop after each step (metrics hook)."""
@@ -67,6 +69,9 @@ class AsyncEngine:
         if self._core is None:
             self._core = await asyncio.to_thread(EngineCore, self.config)
         self._workers = build_workers(self._core, self.config.workers)
+        if (interval_ms := self.config.workers.gil_switch_interval_ms) is not None:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(interval_ms / 1e3)
         self._tasks = [
             asyncio.create_task(self._run(w), name=f"deepinfer-{w.name}") for w in self._workers
         ]
@@ -86,6 +91,9 @@ class AsyncEngine:
         await asyncio.to_thread(self._kv_io.shutdown, True)
         if self._core is not None:
             await asyncio.to_thread(self._core.close)
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()

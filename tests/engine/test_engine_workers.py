@@ -6,6 +6,7 @@ without leaking a block, and reports its workers and planner; plus the pure piec
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,16 @@ async def test_device_groups_on_other_devices_are_refused(tiny_llama_dir: Path) 
     with pytest.raises(ConfigError, match="decode-devices"):
         async with AsyncEngine(_config(tiny_llama_dir, workers)):
             pass
+
+
+async def test_gil_switch_interval_is_set_while_running_and_restored(tiny_llama_dir: Path) -> None:
+    before = sys.getswitchinterval()
+    config = _config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.25))
+    async with AsyncEngine(config) as engine:
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+        assert len(await _run_all(engine, _prompts()[:2])) == 2
+    assert sys.getswitchinterval() == before
+    async with AsyncEngine(_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=None))):
+        assert sys.getswitchinterval() == before
+    with pytest.raises(ConfigError, match="gil_switch_interval_ms"):
+        _config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.0))
