@@ -20,7 +20,8 @@ from deepinfer.scheduler.output import ScheduleOutput
 class ModelRunner:
     """Owns the model, its KV tensors and per-request sampling state (seeded generators).
 
-    Only the engine's single forward thread calls `execute`; `release` is called between steps.
+    Each worker's thread calls `execute` (the two workers' steps may overlap); `release` is
+    called between steps.
     """
 
     def __init__(
