@@ -64,12 +64,17 @@ def make_core(
     device: str = "cpu",
     dtype: str = "float32",
     cuda_graphs: str = "auto",
+    kv_dtype: str = "auto",
 ) -> EngineCore:
     from deepinfer.config import RuntimeConfig
 
     config = Config(
         model=ModelConfig(dtype=dtype, quantized_matmul=quantized_matmul),  # type: ignore[arg-type]
-        cache=CacheConfig(num_blocks=max_seqs * 64 + 64, enable_prefix_caching=False),
+        cache=CacheConfig(
+            num_blocks=max_seqs * 64 + 64,
+            enable_prefix_caching=False,
+            kv_dtype=kv_dtype,  # type: ignore[arg-type]
+        ),
         disk_cache=DiskCacheConfig(enabled=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
         runtime=RuntimeConfig(device=device, num_threads=threads, cuda_graphs=cuda_graphs),  # type: ignore[arg-type]
@@ -138,16 +143,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--kv-dtype", default="auto", help="auto, float32, float16, bfloat16")
     ns = parser.parse_args()
     core = make_core(
-        max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs
-    )
+        max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs,
+        ns.kv_dtype,
+    )  # fmt: skip
     instrument(core)
     rng = random.Random(ns.seed)
     quantized = core.info.quantized_bytes
     info = core.info
     print(
-        f"torch {torch.__version__}, {info.device} {str(info.dtype).removeprefix('torch.')}, "
+        f"torch {torch.__version__}, {info.device} {str(info.dtype).removeprefix('torch.')} "
+        f"(KV {str(info.kv_dtype).removeprefix('torch.')}), "
         f"attention {info.attention_backend}, {torch.get_num_threads()} threads, "
         f"decode graphs {info.decode_graph_sizes or 'off'}, "
         f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"

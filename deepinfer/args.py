@@ -56,6 +56,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads for forward passes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
+        "--kv-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="how K and V are stored (auto: float16 under float32 serving on the CPU backends, "
+        "else the serving dtype)",
+    )
+    g.add_argument(
         "--kv-memory-gb",
         type=float,
         default=None,
@@ -190,6 +197,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         ),
         cache=CacheConfig(
             block_size=ns.block_size,
+            kv_dtype=ns.kv_dtype,
             kv_memory_bytes=None if ns.kv_memory_gb is None else int(ns.kv_memory_gb * (1 << 30)),
             num_blocks=ns.num_blocks,
             enable_prefix_caching=not ns.no_prefix_caching,

@@ -21,6 +21,7 @@ RETENTION_CLASSES = ("agent", "chat", "none")
 """Per-request disk-cache retention classes (`none` opts out of the disk tier)."""
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVDType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 QuantizedMatmul = Literal["auto", "on", "off"]
 CudaGraphsMode = Literal["auto", "on", "off"]
@@ -64,6 +65,11 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
+    kv_dtype: KVDType = "auto"
+    """How K and V are stored. A narrower dtype than the serving one (CPU backends only) halves
+    the bytes decode attention reads and doubles the tokens a byte budget holds, at the cost of
+    rounding K and V to it. `auto`: float16 under float32 serving with the cpu or torch backend
+    (llama.cpp's default too), else the serving dtype."""
     kv_memory_bytes: int | None = None
     """Memory budget for the device KV pool; the number of blocks follows from it. None: on CPU
     a quarter of the machine's memory, at most 4 GiB (the pool lives in RAM beside everything

@@ -61,6 +61,7 @@ class NativeLibrary:
             i,
             f,
             i,
+            i,  # kv_f16
         ]
         lib.di_paged_decode_attention.restype = i
         self._lib = lib

@@ -19,6 +19,7 @@ def store_kv_reference(
     keep = slots >= 0
     if not bool(keep.all()):  # padding rows (rare): drop them
         slots, k, v = slots[keep], k[keep], v[keep]
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # caches may be stored narrower
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, v)
 

@@ -4,7 +4,7 @@ gathering a padded copy as the torch path does; prompt chunks through the torch 
 
 Same signatures as the references in `paged_attention_torch`. The planner returns the torch
 plan (and the functions the torch path) wherever the native kernel does not apply: caches not
-float32 or not on CPU, head sizes it does not take, or no native library here.
+float32 or float16 or not on CPU, head sizes it does not take, or no native library here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from .paged_attention_torch import (
 )
 
 MAX_HEAD_DIM = 256
+NATIVE_KV_DTYPES = (torch.float32, torch.float16)
+"""Cache dtypes the kernel reads (float16 converted to float32 as it is loaded)."""
 MAX_GROUP = 16
 
 
@@ -29,7 +31,7 @@ def native_decode_applies(k_cache: torch.Tensor, num_heads: int | None = None) -
     _, _, num_kv_heads, head_dim = k_cache.shape
     return (
         k_cache.device.type == "cpu"
-        and k_cache.dtype == torch.float32
+        and k_cache.dtype in NATIVE_KV_DTYPES
         and k_cache.is_contiguous()
         and head_dim % 16 == 0
         and head_dim <= MAX_HEAD_DIM
@@ -82,8 +84,10 @@ def _attend_native(
         )
     if rows.stride(2) != 1:
         rows = rows.contiguous()
-    if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
-        raise ValueError("the native kernel needs matching contiguous K and V caches")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError("the native kernel needs K and V caches of one shape and dtype")
+    if not v_cache.is_contiguous():
+        raise ValueError("the native kernel needs contiguous K and V caches")
     out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
     if batch:
         tables = plan.block_tables
@@ -92,6 +96,7 @@ def _attend_native(
             v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             plan.context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
             head_dim, block_size, scale, torch.get_num_threads(),
+            int(k_cache.dtype == torch.float16),
         )  # fmt: skip
     return out
 

@@ -198,6 +198,7 @@ def _attend_group(
     k = torch.index_select(k_cache.reshape(rows), 0, group.slots, out=plan.keys[:num_rows])
     v = torch.index_select(v_cache.reshape(rows), 0, group.slots, out=plan.values[:num_rows])
     k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # [Bg, Hkv, L, D]
+    k, v = k.to(q.dtype), v.to(q.dtype)  # caches may be stored narrower than the queries
     # A KV head's G query heads act as G queries of one sequence: K/V are read once per group
     # (no GQA expansion) and the key mask broadcasts over them.
     group_size = num_heads // num_kv_heads
@@ -295,8 +296,8 @@ def _prefill_one(
     scale: float,
 ) -> torch.Tensor:  # [Tq, H, D]
     q_len = q.shape[0]
-    k = _gather_context(k_cache, block_table, ctx_len).transpose(0, 1)  # [Hkv, L, D]
-    v = _gather_context(v_cache, block_table, ctx_len).transpose(0, 1)
+    k = _gather_context(k_cache, block_table, ctx_len).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+    v = _gather_context(v_cache, block_table, ctx_len).transpose(0, 1).to(q.dtype)
     if q_len < ctx_len and q.device.type == "cpu":
         return _prefill_after_prefix(q, k, v, scale)
     # 4-D inputs keep torch on its fused CPU kernel (3-D ones fall back to the slow math path)

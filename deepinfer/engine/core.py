@@ -18,14 +18,14 @@ from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
 from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.config import Config, DiskCacheConfig
+from deepinfer.config import Config, ConfigError, DiskCacheConfig
 from deepinfer.errors import ModelLoadError
 from deepinfer.model.kv_layout import allocate_kv_caches, kv_bytes_per_block
 from deepinfer.model.loader import LoadedModel, load_model, model_fingerprint
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
 from deepinfer.runner.cuda_graphs import capture_decode_graphs
-from deepinfer.runner.device import resolve_device, resolve_dtype
+from deepinfer.runner.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_transfer import read_blocks, write_blocks
 from deepinfer.runner.model_runner import ModelRunner
@@ -48,6 +48,7 @@ class RuntimeInfo:
     model_name: str
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype
     num_blocks: int
     block_size: int
     max_model_len: int
@@ -132,6 +133,18 @@ def _kv_memory_bytes(config: Config, device: torch.device) -> int:
     return max(1 << 30, min(CPU_KV_MEMORY_CAP, physical // 4))
 
 
+def _kv_dtype(config: Config, dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache dtype; a narrower one than the serving dtype needs a CPU backend (the Triton
+    kernels read caches of the queries' dtype)."""
+    kv_dtype = resolve_kv_dtype(config.cache.kv_dtype, dtype, backend != "triton")
+    if kv_dtype != dtype and backend == "triton":
+        raise ConfigError(
+            f"--kv-dtype {config.cache.kv_dtype} under {dtype} serving needs the cpu or torch "
+            "attention backend, not triton"
+        )
+    return kv_dtype
+
+
 def _num_blocks(config: Config, bytes_per_block: int, device: torch.device) -> int:
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
@@ -152,11 +165,13 @@ class EngineCore:
         self.tokenizer = _build_tokenizer(loaded, path)
         self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
         block_size = config.cache.block_size
-        num_blocks = _num_blocks(config, kv_bytes_per_block(loaded.arch, block_size, dtype), device)
         model = loaded.model
-        self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
+        kv_dtype = _kv_dtype(config, dtype, model.attention_backend.name)
+        block_bytes = kv_bytes_per_block(loaded.arch, block_size, kv_dtype)
+        num_blocks = _num_blocks(config, block_bytes, device)
+        self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, kv_dtype, device)
         model.bind_kv_caches(self.kv_caches)
-        fingerprint = model_fingerprint(loaded, dtype, block_size)
+        fingerprint = model_fingerprint(loaded, dtype, block_size, kv_dtype)
         max_len = min(loaded.arch.max_position_embeddings, (num_blocks - 1) * block_size)
         if config.model.max_model_len is not None:
             max_len = min(max_len, config.model.max_model_len)
@@ -173,6 +188,7 @@ class EngineCore:
             model_name=config.server.served_model_name or path.stem,
             device=device,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             num_blocks=num_blocks,
             block_size=block_size,
             max_model_len=max_len,

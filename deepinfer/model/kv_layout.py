@@ -34,8 +34,9 @@ def allocate_kv_caches(
     ]
 
 
-def check_kv_caches(arch: ModelArch, kv_caches: KVCaches, dtype: torch.dtype) -> None:
-    """Raise ValueError unless `kv_caches` matches `arch` (count, shape, dtype)."""
+def check_kv_caches(arch: ModelArch, kv_caches: KVCaches, dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError unless `kv_caches` matches `arch` (count, shape) and `dtype` (any one
+    floating dtype when None: caches may be stored narrower than the model computes)."""
     if len(kv_caches) != arch.num_layers:
         raise ValueError(f"expected {arch.num_layers} (k, v) cache pairs, got {len(kv_caches)}")
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
@@ -45,7 +46,9 @@ def check_kv_caches(arch: ModelArch, kv_caches: KVCaches, dtype: torch.dtype) ->
                     f"layer {layer}: KV cache shape {tuple(cache.shape)} is not "
                     f"[num_blocks, block_size, {arch.num_kv_heads}, {arch.head_dim}]"
                 )
-            if cache.dtype != dtype:
+            if cache.dtype != (dtype or k_cache.dtype) or not cache.is_floating_point():
                 raise ValueError(f"layer {layer}: KV cache dtype {cache.dtype}, expected {dtype}")
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"layer {layer}: k and v caches differ in shape")
+        if layer and k_cache.dtype != kv_caches[0][0].dtype:
+            raise ValueError(f"layer {layer}: KV caches differ in dtype between layers")

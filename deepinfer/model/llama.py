@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """Attach one (k_cache, v_cache) per layer (see `kv_layout.allocate_kv_caches`)."""
-        check_kv_caches(self.arch, kv_caches, self.embed_tokens.weight.dtype)
+        check_kv_caches(self.arch, kv_caches)
         self.kv_caches = kv_caches
 
     @torch.inference_mode()

@@ -81,11 +81,15 @@ def load_model(
     return LoadedModel(causal_lm, arch, path, dtype, device, weights_digest, reader, quantized)
 
 
-def model_fingerprint(loaded: LoadedModel, dtype: torch.dtype, block_size: int) -> str:
+def model_fingerprint(
+    loaded: LoadedModel, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+) -> str:
     """sha256 hex digest of weights identity + serving dtype + KV layout: seeds prefix-cache keys."""
     a = loaded.arch
     # the quantized kernel sums in another order than BLAS: KV from one is not the other's
     numerics = f"{dtype}+quantized-matmul" if loaded.quantized_bytes else str(dtype)
+    if kv_dtype is not None and kv_dtype != dtype:
+        numerics += f"+kv-{kv_dtype}"
     return kv_fingerprint(
         loaded.weights_digest, numerics, a.num_layers, a.num_kv_heads, a.head_dim, block_size
     )

@@ -25,3 +25,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def resolve_kv_dtype(name: str, serving: torch.dtype, narrow_ok: bool) -> torch.dtype:
+    """`auto`: float16 under float32 serving where the kernels read it (`narrow_ok`; as llama.cpp
+    stores its KV), else the serving dtype."""
+    if name != "auto":
+        return resolve_dtype(name, torch.device("cpu"))
+    return torch.float16 if serving == torch.float32 and narrow_ok else serving
