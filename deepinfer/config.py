@@ -68,8 +68,8 @@ class CacheConfig:
     kv_dtype: KVDType = "auto"
     """How K and V are stored. A narrower dtype than the serving one (CPU backends only) halves
     the bytes decode attention reads and doubles the tokens a byte budget holds, at the cost of
-    rounding K and V to it. `auto`: float16 under float32 serving with the cpu or torch backend
-    (llama.cpp's default too), else the serving dtype."""
+    rounding K and V to it. `auto`: float16 under float32 serving on CPU with the cpu or torch
+    backend (llama.cpp's default too), else the serving dtype."""
     kv_memory_bytes: int | None = None
     """Memory budget for the device KV pool; the number of blocks follows from it. None: on CPU
     a quarter of the machine's memory, at most 4 GiB (the pool lives in RAM beside everything

@@ -133,10 +133,13 @@ def _kv_memory_bytes(config: Config, device: torch.device) -> int:
     return max(1 << 30, min(CPU_KV_MEMORY_CAP, physical // 4))
 
 
-def _kv_dtype(config: Config, dtype: torch.dtype, backend: str) -> torch.dtype:
+def _kv_dtype(
+    config: Config, dtype: torch.dtype, backend: str, device: torch.device
+) -> torch.dtype:
     """The KV cache dtype; a narrower one than the serving dtype needs a CPU backend (the Triton
-    kernels read caches of the queries' dtype)."""
-    kv_dtype = resolve_kv_dtype(config.cache.kv_dtype, dtype, backend != "triton")
+    kernels read caches of the queries' dtype). `auto` narrows on CPU only."""
+    narrow_ok = device.type == "cpu" and backend != "triton"
+    kv_dtype = resolve_kv_dtype(config.cache.kv_dtype, dtype, narrow_ok)
     if kv_dtype != dtype and backend == "triton":
         raise ConfigError(
             f"--kv-dtype {config.cache.kv_dtype} under {dtype} serving needs the cpu or torch "
@@ -166,7 +169,7 @@ class EngineCore:
         self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
         block_size = config.cache.block_size
         model = loaded.model
-        kv_dtype = _kv_dtype(config, dtype, model.attention_backend.name)
+        kv_dtype = _kv_dtype(config, dtype, model.attention_backend.name, device)
         block_bytes = kv_bytes_per_block(loaded.arch, block_size, kv_dtype)
         num_blocks = _num_blocks(config, block_bytes, device)
         self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, kv_dtype, device)

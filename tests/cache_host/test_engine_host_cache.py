@@ -92,7 +92,9 @@ def test_auto_is_on_with_cuda_only_and_on_forces_it(tiny_model_dir: Path, tmp_pa
     core = EngineCore(_config(tiny_model_dir, tmp_path, "on", disk=False))
     assert core.host is not None and core.kv.track_new_blocks
     head_dim = HIDDEN // HEADS
-    assert core.host.payload_bytes == LAYERS * 2 * BLOCK * KV_HEADS * head_dim * 4  # float32
+    element = core.kv_caches[0][0].element_size()  # float16 KV on CPU by default, else float32
+    assert element == (2 if DEVICE == "cpu" else 4)
+    assert core.host.payload_bytes == LAYERS * 2 * BLOCK * KV_HEADS * head_dim * element
 
 
 async def test_served_from_host_after_device_eviction(tiny_model_dir: Path, tmp_path: Path) -> None:

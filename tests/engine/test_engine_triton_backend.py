@@ -39,7 +39,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _greedy(model_dir: Path, backend: str, prompts: list[list[int]]) -> list[list[int]]:
     config = Config(
         model=ModelConfig(path=model_dir, dtype="float32"),
-        cache=CacheConfig(num_blocks=64, block_size=16),
+        cache=CacheConfig(num_blocks=64, block_size=16, kv_dtype="float32"),  # Triton's, for both
         disk_cache=DiskCacheConfig(enabled=False),
         runtime=RuntimeConfig(device="cpu", attention_backend=backend),  # type: ignore[arg-type]
     )

@@ -42,7 +42,7 @@ def _config(
 ) -> Config:
     return Config(
         model=ModelConfig(dtype=dtype, quantized_matmul="off"),  # type: ignore[arg-type]
-        cache=CacheConfig(num_blocks=256, block_size=16),
+        cache=CacheConfig(num_blocks=256, block_size=16, kv_dtype="float32"),  # exact on CPU too
         disk_cache=DiskCacheConfig(enabled=False),
         scheduler=SchedulerConfig(max_num_seqs=8),
         runtime=RuntimeConfig(device=device, attention_backend=backend, cuda_graphs=graphs),  # type: ignore[arg-type]
