@@ -22,6 +22,18 @@ from deepinfer.config import (
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     env = env_overrides()
     g = parser.add_argument_group("engine")
+    _add_model_args(g, env)
+    _add_kv_pool_args(g)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-waiting", type=int, default=1024)
+    g.add_argument("--seed", type=int, default=0)
+    _add_tier_args(parser, env)
+    add_worker_args(parser)
+
+
+def _add_model_args(g: argparse._ArgumentGroup, env: dict[str, str]) -> None:
+    """The model, its dtype and device, and how its forward pass runs."""
     g.add_argument(
         "--model",
         type=Path,
@@ -54,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="replay decode steps from CUDA graphs (auto: on CUDA with the Triton backend)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch threads for forward passes")
+
+
+def _add_kv_pool_args(g: argparse._ArgumentGroup) -> None:
+    """The device KV pool: block size, dtype, size, prefix sharing."""
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
         "--kv-dtype",
@@ -70,10 +86,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-blocks", type=int, default=None, help="exact KV block count")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-waiting", type=int, default=1024)
-    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_tier_args(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
+    """The prefix cache's lower tiers: disk, and host RAM."""
     d = parser.add_argument_group("disk cache")
     d.add_argument(
         "--cache-dir",
@@ -99,7 +115,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--no-host-cache", action="store_true", help="same as --host-cache off")
     h.add_argument("--host-cache-gb", type=float, default=8.0, help="host KV cache byte budget")
-    add_worker_args(parser)
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
