@@ -50,10 +50,16 @@ def _caches(
     ("group", "dim", "block_size"),
     [(3, 64, 16), (1, 64, 16), (4, 128, 16), (3, 64, 5), (10, 32, 16), (2, 16, 3)],
 )
-def test_decode_matches_float64_reference(group: int, dim: int, block_size: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_matches_float64_reference(
+    group: int, dim: int, block_size: int, cache_dtype: torch.dtype
+) -> None:
+    """float16 caches (`--kv-dtype float16`, under float32 queries) are converted as they are
+    loaded: the result is the float64 attention over the float16 values."""
     lens = [1, 3, 4, 17, 300, 61, 5, 129]
     kv_heads = 2
     k_cache, v_cache, tables = _caches(lens, block_size, kv_heads, dim, seed=group * dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     assert native_decode_applies(k_cache, kv_heads * group)
     # q as a strided view of fused QKV rows, as the model passes it
     qkv = torch.randn(len(lens), (kv_heads * group + 2 * kv_heads) * dim)
@@ -121,24 +127,13 @@ def test_queries_the_kernel_cannot_take_fall_back_to_torch() -> None:
 
 
 @pytest.mark.parametrize(("group", "dim", "block_size"), [(3, 64, 16), (1, 128, 5), (10, 32, 3)])
-def test_float16_caches_match_the_float64_reference(group: int, dim: int, block_size: int) -> None:
-    """Caches stored in float16 under float32 queries (`--kv-dtype float16`): the kernel
-    converts as it loads, so it gives the float64 attention over the float16 values; a step
-    with prompt chunks takes the torch path over the same caches."""
+def test_float16_caches_in_a_step_with_prompt_chunks(group: int, dim: int, block_size: int) -> None:
+    """Native decodes beside a prompt chunk (torch path) over the same float16 caches."""
     lens = [1, 4, 17, 300, 61]
     kv_heads = 2
     k32, v32, tables = _caches(lens, block_size, kv_heads, dim, seed=group + dim)
     k_cache, v_cache = k32.half(), v32.half()
-    assert native_decode_applies(k_cache, kv_heads * group)
-    q = torch.randn(len(lens), kv_heads * group, dim)
     context_lens = torch.tensor(lens, dtype=torch.int32)
-    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, context_lens, 0.3)
-    want = paged_decode_attention_reference(
-        q.double(), k_cache.double(), v_cache.double(), tables, context_lens, 0.3
-    )
-    assert got.dtype == torch.float32 and not got.isnan().any()
-    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
-
     starts = torch.tensor([0, 1, 4, 5, 6, 7], dtype=torch.int32)  # request 1: 3 new tokens
     chunk_q = torch.randn(7, kv_heads * group, dim)
     got = paged_prefill_attention_cpu(chunk_q, k_cache, v_cache, tables, starts, context_lens, 0.3)
