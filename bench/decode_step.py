@@ -6,11 +6,13 @@ prints the top ops by self CPU time plus the phases of a step (recorded as profi
 
     python3 -m bench.decode_step --batch 1 8 32 --steps 20 --profile-steps 5
     python3 -m bench.decode_step --device cuda --dtype bfloat16 --batch 1 8 32 64
+    python3 -m bench.decode_step --batch 32 --time-calls --kv-dtype float16 --prompt-tokens 40 90
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import random
@@ -83,13 +85,18 @@ def make_core(
 
 
 def prefill(
-    core: EngineCore, batch: int, tag: str, rng: random.Random, temperature: float = 0.0
+    core: EngineCore,
+    batch: int,
+    tag: str,
+    rng: random.Random,
+    temperature: float = 0.0,
+    prompt_tokens: tuple[int, int] = (300, 600),
 ) -> list[str]:
     """Add `batch` requests and step until every one has sampled its first token."""
     ids = []
     for i in range(batch):
         rid = f"{tag}-{i}"
-        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(300, 600))]
+        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_tokens))]
         params = SamplingParams(max_tokens=256, temperature=temperature, ignore_eos=True)
         core.add_request(Request(request_id=rid, prompt_token_ids=prompt, sampling=params))
         ids.append(rid)
@@ -109,6 +116,35 @@ def time_steps(core: EngineCore, steps: int, batch: int) -> list[float]:
         decoded = {d.request_id for d in deltas}
         assert len(decoded) == batch, f"expected {batch} decodes, got {len(decoded)}"
     return times
+
+
+def time_calls(core: EngineCore) -> collections.Counter[str]:
+    """Wall time inside the step's heavy calls (the matmuls, each attention-backend op),
+    accumulated into the returned counter; instance and module attributes: no source edits."""
+    import dataclasses
+
+    import deepinfer.model.llama as llama
+
+    spent: collections.Counter[str] = collections.Counter()
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return wrapper
+
+    llama.quant_linear = timed("quant_linear", llama.quant_linear)  # type: ignore[assignment]
+    model = core.runner.model
+    ops = model.attention_backend
+    names = ("paged_decode_attention", "store_kv", "apply_rotary", "fused_add_rms_norm")
+    if dataclasses.is_dataclass(ops):
+        wrapped = {n: timed(n, getattr(ops, n)) for n in names}
+        model.set_attention_backend(dataclasses.replace(ops, **wrapped))  # type: ignore[type-var]
+    return spent
 
 
 def profile_steps(core: EngineCore, steps: int, batch: int, rows: int) -> None:
@@ -144,12 +180,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--kv-dtype", default="auto", help="auto, float32, float16, bfloat16")
+    parser.add_argument(
+        "--prompt-tokens", type=int, nargs=2, default=[300, 600], metavar=("LO", "HI")
+    )
+    parser.add_argument(
+        "--time-calls", action="store_true", help="ms a step inside matmuls and attention ops"
+    )
     ns = parser.parse_args()
     core = make_core(
         max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs,
         ns.kv_dtype,
     )  # fmt: skip
     instrument(core)
+    spent = time_calls(core) if ns.time_calls else None
     rng = random.Random(ns.seed)
     quantized = core.info.quantized_bytes
     info = core.info
@@ -161,14 +204,18 @@ def main() -> None:
         f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"
     )
     for batch in ns.batch:
-        ids = prefill(core, batch, f"b{batch}", rng, ns.temperature)
+        ids = prefill(core, batch, f"b{batch}", rng, ns.temperature, tuple(ns.prompt_tokens))
         time_steps(core, ns.warmup, batch)
+        if spent is not None:
+            spent.clear()
         times = time_steps(core, ns.steps, batch)
         med, mean = statistics.median(times) * 1e3, statistics.fmean(times) * 1e3
         print(
             f"B={batch:3d}: median {med:7.2f} ms/step, mean {mean:7.2f}, "
             f"min {min(times) * 1e3:7.2f}  ({batch / (med / 1e3):7.1f} tok/s)"
         )
+        for name, seconds in (spent or {}).most_common():  # type: ignore[attr-defined]
+            print(f"    inside {name:<24} {seconds / ns.steps * 1e3:7.2f} ms/step")
         if ns.profile_steps:
             profile_steps(core, ns.profile_steps, batch, ns.rows)
         for rid in ids:
