@@ -67,11 +67,16 @@ def make_core(
     dtype: str = "float32",
     cuda_graphs: str = "auto",
     kv_dtype: str = "auto",
+    matmul_activations: str = "float32",
 ) -> EngineCore:
     from deepinfer.config import RuntimeConfig
 
     config = Config(
-        model=ModelConfig(dtype=dtype, quantized_matmul=quantized_matmul),  # type: ignore[arg-type]
+        model=ModelConfig(
+            dtype=dtype,  # type: ignore[arg-type]
+            quantized_matmul=quantized_matmul,  # type: ignore[arg-type]
+            matmul_activations=matmul_activations,  # type: ignore[arg-type]
+        ),
         cache=CacheConfig(
             num_blocks=max_seqs * 64 + 64,
             enable_prefix_caching=False,
@@ -137,7 +142,7 @@ def time_calls(core: EngineCore) -> collections.Counter[str]:
 
         return wrapper
 
-    llama.quant_linear = timed("quant_linear", llama.quant_linear)  # type: ignore[assignment]
+    llama.block_linear = timed("block_linear", llama.block_linear)  # type: ignore[assignment]
     model = core.runner.model
     ops = model.attention_backend
     names = ("paged_decode_attention", "store_kv", "apply_rotary", "fused_add_rms_norm")
@@ -176,6 +181,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--quantized-matmul", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--matmul-activations", choices=["float32", "int8"], default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
@@ -189,7 +195,7 @@ def main() -> None:
     ns = parser.parse_args()
     core = make_core(
         max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs,
-        ns.kv_dtype,
+        ns.kv_dtype, ns.matmul_activations,
     )  # fmt: skip
     instrument(core)
     spent = time_calls(core) if ns.time_calls else None
@@ -202,6 +208,7 @@ def main() -> None:
         f"attention {info.attention_backend}, {torch.get_num_threads()} threads, "
         f"decode graphs {info.decode_graph_sizes or 'off'}, "
         f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"
+        f"{' (int8 activations)' if info.int8_activations else ''}"
     )
     for batch in ns.batch:
         ids = prefill(core, batch, f"b{batch}", rng, ns.temperature, tuple(ns.prompt_tokens))

@@ -53,6 +53,14 @@ def _add_model_args(g: argparse._ArgumentGroup, env: dict[str, str]) -> None:
         help="CPU: multiply by a GGUF file's Q4_1/Q8_0 blocks with the native kernel (auto: "
         "when a C compiler and AVX2 are there; off: dequantize to the serving dtype)",
     )
+    g.add_argument(
+        "--matmul-activations",
+        choices=["float32", "int8"],
+        default="float32",
+        help="with --quantized-matmul: float32 (default) keeps transformers' exact arithmetic; "
+        "int8 quantizes activations to int8 blocks and sums integer dot products, as llama.cpp "
+        "does (faster, slightly different logits)",
+    )
     g.add_argument("--device", default=env.get("device", "auto"), help="auto, cpu, cuda, cuda:N")
     g.add_argument(
         "--attention-backend",
@@ -199,6 +207,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
             dtype=ns.dtype,
             max_model_len=ns.max_model_len,
             quantized_matmul=ns.quantized_matmul,
+            matmul_activations=ns.matmul_activations,
         ),
         disk_cache=DiskCacheConfig(
             enabled=not ns.no_disk_cache,

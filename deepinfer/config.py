@@ -24,6 +24,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVDType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 QuantizedMatmul = Literal["auto", "on", "off"]
+MatmulActivations = Literal["float32", "int8"]
 CudaGraphsMode = Literal["auto", "on", "off"]
 
 
@@ -56,6 +57,12 @@ class ModelConfig:
     quantized_matmul: QuantizedMatmul = "auto"
     """Serve a GGUF file's Q4_1/Q8_0 matrices in their blocks through the native CPU kernel
     (float32 on CPU only): `auto` when it builds here, `on` (an error if it cannot), `off`."""
+    matmul_activations: MatmulActivations = "float32"
+    """What the quantized kernel multiplies the blocks by: `float32` (the default) the exact
+    fp32 weights by fp32 activations, the numerics of transformers on the same file; `int8`
+    quantizes each row of activations to int8 blocks of 32 and sums integer dot products, as
+    llama.cpp does on CPU: 1.5-3x faster matmuls, logits off by ~0.2 on average, and greedy
+    answers that differ where the top two tokens are close."""
 
     def resolved_path(self) -> Path:
         return self.path if self.path is not None else default_model_path()

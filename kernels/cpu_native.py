@@ -22,7 +22,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).parent / "cpu" / n for n in ("quant_gemm.c", "paged_attention.c"))
+SOURCES = tuple(
+    Path(__file__).parent / "cpu" / n
+    for n in ("quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c")
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _COMPILE_TIMEOUT_S = 180
@@ -39,11 +42,21 @@ class NativeLibrary:
         self.path = path
         lib = ctypes.CDLL(str(path))
         v, i = ctypes.c_void_p, ctypes.c_int
+        f, long_ = ctypes.c_float, ctypes.c_long
         lib.di_quant_gemm.argtypes = [i, v, v, v, i, i, i, i]
         lib.di_quant_gemm.restype = i
         lib.di_dequantize.argtypes = [i, v, v, i, i, i]
         lib.di_dequantize.restype = i
-        f, long_ = ctypes.c_float, ctypes.c_long
+        lib.di_int8_pack.argtypes = [i, v, v, i, i, i]
+        lib.di_int8_pack.restype = i
+        lib.di_int8_gemm.argtypes = [i, v, v, v, i, i, i, i]
+        lib.di_int8_gemm.restype = i
+        lib.di_rms_norm.argtypes = [v, long_, v, long_, v, v, long_, v, long_, i, i, f, i]
+        lib.di_rms_norm.restype = i
+        lib.di_rotary.argtypes = [v, long_, i, v, long_, i, v, v, long_, i, i, i]
+        lib.di_rotary.restype = i
+        lib.di_store_kv.argtypes = [v, long_, v, long_, v, v, long_, v, i, i, i]
+        lib.di_store_kv.restype = i
         lib.di_paged_decode_attention.argtypes = [
             v,
             long_,
@@ -74,6 +87,28 @@ class NativeLibrary:
 
     def dequantize(self, fmt: int, w: int, out: int, n: int, k: int, num_threads: int) -> None:
         _check(self._lib.di_dequantize(fmt, w, out, n, k, num_threads))
+
+    def int8_pack(self, fmt: int, w: int, out: int, n: int, k: int, num_threads: int) -> None:
+        """Repack GGUF blocks for `int8_gemm` (see cpu/int8_gemm.c for the layout)."""
+        _check(self._lib.di_int8_pack(fmt, w, out, n, k, num_threads))
+
+    def int8_gemm(
+        self, fmt: int, packed: int, x: int, y: int, m: int, n: int, k: int, num_threads: int
+    ) -> None:
+        """y[m, n] = x[m, k] @ W^T with x quantized to int8 blocks (pointers to contiguous memory)."""
+        _check(self._lib.di_int8_gemm(fmt, packed, x, y, m, n, k, num_threads))
+
+    def rms_norm(self, *args: int | float) -> None:
+        """See `di_rms_norm` in cpu/elementwise.c (0 for the absent residual's pointers)."""
+        _check(self._lib.di_rms_norm(*args))
+
+    def rotary(self, *args: int) -> None:
+        """See `di_rotary` in cpu/elementwise.c."""
+        _check(self._lib.di_rotary(*args))
+
+    def store_kv(self, *args: int) -> None:
+        """See `di_store_kv` in cpu/elementwise.c."""
+        _check(self._lib.di_store_kv(*args))
 
     def paged_decode_attention(self, *args: int | float) -> None:
         """See `di_paged_decode_attention` in cpu/paged_attention.c for the arguments."""

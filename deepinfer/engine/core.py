@@ -56,6 +56,8 @@ class RuntimeInfo:
     attention_backend: str
     quantized_bytes: int = 0
     """Bytes of matrices served in GGUF blocks by the native CPU kernel (0: none)."""
+    int8_activations: bool = False
+    """That kernel quantizes activations to int8 blocks (integer dot products)."""
     decode_graph_sizes: tuple[int, ...] = ()
     """Batch sizes whose decode steps replay from CUDA graphs (empty: eager)."""
 
@@ -163,7 +165,12 @@ class EngineCore:
         if config.runtime.num_threads and device.type == "cpu":
             torch.set_num_threads(config.runtime.num_threads)
         loaded = load_model(
-            path, dtype, device, config.runtime.attention_backend, config.model.quantized_matmul
+            path,
+            dtype,
+            device,
+            config.runtime.attention_backend,
+            config.model.quantized_matmul,
+            config.model.matmul_activations,
         )
         self.tokenizer = _build_tokenizer(loaded, path)
         self.recipe = ChatRecipe.for_tokenizer(self.tokenizer)
@@ -198,6 +205,7 @@ class EngineCore:
             fingerprint=fingerprint,
             attention_backend=model.attention_backend.name,
             quantized_bytes=loaded.quantized_bytes,
+            int8_activations=loaded.int8_activations,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
         )
         self.kv = KVCacheManager(

@@ -142,10 +142,16 @@ def triton_backend() -> KernelBackend:
 
 
 def cpu_backend() -> KernelBackend:
-    """The torch references, with decode attention through the native CPU kernel."""
+    """The torch references, with decode attention, the norms, rotary and the KV store through
+    the native CPU kernels."""
+    from deepinfer.kernels import elementwise_cpu as ew
     from deepinfer.kernels import paged_attention_cpu as cpu
 
     ops = {op: getattr(_kernel_module(mod), ref) for op, (mod, ref) in _OPS.items()}
+    ops["rms_norm"] = ew.rms_norm_cpu
+    ops["fused_add_rms_norm"] = ew.fused_add_rms_norm_cpu
+    ops["apply_rotary"] = ew.apply_rotary_cpu
+    ops["store_kv"] = ew.store_kv_cpu
     ops["plan_paged_attention"] = cpu.plan_paged_attention_cpu
     ops["paged_decode_attention"] = cpu.paged_decode_attention_cpu
     ops["paged_prefill_attention"] = cpu.paged_prefill_attention_cpu

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
 from deepinfer.kernels.paged_attention import PagedAttentionPlan
-from deepinfer.kernels.quant_matmul import QuantizedWeight, quant_linear
 from deepinfer.kernels.rotary import rotary_cos_sin
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend, torch_backend
@@ -51,9 +51,9 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) through `cpu_aware_linear`, or through
     the native quantized kernel once `quantize` has swapped its weight for GGUF blocks."""
 
-    quantized: QuantizedWeight | None = None
+    quantized: BlockWeight | None = None
 
-    def quantize(self, weight: QuantizedWeight) -> None:
+    def quantize(self, weight: BlockWeight) -> None:
         """Serve from `weight` (the same values as `self.weight`, in blocks) and drop the fp32
         copy."""
         if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
@@ -63,7 +63,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            out = quant_linear(x, self.quantized)
+            out = block_linear(x, self.quantized)
             return out if self.bias is None else out + self.bias
         return cpu_aware_linear(x, self.weight, self.bias)
 
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
             backend if backend is not None else torch_backend()
         )
         self.kv_caches: KVCaches | None = None
-        self.lm_head_quantized: QuantizedWeight | None = None
+        self.lm_head_quantized: BlockWeight | None = None
         """The output projection in GGUF blocks (native kernel), when the loader set it."""
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
         if self.lm_head_quantized is not None:
-            return quant_linear(hidden, self.lm_head_quantized)
+            return block_linear(hidden, self.lm_head_quantized)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # Left transposed ([V, B] storage): a greedy argmax reads it as fast, and a copy of
         # B x 49k floats is not free; the sampler makes its own contiguous copy when it draws.

@@ -14,7 +14,11 @@ from deepinfer.model.attention import select_attention_backend
 from deepinfer.model.fingerprint import directory_digest, file_digest, kv_fingerprint
 from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
 from deepinfer.model.protocol import CausalLM
-from deepinfer.model.quantized import quantize_linears, quantized_matmul_wanted
+from deepinfer.model.quantized import (
+    int8_activations_wanted,
+    quantize_linears,
+    quantized_matmul_wanted,
+)
 from deepinfer.model.registry import get_model_class
 from deepinfer.model.safetensors_loader import open_safetensors_dir
 from deepinfer.model.weights import TensorSource, build_state_dict
@@ -34,6 +38,8 @@ class LoadedModel:
     """The open reader for GGUF files (the tokenizer is built from its metadata); else None."""
     quantized_bytes: int = 0
     """Bytes of matrices served in GGUF blocks by the native kernel (0: all fp32)."""
+    int8_activations: bool = False
+    """The quantized kernel quantizes activations to int8 (integer dot products)."""
 
 
 def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | None]:
@@ -53,11 +59,13 @@ def load_model(
     device: torch.device | str,
     attention_backend: str = "auto",
     quantized_matmul: str = "auto",
+    matmul_activations: str = "float32",
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
     `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_1/Q8_0 matrices in their blocks
-    through the native CPU kernel (see deepinfer.model.quantized).
+    through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
+    (`float32|int8`): what that kernel multiplies them by.
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """
@@ -72,13 +80,17 @@ def load_model(
     except RuntimeError as exc:  # shape mismatches between metadata and tensors
         raise ModelLoadError(f"{path}: tensors do not match the model's metadata: {exc}") from exc
     model.eval()
-    quantized = 0
-    if isinstance(source, GGUFTensorSource) and quantized_matmul_wanted(
+    wanted = isinstance(source, GGUFTensorSource) and quantized_matmul_wanted(
         quantized_matmul, device, dtype
-    ):
-        quantized = quantize_linears(model, source, arch.num_layers)
+    )
+    int8 = int8_activations_wanted(matmul_activations, wanted)
+    quantized = 0
+    if isinstance(source, GGUFTensorSource) and wanted:
+        quantized = quantize_linears(model, source, arch.num_layers, int8)
     causal_lm: CausalLM = model  # type: ignore[assignment]
-    return LoadedModel(causal_lm, arch, path, dtype, device, weights_digest, reader, quantized)
+    return LoadedModel(
+        causal_lm, arch, path, dtype, device, weights_digest, reader, quantized, int8
+    )
 
 
 def model_fingerprint(
@@ -88,6 +100,8 @@ def model_fingerprint(
     a = loaded.arch
     # the quantized kernel sums in another order than BLAS: KV from one is not the other's
     numerics = f"{dtype}+quantized-matmul" if loaded.quantized_bytes else str(dtype)
+    if loaded.int8_activations:  # and rounds the activations
+        numerics += "+int8-activations"
     if kv_dtype is not None and kv_dtype != dtype:
         numerics += f"+kv-{kv_dtype}"
     return kv_fingerprint(

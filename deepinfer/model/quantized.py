@@ -2,9 +2,11 @@
 
 After the model is loaded (fp32 weights, exactly the file's values), `quantize_linears` gives each
 linear layer whose source tensors are all Q4_1 or Q8_0 its blocks instead, and the tied or
-separate LM head too, then drops the fp32 copies. The kernel multiplies by the same fp32 values
-(dequantized on the fly), reading 4-7x fewer bytes per step; only the order of each dot product's
-sum differs from BLAS. `quantized_matmul_wanted` decides, per the config's `auto|on|off`.
+separate LM head too, then drops the fp32 copies. The float kernel multiplies by the same fp32
+values (dequantized on the fly), reading 4-7x fewer bytes per step; only the order of each dot
+product's sum differs from BLAS. With int8 activations the blocks are repacked for the integer
+kernel instead (deepinfer.kernels.int8_matmul). `quantized_matmul_wanted` and
+`int8_activations_wanted` decide, per the config.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_library
+from deepinfer.kernels.int8_matmul import BlockWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import GGUFTensorSource
 from deepinfer.model.llama import Linear
@@ -45,25 +48,47 @@ def quantized_matmul_wanted(mode: str, device: torch.device, dtype: torch.dtype)
     return False
 
 
-def quantize_linears(model: nn.Module, source: GGUFTensorSource, num_layers: int) -> int:
-    """Swap in the blocks of every linear layer stored in a kernel format; the bytes served."""
+def int8_activations_wanted(mode: str, quantized: bool) -> bool:
+    """Whether the quantized kernel takes int8 activations (`int8`; an error without that
+    kernel) or float32 ones (`float32`)."""
+    if mode not in ("float32", "int8"):
+        raise ModelLoadError(f"unknown matmul activations {mode!r}: choose float32 or int8")
+    if mode == "int8" and not quantized:
+        raise ModelLoadError(
+            "--matmul-activations int8 needs the quantized matmul (a GGUF file with Q4_1/Q8_0 "
+            "matrices, float32 on CPU, the native kernels)"
+        )
+    return mode == "int8"
+
+
+def quantize_linears(
+    model: nn.Module, source: GGUFTensorSource, num_layers: int, int8: bool = False
+) -> int:
+    """Swap in the blocks of every linear layer stored in a kernel format (repacked for the int8
+    kernel when `int8`); the bytes served."""
     modules = dict(model.named_modules())
     total = 0
     for i in range(num_layers):
         for name, parts in linear_sources(i).items():
-            weight = _fused(source, parts)
+            fused = _fused(source, parts)
             module = modules.get(name)
-            if weight is not None and isinstance(module, Linear):
+            if fused is not None and isinstance(module, Linear):
+                weight = _served(fused, int8)
                 module.quantize(weight)
                 total += weight.nbytes
     tied = getattr(model, "lm_head", None) is None
-    head = source.load_quantized("embed_tokens.weight" if tied else "lm_head.weight")
-    if head is not None:
+    blocks = source.load_quantized("embed_tokens.weight" if tied else "lm_head.weight")
+    if blocks is not None:
+        head = _served(blocks, int8)
         setattr(model, "lm_head_quantized", head)  # noqa: B010 (any model with the attribute)
         if not tied:  # a separate head: its fp32 copy is no longer read
             setattr(model, "lm_head", None)  # noqa: B010
         total += head.nbytes
     return total
+
+
+def _served(weight: QuantizedWeight, int8: bool) -> BlockWeight:
+    return pack_int8(weight) if int8 else weight
 
 
 def _fused(source: GGUFTensorSource, names: tuple[str, ...]) -> QuantizedWeight | None:

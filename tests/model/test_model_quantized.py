@@ -16,6 +16,7 @@ from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.int8_matmul import Int8PackedWeight
 from deepinfer.model import load_model, model_fingerprint
 
 transformers = pytest.importorskip("transformers")
@@ -94,7 +95,7 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
 def test_quantized_matmul_matches_transformers(quantized_gguf: Any) -> None:
     path, hf_model = quantized_gguf
     loaded = load_model(path, torch.float32, "cpu", quantized_matmul="on")
-    assert loaded.quantized_bytes > 0
+    assert loaded.quantized_bytes > 0 and not loaded.int8_activations  # float32 by default
     assert loaded.model.lm_head_quantized is not None  # type: ignore[attr-defined]
     prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
@@ -115,3 +116,33 @@ def test_on_refuses_where_the_kernel_cannot_run(quantized_gguf: Any) -> None:
     with pytest.raises(ModelLoadError, match="quantized-matmul on"):
         load_model(path, torch.bfloat16, "cpu", quantized_matmul="on")
     assert load_model(path, torch.bfloat16, "cpu").quantized_bytes == 0  # auto: fp weights
+
+
+@needs_native
+def test_int8_activations_stay_close_to_transformers(quantized_gguf: Any) -> None:
+    """Activations rounded to int8 blocks; transformers is the oracle, the exact path the peer."""
+    path, hf_model = quantized_gguf
+    loaded = load_model(path, torch.float32, "cpu", matmul_activations="int8")
+    exact = load_model(path, torch.float32, "cpu")
+    assert loaded.int8_activations and loaded.quantized_bytes > 0
+    assert isinstance(loaded.model.lm_head_quantized, Int8PackedWeight)  # type: ignore[attr-defined]
+    prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0]
+    got = _logits(loaded.model, prompt)
+    error = (got - want).abs()
+    assert 0 < error.max().item() < 0.05 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9
+    assert model_fingerprint(loaded, torch.float32, 16) != model_fingerprint(
+        exact, torch.float32, 16
+    )
+
+
+def test_int8_activations_need_the_quantized_kernel(quantized_gguf: Any) -> None:
+    path, _ = quantized_gguf
+    with pytest.raises(ModelLoadError, match="matmul-activations int8"):
+        load_model(path, torch.bfloat16, "cpu", matmul_activations="int8")
+    with pytest.raises(ModelLoadError, match="matmul-activations int8"):
+        load_model(path, torch.float32, "cpu", quantized_matmul="off", matmul_activations="int8")
+    with pytest.raises(ModelLoadError, match="unknown matmul activations"):
+        load_model(path, torch.float32, "cpu", matmul_activations="int4")

@@ -1,0 +1,127 @@
+/* The small per-layer ops of a CPU forward pass, float32, on x86-64 with AVX2, FMA and F16C:
+   residual add + RMSNorm, rotary embedding in place, and the KV store. In torch each is several
+   ops with temporaries; here each is one pass over rows that stay in L1.
+
+   Rows are given by a base pointer and a row stride in elements (q, k and v are views of the
+   fused qkv projection). Work is split over rows with OpenMP when there are enough of them
+   (`num_threads` is the calling worker's torch share). This file is compiled with
+   -ffp-contract=off: every product and sum rounds as torch's references round them, except the
+   order of the RMSNorm's sum of squares (8 lanes, then a fixed reduction).
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* out = rms_norm(x (+ residual)) * weight; with a residual, summed = x + residual as well.
+   D must be a multiple of 8. */
+static void norm_row(const float *x, const float *residual, const float *w, float *out,
+                     float *summed, int D, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (residual != NULL) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(residual + i));
+            _mm256_storeu_ps(summed + i, v);
+        }
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    const float *src = residual != NULL ? summed : x;
+    const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)D + eps));
+    for (int i = 0; i < D; i += 8) {
+        const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(src + i), r);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(normed, _mm256_loadu_ps(w + i)));
+    }
+}
+
+/* Row strides in elements; residual/summed may be NULL (plain RMSNorm). Returns 0, or -1. */
+int di_rms_norm(const float *x, long x_stride, const float *residual, long r_stride,
+                const float *w, float *out, long out_stride, float *summed, long s_stride, int T,
+                int D, float eps, int num_threads) {
+    if (T < 0 || D <= 0 || D % 8 != 0 || (residual != NULL && summed == NULL)) return -1;
+    const int threads = (long)T * D >= PARALLEL_MIN_ELEMENTS && num_threads > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < T; t++) {
+        norm_row(x + t * x_stride, residual != NULL ? residual + t * r_stride : NULL, w,
+                 out + t * out_stride, summed != NULL ? summed + t * s_stride : NULL, D, eps);
+    }
+    return 0;
+}
+
+/* One head of one token, rotate-half layout: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
+static inline void rotate_head(float *x, const float *cos, const float *sin, int half) {
+    int i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+        const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+        _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+    }
+    for (; i < half; i++) {
+        const float a = x[i], b = x[half + i];
+        x[i] = a * cos[i] - b * sin[i];
+        x[half + i] = b * cos[i] + a * sin[i];
+    }
+}
+
+/* q [T, H, D] and k [T, Hkv, D] in place (token strides given, heads contiguous at D apart);
+   cos_sin [P, D] (cos in the first half, sin in the second); positions [T] int64 < P. */
+int di_rotary(float *q, long q_stride, int H, float *k, long k_stride, int Hkv,
+              const int64_t *positions, const float *cos_sin, long P, int T, int D,
+              int num_threads) {
+    if (T < 0 || D <= 0 || D % 2 != 0) return -1;
+    for (int t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= P) return -1;
+    }
+    const int half = D / 2;
+    const int threads =
+        (long)T * (H + Hkv) * D >= PARALLEL_MIN_ELEMENTS && num_threads > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < T; t++) {
+        const float *row = cos_sin + positions[t] * (long)D;
+        for (int h = 0; h < H; h++) rotate_head(q + t * q_stride + (long)h * D, row, row + half, half);
+        for (int h = 0; h < Hkv; h++) rotate_head(k + t * k_stride + (long)h * D, row, row + half, half);
+    }
+    return 0;
+}
+
+static inline void store_row(const float *src, void *dst, int width, int f16) {
+    if (!f16) {
+        memcpy(dst, src, (size_t)width * sizeof(float));
+        return;
+    }
+    uint16_t *o = (uint16_t *)dst;
+    int i = 0;
+    for (; i + 8 <= width; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(o + i), h);
+    }
+    for (; i < width; i++) o[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* k, v [T, width] rows (strides given) into the caches' rows `slots[t]` (width elements each,
+   float32 or float16 per `kv_f16`); a negative slot is padding and is skipped. */
+int di_store_kv(const float *k, long k_stride, const float *v, long v_stride, void *k_cache,
+                void *v_cache, long num_slots, const int64_t *slots, int T, int width,
+                int kv_f16) {
+    if (T < 0 || width <= 0) return -1;
+    for (int t = 0; t < T; t++) {
+        if (slots[t] >= num_slots) return -1;
+    }
+    const size_t row_bytes = (size_t)width * (kv_f16 ? 2 : 4);
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        store_row(k + t * k_stride, (char *)k_cache + slots[t] * row_bytes, width, kv_f16);
+        store_row(v + t * v_stride, (char *)v_cache + slots[t] * row_bytes, width, kv_f16);
+    }
+    return 0;
+}

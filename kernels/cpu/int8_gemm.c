@@ -1,0 +1,274 @@
+/* Integer-dot-product matmuls over GGUF Q4_1 / Q8_0 weights on x86-64 with AVX2 and FMA.
+
+   y[M, N] = x[M, K] @ W[N, K]^T, as llama.cpp computes it on CPU: each row of x is quantized to
+   int8 in blocks of 32 (scale dx = max|x| / 127, q = round(x / dx), and sx = dx * sum(q)), and each
+   32-long piece of a dot product is an integer sum, scaled once:
+     Q4_1 (w = d*q + m):  dot = d * dx * sum(q_w * q_x) + m * sx
+     Q8_0 (w = d*q):      dot = d * dx * sum(q_w * q_x)
+   `vpmaddubsw` multiplies 32 unsigned by 32 signed bytes a cycle, against 8 float FMAs.
+
+   Weights are repacked once (`di_int8_pack`) into groups of 8 rows, block by block:
+     Q4_1 group block (192 bytes): 4 x 32 bytes of nibbles, then d[8], m[8] as float32.
+       Byte 4r+i of 32-byte chunk j holds row r's weight 4j+i in its low nibble and 16+4j+i in
+       its high nibble (j = 0..3, i = 0..3): one load and a mask give 4 weights of each of the 8
+       rows, ready to multiply by 4 broadcast bytes of x.
+     Q8_0 group block (288 bytes): 8 x 32 bytes (chunk j: row r's weights 4j..4j+3 at 4r), d[8].
+   Rows past N (the last group) are zero. A lane of every vector is one output: no horizontal
+   sums, and each output's arithmetic is the same whatever M is or how rows were grouped.
+
+   Q4_1 products fit int16 summed over a whole block (8 x 2 x 15 x 127 = 30480): one `vpmaddwd`
+   a block. Q8_0 products do not (2 x 127 x 127 = 32258 each): it widens after every multiply.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define GROUP 8
+#define MR 4
+
+enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
+
+static inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline size_t group_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 192 : 288; }
+
+/* Bytes of the packed weight; 0 for bad arguments. */
+long di_int8_packed_bytes(int fmt, int N, int K) {
+    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || N <= 0 || K <= 0 || K % QK != 0) return 0;
+    const long groups = (N + GROUP - 1) / GROUP;
+    return groups * (K / QK) * (long)group_block_bytes(fmt);
+}
+
+static void pack_group_q4_1(const uint8_t *w, int rows, int nb, uint8_t *out) {
+    const size_t rb = (size_t)nb * 20;
+    for (int b = 0; b < nb; b++, out += 192) {
+        memset(out, 0, 192);
+        float *d = (float *)(out + 128), *m = (float *)(out + 160);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *blk = w + r * rb + (size_t)b * 20;
+            uint16_t dh, mh;
+            memcpy(&dh, blk, 2);
+            memcpy(&mh, blk + 2, 2);
+            d[r] = fp16_to_f32(dh);
+            m[r] = fp16_to_f32(mh);
+            /* qs[k] holds weight k (low nibble) and weight 16 + k (high): the layout wanted */
+            for (int j = 0; j < 4; j++) memcpy(out + 32 * j + 4 * r, blk + 4 + 4 * j, 4);
+        }
+    }
+}
+
+static void pack_group_q8_0(const uint8_t *w, int rows, int nb, uint8_t *out) {
+    const size_t rb = (size_t)nb * 34;
+    for (int b = 0; b < nb; b++, out += 288) {
+        memset(out, 0, 288);
+        float *d = (float *)(out + 256);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *blk = w + r * rb + (size_t)b * 34;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            d[r] = fp16_to_f32(dh);
+            for (int j = 0; j < 8; j++) memcpy(out + 32 * j + 4 * r, blk + 2 + 4 * j, 4);
+        }
+    }
+}
+
+/* Repack N rows of GGUF blocks (row stride K/32 blocks) into `out` (di_int8_packed_bytes). */
+int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_threads) {
+    if (di_int8_packed_bytes(fmt, N, K) == 0) return -1;
+    const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
+    const size_t rb = (size_t)nb * (fmt == FMT_Q4_1 ? 20 : 34);
+    const size_t gb = (size_t)nb * group_block_bytes(fmt);
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int g = 0; g < groups; g++) {
+        const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
+        const uint8_t *src = w + (size_t)g * GROUP * rb;
+        if (fmt == FMT_Q4_1) {
+            pack_group_q4_1(src, rows, nb, out + g * gb);
+        } else {
+            pack_group_q8_0(src, rows, nb, out + g * gb);
+        }
+    }
+    return 0;
+}
+
+/* One row of x to int8 blocks: q[K], dx[nb], sx[nb] (sx = dx * sum(q)). Rounds half to even. */
+static void quantize_row(const float *x, int K, int8_t *q, float *dx, float *sx) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+        }
+        __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+        a = _mm_max_ss(a, _mm_movehdup_ps(a));
+        const float max_abs = _mm_cvtss_f32(a);
+        const float d = max_abs / 127.0f;
+        const float inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        __m256i sum = _mm256_setzero_si256();
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vinv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            qi[i] = _mm256_cvtps_epi32(r);
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        /* int32 -> int8, in order: packs interleave 128-bit lanes, the permute restores it */
+        const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);
+        const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s = _mm_hadd_epi32(s, s);
+        s = _mm_hadd_epi32(s, s);
+        dx[b] = d;
+        sx[b] = d * (float)_mm_cvtsi128_si32(s);
+    }
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One group of 8 weight rows times R quantized rows of x (R a constant, so the accumulators
+   stay in registers): acc[c] lane r = y[c, r]. `q` rows are K apart, `dx`/`sx` rows K/32. */
+#define GROUP_Q4_1(R)                                                                          \
+    static void group_q4_1_x##R(const uint8_t *g, int nb, const int8_t *q, const float *dx,     \
+                                const float *sx, int K, __m256 *acc) {                          \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                             \
+        const __m256i ones = _mm256_set1_epi16(1);                                              \
+        __m256 a[R];                                                                            \
+        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int b = 0; b < nb; b++, g += 192) {                                                \
+            __m256i s16[R];                                                                     \
+            for (int c = 0; c < R; c++) s16[c] = _mm256_setzero_si256();                        \
+            const int8_t *qb = q + b * QK;                                                      \
+            _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {                               \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(g + 32 * j));          \
+                const __m256i lo = _mm256_and_si256(raw, low);                                  \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);            \
+                for (int c = 0; c < R; c++) {                                                   \
+                    const int8_t *qc = qb + (size_t)c * K;                                      \
+                    s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(lo, bcast4(qc + 4 * j))); \
+                    s16[c] = _mm256_add_epi16(                                                  \
+                        s16[c], _mm256_maddubs_epi16(hi, bcast4(qc + 16 + 4 * j)));             \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 d = _mm256_loadu_ps((const float *)(g + 128));                         \
+            const __m256 m = _mm256_loadu_ps((const float *)(g + 160));                         \
+            for (int c = 0; c < R; c++) {                                                       \
+                const size_t at = (size_t)c * nb + b;                                           \
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], ones));         \
+                a[c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[at])), a[c]);    \
+                a[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[at]), a[c]);                        \
+            }                                                                                   \
+        }                                                                                       \
+        for (int c = 0; c < R; c++) acc[c] = a[c];                                              \
+    }
+
+#define GROUP_Q8_0(R)                                                                          \
+    static void group_q8_0_x##R(const uint8_t *g, int nb, const int8_t *q, const float *dx,     \
+                                const float *sx, int K, __m256 *acc) {                          \
+        (void)sx;                                                                               \
+        const __m256i ones = _mm256_set1_epi16(1);                                              \
+        __m256 a[R];                                                                            \
+        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int b = 0; b < nb; b++, g += 288) {                                                \
+            __m256i s32[R];                                                                     \
+            for (int c = 0; c < R; c++) s32[c] = _mm256_setzero_si256();                        \
+            const int8_t *qb = q + b * QK;                                                      \
+            _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {                               \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 32 * j));            \
+                const __m256i aw = _mm256_sign_epi8(w, w);                                      \
+                for (int c = 0; c < R; c++) {                                                   \
+                    const __m256i xs = _mm256_sign_epi8(bcast4(qb + (size_t)c * K + 4 * j), w); \
+                    s32[c] = _mm256_add_epi32(                                                  \
+                        s32[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));         \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 d = _mm256_loadu_ps((const float *)(g + 256));                         \
+            for (int c = 0; c < R; c++) {                                                       \
+                const size_t at = (size_t)c * nb + b;                                           \
+                a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[c]),                              \
+                                       _mm256_mul_ps(d, _mm256_set1_ps(dx[at])), a[c]);         \
+            }                                                                                   \
+        }                                                                                       \
+        for (int c = 0; c < R; c++) acc[c] = a[c];                                              \
+    }
+
+GROUP_Q4_1(1)
+GROUP_Q4_1(2)
+GROUP_Q4_1(3)
+GROUP_Q4_1(4)
+GROUP_Q8_0(1)
+GROUP_Q8_0(2)
+GROUP_Q8_0(3)
+GROUP_Q8_0(4)
+
+typedef void (*group_fn)(const uint8_t *, int, const int8_t *, const float *, const float *, int,
+                         __m256 *);
+static const group_fn GROUP_FNS[2][MR] = {
+    {group_q4_1_x1, group_q4_1_x2, group_q4_1_x3, group_q4_1_x4},
+    {group_q8_0_x1, group_q8_0_x2, group_q8_0_x3, group_q8_0_x4},
+};
+
+static inline void store_group(const __m256 *acc, int mr, float *y, int N, int rows) {
+    for (int c = 0; c < mr; c++) {
+        if (rows == GROUP) {
+            _mm256_storeu_ps(y + (size_t)c * N, acc[c]);
+        } else {
+            float tmp[GROUP];
+            _mm256_storeu_ps(tmp, acc[c]);
+            memcpy(y + (size_t)c * N, tmp, (size_t)rows * sizeof(float));
+        }
+    }
+}
+
+/* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
+int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
+                 int num_threads) {
+    if (di_int8_packed_bytes(fmt, N, K) == 0 || M < 0) return -1;
+    if (M == 0) return 0;
+    const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
+    const size_t gb = (size_t)nb * group_block_bytes(fmt);
+    int8_t *q = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
+    float *scales = malloc((size_t)M * nb * 2 * sizeof(float));
+    if (q == NULL || scales == NULL) {
+        free(q);
+        free(scales);
+        return -2;
+    }
+    float *dx = scales, *sx = scales + (size_t)M * nb;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++) {
+            quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, dx + (size_t)r * nb, sx + (size_t)r * nb);
+        }
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
+            const uint8_t *wg = packed + g * gb;
+            __m256 acc[MR];
+            for (int m0 = 0; m0 < M; m0 += MR) {
+                const int mr = M - m0 < MR ? M - m0 : MR;
+                GROUP_FNS[fmt][mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
+                                       sx + (size_t)m0 * nb, K, acc);
+                store_group(acc, mr, y + (size_t)m0 * N + g * GROUP, N, rows);
+            }
+        }
+    }
+    free(q);
+    free(scales);
+    return 0;
+}

@@ -1,0 +1,120 @@
+"""Linear layers over GGUF Q4_1 / Q8_0 weights with int8 activations (integer dot products).
+
+llama.cpp's CPU arithmetic: each row of x is quantized to int8 in blocks of 32 (scale
+max|x| / 127, round half to even), and each 32-long piece of a dot product is an exact integer
+sum, scaled once by the weight's and the activation's scales (plus the Q4_1 offset times the
+activation block's sum). The native kernel (`cpu/int8_gemm.c`) multiplies 32 byte pairs per
+instruction where the float kernel does 8, on weights repacked once into groups of 8 rows.
+
+The cost is x's rounding (relative error about 0.4% of a block's largest entry); the results
+are the same whatever the batch: each row is quantized alone and each output summed in one
+fixed order. `int8_linear_reference` computes the same arithmetic in torch (the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cpu_native import native_library
+from .quant_matmul import QK, QuantFormat, QuantizedWeight, dequantize_reference, quant_linear
+
+GROUP = 8
+"""Weight rows packed together: one lane of a 256-bit vector each."""
+
+
+@dataclass(frozen=True)
+class Int8PackedWeight:
+    """A [out_features, in_features] weight repacked for the int8 kernel (see int8_gemm.c)."""
+
+    fmt: QuantFormat
+    packed: torch.Tensor  # uint8 [di_int8_packed_bytes], contiguous CPU
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def packed_bytes(fmt: QuantFormat, out_features: int, in_features: int) -> int:
+    groups = -(-out_features // GROUP)
+    per_block = 192 if fmt is QuantFormat.Q4_1 else 288
+    return groups * (in_features // QK) * per_block
+
+
+def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedWeight:
+    """Repack GGUF blocks for the int8 kernel (blocking, about a second per 100 MB)."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty(packed_bytes(w.fmt, n, k), dtype=torch.uint8)
+    threads = num_threads or torch.get_num_threads()
+    native_library().int8_pack(int(w.fmt), w.blocks.data_ptr(), out.data_ptr(), n, k, threads)
+    return Int8PackedWeight(w.fmt, out, n, k)
+
+
+def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
+    """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"int8_linear takes float32 CPU [M, K] inputs, got {x.dtype} {x.shape}")
+    if x.shape[1] != w.in_features:
+        raise ValueError(
+            f"cannot multiply {tuple(x.shape)} by a [{w.out_features}, {w.in_features}] weight"
+        )
+    x = x.contiguous()
+    m, n = x.shape[0], w.out_features
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m:
+        native_library().int8_gemm(
+            int(w.fmt), w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return y
+
+
+BlockWeight = QuantizedWeight | Int8PackedWeight
+"""A weight served by a native kernel: GGUF blocks (float kernel) or repacked (int8 kernel)."""
+
+
+def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    """x @ W^T through the kernel that serves `w`."""
+    return int8_linear(x, w) if isinstance(w, Int8PackedWeight) else quant_linear(x, w)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q int8-valued float [M, K/32, 32], scale [M, K/32, 1]), the kernel's
+    rounding: scale max|x| / 127, q = round(x * (127 / max|x|)), half to even."""
+    blocks = x.float().reshape(x.shape[0], x.shape[1] // QK, QK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv), amax / 127.0
+
+
+def int8_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The int8 kernel's arithmetic in float64: integer block sums, then the scales."""
+    q, dx = quantize_activations(x)  # [M, nb, 32], [M, nb, 1]
+    n, nb = w.out_features, w.in_features // QK
+    raw = w.blocks.view(n, nb, w.fmt.block_bytes)
+    d = raw[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # [N, nb]
+    if w.fmt is QuantFormat.Q8_0:
+        qw = raw[..., 2:].contiguous().view(torch.int8).double()  # [N, nb, 32]
+    else:
+        qs = raw[..., 4:]
+        qw = torch.cat([qs & 0x0F, qs >> 4], dim=-1).double()
+    sums = torch.einsum("mbk,nbk->mnb", q.double(), qw)  # exact integers
+    dxb = dx.double().squeeze(-1)  # [M, nb]
+    # the kernel rounds d * dx and dx * sum(q) to float32 before it uses them
+    scale = (d.float()[None] * dxb.float()[:, None]).double()  # [M, N, nb]
+    y = (sums * scale).sum(-1)
+    if w.fmt is QuantFormat.Q4_1:
+        m = raw[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1)  # [N, nb]
+        sx = (dxb.float() * q.sum(-1).float()).double()  # [M, nb]
+        y = y + sx @ m.t()
+    return y.float()
+
+
+def int8_error_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """|y_int8 - y_float| is at most sum_k |w_k| * dx_k / 2 (each x off by half a step): [M, N]."""
+    _, dx = quantize_activations(x)
+    step = dx.expand(-1, -1, QK).reshape(x.shape[0], -1)  # [M, K]
+    return (step / 2) @ dequantize_reference(w).abs().t()

@@ -1,0 +1,90 @@
+"""The `cpu` backend's native norm, rotary and KV-store kernels (kernels/cpu/elementwise.c)
+against the torch references they replace, on the strided views a forward pass gives them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import elementwise_cpu as ew
+from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.kv_store import store_kv_reference
+from deepinfer.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from deepinfer.kernels.rotary import apply_rotary_reference, rotary_cos_sin
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
+H, HKV, D = 9, 3, 64
+
+
+def _qkv(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, Hkv, D]: views of one fused projection, as the model has."""
+    qkv = torch.randn(t, (H + 2 * HKV) * D, generator=torch.Generator().manual_seed(seed))
+    q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+    return q.view(t, H, D), k.view(t, HKV, D), v.view(t, HKV, D)
+
+
+@pytest.mark.parametrize("t", [0, 1, 7, 300])  # 300 rows: split over threads
+def test_norms_match_the_reference(t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    x, residual = torch.randn(t, 576, generator=gen), torch.randn(t, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    out, summed = ew.fused_add_rms_norm_cpu(x, residual, w, 1e-5)
+    want_out, want_summed = fused_add_rms_norm_reference(x, residual, w, 1e-5)
+    assert torch.equal(summed, want_summed)  # one rounding, the same
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)  # the sum's order differs
+    torch.testing.assert_close(ew.rms_norm_cpu(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+
+
+def test_norm_reads_strided_rows() -> None:
+    wide = torch.randn(5, 1024)
+    x = wide[:, 128:704]  # row stride 1024
+    w = torch.randn(576)
+    torch.testing.assert_close(ew.rms_norm_cpu(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("t", [1, 6, 200])
+def test_rotary_matches_the_reference(t: int) -> None:
+    q, k, _ = _qkv(t, seed=t)
+    q_ref, k_ref = q.clone(), k.clone()
+    cos_sin = rotary_cos_sin(D, 4096, 100000.0)
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(t))
+    ew.apply_rotary_cpu(q, k, positions, cos_sin)
+    apply_rotary_reference(q_ref, k_ref, positions, cos_sin)
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_refuses_positions_past_the_table() -> None:
+    q, k, _ = _qkv(2, seed=0)
+    with pytest.raises(ValueError, match="rejected"):
+        ew.apply_rotary_cpu(q, k, torch.tensor([0, 64]), rotary_cos_sin(D, 64, 10000.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_is_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    _, k, v = _qkv(9, seed=3)
+    caches = [torch.full((12, 16, HKV, D), 7.0, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(12 * 16, generator=torch.Generator().manual_seed(3))[:9]
+    slots[4] = -1  # padding: skipped
+    ew.store_kv_cpu(k, v, caches[0], caches[1], slots)
+    store_kv_reference(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(ValueError, match="rejected"):
+        ew.store_kv_cpu(k, v, caches[0], caches[1], torch.full((9,), 12 * 16))
+
+
+def test_other_layouts_fall_back_to_the_reference() -> None:
+    x = torch.randn(3, 64, dtype=torch.float64)
+    w = torch.randn(64, dtype=torch.float64)
+    assert torch.equal(ew.rms_norm_cpu(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    narrow = torch.randn(3, 12)  # not a multiple of 8 wide
+    assert torch.equal(
+        ew.rms_norm_cpu(narrow, torch.ones(12), 1e-5),
+        rms_norm_reference(narrow, torch.ones(12), 1e-5),
+    )
+    _, k, v = _qkv(4, seed=5)
+    caches = [torch.zeros(4, 4, HKV, D, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.arange(4)
+    ew.store_kv_cpu(k, v, caches[0], caches[1], slots)
+    store_kv_reference(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2])

@@ -1,0 +1,134 @@
+"""The int8-activation matmul (kernels/cpu/int8_gemm.c) against its arithmetic computed in
+float64 by torch, and against the exact float product within the rounding of x."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.int8_matmul import (
+    Int8PackedWeight,
+    block_linear,
+    int8_error_bound,
+    int8_linear,
+    int8_linear_reference,
+    pack_int8,
+    packed_bytes,
+    quantize_activations,
+)
+from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, quant_linear_reference
+
+needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
+GGML = {
+    QuantFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1,
+    QuantFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+def _weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Random weights quantized by gguf-py."""
+    dense = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = gguf.quants.quantize(dense, GGML[fmt])
+    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks)), k)
+
+
+def _raw_weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Every byte random but the scales: all nibbles, and Q8_0's -128, which gguf-py never
+    writes but a file may hold."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = k // 32
+    blocks = torch.randint(0, 256, (n, nb, fmt.block_bytes), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, nb, generator=gen).half().view(torch.uint8).view(n, nb, 2)
+    blocks[..., 0:2] = scale
+    if fmt is QuantFormat.Q4_1:
+        blocks[..., 2:4] = (-scale.view(torch.float16) * 7).view(torch.uint8).view(n, nb, 2)
+    return QuantizedWeight(fmt, blocks.reshape(n, -1).contiguous(), k)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 sums of float32-scaled integer blocks: a few ulps of the largest term."""
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got, want, atol=2e-6 * max(scale, 1.0), rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 9, 32])
+def test_int8_linear_matches_its_arithmetic_in_float64(fmt: QuantFormat, m: int) -> None:
+    w = _weight(fmt, 37, 96, seed=m)  # 37 rows: the last group of 8 is partial
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)) * 3
+    _close(int8_linear(x, pack_int8(w)), int8_linear_reference(x, w))
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_every_byte_value_and_extreme_activations(fmt: QuantFormat) -> None:
+    w = _raw_weight(fmt, 24, 128, seed=3)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    x[1, 32:64] = torch.where(torch.arange(32) % 2 == 0, 1e4, -1e4)  # every entry +-127
+    x[2, 64:96] = 1e-30  # tiny but not zero
+    x[3] = x[3] * 1e6
+    _close(int8_linear(x, pack_int8(w)), int8_linear_reference(x, w))
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_int8_error_stays_within_the_rounding_of_x(fmt: QuantFormat) -> None:
+    w = _weight(fmt, 64, 256, seed=11)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(11))
+    got = int8_linear(x, pack_int8(w))
+    exact = quant_linear_reference(x, w)
+    bound = int8_error_bound(x, w)
+    assert ((got - exact).abs() <= bound + 1e-4).all()
+    assert (got - exact).abs().max() > 0  # x really was rounded
+
+
+def test_quantize_activations_rounds_to_the_nearest_step() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    q, dx = quantize_activations(x)
+    assert q.abs().amax(-1).eq(127).all()  # each block's largest entry maps to +-127
+    assert ((q * dx).reshape(3, 64) - x).abs().le(dx.expand(-1, -1, 32).reshape(3, 64) / 2).all()
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_rows_and_threads_do_not_change_results(fmt: QuantFormat) -> None:
+    w = pack_int8(_weight(fmt, 40, 64, seed=4))
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(4))
+    together = int8_linear(x, w)
+    for m in range(11):
+        assert torch.equal(int8_linear(x[m : m + 1], w), together[m : m + 1])
+    assert torch.equal(int8_linear(x[3:10], w), together[3:10])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int8_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, together)
+
+
+@needs_native
+def test_block_linear_dispatches_on_the_weight() -> None:
+    w = _weight(QuantFormat.Q4_1, 16, 64, seed=5)
+    packed = pack_int8(w)
+    x = torch.randn(2, 64)
+    assert packed.nbytes == packed_bytes(QuantFormat.Q4_1, 16, 64) == 2 * 2 * 192
+    assert torch.equal(block_linear(x, packed), int8_linear(x, packed))
+    torch.testing.assert_close(block_linear(x, w), quant_linear_reference(x, w))
+
+
+@needs_native
+def test_bad_inputs_are_refused() -> None:
+    w = pack_int8(_weight(QuantFormat.Q4_1, 8, 64, seed=6))
+    with pytest.raises(ValueError, match="float32 CPU"):
+        int8_linear(torch.zeros(2, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="cannot multiply"):
+        int8_linear(torch.zeros(2, 32), w)
+    short = Int8PackedWeight(QuantFormat.Q4_1, w.packed, 8, 0)
+    with pytest.raises(ValueError, match="rejected"):
+        int8_linear(torch.zeros(1, 0), short)
