@@ -216,6 +216,10 @@ def _validate(config: Config) -> None:
         raise ConfigError("scheduler.max_num_seqs and max_num_batched_tokens must be positive")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         raise ConfigError("model.max_model_len must be positive")
+    if config.model.matmul_activations not in ("float32", "int8"):
+        raise ConfigError(
+            f"model.matmul_activations must be float32 or int8, got {config.model.matmul_activations!r}"
+        )
     d = config.disk_cache
     if d.default_retention not in RETENTION_CLASSES:
         raise ConfigError(

@@ -3,6 +3,7 @@ written here: logits match transformers run on gguf-py's dequantization of the s
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from test_model_gguf_loader import CONFIG as BASE_CONFIG
 from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
 
+from deepinfer.args import add_engine_args, config_from_args
+from deepinfer.config import Config, ConfigError, ModelConfig
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.int8_matmul import Int8PackedWeight
@@ -146,3 +149,13 @@ def test_int8_activations_need_the_quantized_kernel(quantized_gguf: Any) -> None
         load_model(path, torch.float32, "cpu", quantized_matmul="off", matmul_activations="int8")
     with pytest.raises(ModelLoadError, match="unknown matmul activations"):
         load_model(path, torch.float32, "cpu", matmul_activations="int4")
+
+
+def test_matmul_activations_flag_maps_to_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).model.matmul_activations == "float32"
+    ns = parser.parse_args(["--matmul-activations", "int8"])
+    assert config_from_args(ns).model.matmul_activations == "int8"
+    with pytest.raises(ConfigError, match="float32 or int8"):
+        Config(model=ModelConfig(matmul_activations="int4"))  # type: ignore[arg-type]
