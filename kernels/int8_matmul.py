@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from .cpu_native import native_library
-from .quant_matmul import QK, QuantFormat, QuantizedWeight, dequantize_reference, quant_linear
+from .quant_matmul import (
+    QK,
+    QuantFormat,
+    QuantizedWeight,
+    dequantize_reference,
+    linear_operands,
+    quant_linear,
+)
 
 GROUP = 8
 """Weight rows packed together: one lane of a 256-bit vector each."""
@@ -55,15 +62,8 @@ def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedW
 
 def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
     """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"int8_linear takes float32 CPU [M, K] inputs, got {x.dtype} {x.shape}")
-    if x.shape[1] != w.in_features:
-        raise ValueError(
-            f"cannot multiply {tuple(x.shape)} by a [{w.out_features}, {w.in_features}] weight"
-        )
-    x = x.contiguous()
-    m, n = x.shape[0], w.out_features
-    y = torch.empty((m, n), dtype=torch.float32)
+    x, y = linear_operands("int8_linear", x, w.out_features, w.in_features)
+    m, n = y.shape
     if m:
         native_library().int8_gemm(
             int(w.fmt), w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,

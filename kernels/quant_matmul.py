@@ -87,21 +87,28 @@ def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return x.float() @ dequantize_reference(w).t()
 
 
+def linear_operands(
+    kernel: str, x: torch.Tensor, out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x made contiguous and an empty float32 [M, out_features] output, once x is checked to be
+    a float32 CPU [M, in_features] matrix (a ValueError naming `kernel` otherwise)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"{kernel} takes float32 CPU [M, K] inputs, got {x.dtype} {x.shape}")
+    if x.shape[1] != in_features:
+        raise ValueError(
+            f"cannot multiply {tuple(x.shape)} by a [{out_features}, {in_features}] weight"
+        )
+    return x.contiguous(), torch.empty((x.shape[0], out_features), dtype=torch.float32)
+
+
 def quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
     """x @ W^T on CPU through the native kernel, on the calling thread's torch thread count.
 
     Raises `NativeUnavailableError` when the kernel cannot be built here (check once, at load,
     with `native_library()`). Every output is reduced in one fixed order whatever M is.
     """
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"quant_linear takes float32 CPU [M, K] inputs, got {x.dtype} {x.shape}")
-    if x.shape[1] != w.in_features:
-        raise ValueError(
-            f"cannot multiply {tuple(x.shape)} by a [{w.out_features}, {w.in_features}] weight"
-        )
-    x = x.contiguous()
-    m, n = x.shape[0], w.out_features
-    y = torch.empty((m, n), dtype=torch.float32)
+    x, y = linear_operands("quant_linear", x, w.out_features, w.in_features)
+    m, n = y.shape
     if m:
         native_library().gemm(
             int(w.fmt), w.blocks.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,
