@@ -25,6 +25,8 @@ MAX_HEAD_DIM = 256
 NATIVE_KV_DTYPES = (torch.float32, torch.float16)
 """Cache dtypes the kernel reads (float16 converted to float32 as it is loaded)."""
 MAX_GROUP = 16
+NATIVE_MAX_CHUNK_PAIRS = 16384
+"""Chunks of up to this many query-key pairs go through the kernel, one row per query."""
 
 
 def native_decode_applies(k_cache: torch.Tensor, num_heads: int | None = None) -> bool:
@@ -50,20 +52,36 @@ def plan_paged_attention_cpu(
         return plan_paged_attention_reference(block_tables, query_start_loc, context_lens, k_cache)
     starts: list[int] = query_start_loc.tolist()
     lens: list[int] = context_lens.tolist()
-    single = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if not single:
-        return PagedAttentionPlan(starts, lens, single, None)
+    native_reqs = [
+        b for b in range(len(lens)) if _native_applies(starts[b + 1] - starts[b], lens[b])
+    ]
+    if not native_reqs:
+        return PagedAttentionPlan(starts, lens, native_reqs, None)
     tables, ctx = block_tables.to(torch.int32), context_lens.to(torch.int32)
-    if len(single) == len(lens):  # T == B: q's rows are the requests
+    if len(native_reqs) == len(lens) and starts[-1] == len(lens):  # T == B: rows are requests
         native = NativeDecodePlan(None, tables.contiguous(), ctx.contiguous())
-    else:
-        index = torch.tensor(single)
-        native = NativeDecodePlan(
-            torch.tensor([starts[b] for b in single]),
-            tables.index_select(0, index).contiguous(),
-            ctx.index_select(0, index).contiguous(),
-        )
-    return PagedAttentionPlan(starts, lens, single, None, native)
+        return PagedAttentionPlan(starts, lens, native_reqs, None, native)
+    # each query row of a short chunk is a request of its own: its position + 1 keys
+    rows = [r for b in native_reqs for r in range(starts[b], starts[b + 1])]
+    owner = [b for b in native_reqs for _ in range(starts[b], starts[b + 1])]
+    row_lens = [
+        lens[b] - (starts[b + 1] - r) + 1
+        for b in native_reqs
+        for r in range(starts[b], starts[b + 1])
+    ]
+    native = NativeDecodePlan(
+        None if rows == list(range(starts[-1])) else torch.tensor(rows),
+        tables.index_select(0, torch.tensor(owner)).contiguous(),
+        torch.tensor(row_lens, dtype=torch.int32),
+    )
+    return PagedAttentionPlan(starts, lens, native_reqs, None, native)
+
+
+def _native_applies(q_len: int, ctx_len: int) -> bool:
+    """Whether the kernel attends a request's queries: one (decode), or a short chunk whose
+    query-key pairs are few (each query then reads its whole context; torch's fused prefill
+    reads it once per chunk, which wins for long prompts)."""
+    return q_len == 1 or (q_len > 1 and q_len * ctx_len <= NATIVE_MAX_CHUNK_PAIRS)
 
 
 def _attend_native(

@@ -65,7 +65,9 @@ class PagedAttentionPlan:
     query_starts: list[int]  # [B + 1], host copy of query_start_loc
     context_lens: list[int]  # [B], host copy of context_lens
     single_query: list[int]
-    """Requests with exactly one new token: attended to together through `decode`."""
+    """Requests attended to together, through `decode` (those with exactly one new token) or
+    `native` (the CPU planner's: those, and short chunks, one kernel row per query); the
+    multi-token path skips them."""
     decode: DecodePlan | None  # None when no request has exactly one new token
     native: NativeDecodePlan | None = None
     """Set instead of `decode` by the native CPU backend's planner."""

@@ -74,8 +74,10 @@ def test_decode_matches_float64_reference(
 
 
 def test_mixed_step_native_decodes_and_torch_chunks() -> None:
-    """Single-query rows (native) next to prompt chunks and an empty request (torch)."""
-    requests = [(300, 1), (40, 7), (5, 0), (600, 1), (33, 33), (17, 1)]  # (context, new tokens)
+    """Single-query rows and short chunks (native, a kernel row per query) next to a long chunk
+    (torch) and an empty request."""
+    # (context, new tokens); the last chunk's 40 x 700 query-key pairs are past the native limit
+    requests = [(300, 1), (40, 7), (5, 0), (600, 1), (33, 33), (17, 1), (700, 40)]
     lens = [n for n, _ in requests]
     k_cache, v_cache, tables = _caches(lens, 16, 3, 64, seed=7)
     q_lens = torch.tensor([0] + [t for _, t in requests])
@@ -83,7 +85,9 @@ def test_mixed_step_native_decodes_and_torch_chunks() -> None:
     q = torch.randn(int(q_lens.sum()), 9, 64)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     plan = plan_paged_attention_cpu(tables, starts, context_lens, k_cache)
-    assert plan.native is not None and plan.decode is None and plan.single_query == [0, 3, 5]
+    assert plan.native is not None and plan.decode is None and plan.single_query == [0, 1, 3, 4, 5]
+    assert plan.native.rows is not None and plan.native.rows.tolist() == list(range(43))
+    assert plan.native.context_lens[1:8].tolist() == list(range(34, 41))  # causal, per query
     got = paged_prefill_attention_cpu(
         q, k_cache, v_cache, tables, starts, context_lens, 0.125, plan=plan
     )
