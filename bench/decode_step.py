@@ -221,7 +221,7 @@ def main() -> None:
             f"B={batch:3d}: median {med:7.2f} ms/step, mean {mean:7.2f}, "
             f"min {min(times) * 1e3:7.2f}  ({batch / (med / 1e3):7.1f} tok/s)"
         )
-        for name, seconds in (spent or {}).most_common():  # type: ignore[attr-defined]
+        for name, seconds in spent.most_common() if spent is not None else ():
             print(f"    inside {name:<24} {seconds / ns.steps * 1e3:7.2f} ms/step")
         if ns.profile_steps:
             profile_steps(core, ns.profile_steps, batch, ns.rows)

@@ -57,6 +57,8 @@ class NativeLibrary:
         lib.di_rotary.restype = i
         lib.di_store_kv.argtypes = [v, long_, v, long_, v, v, long_, v, i, i, i]
         lib.di_store_kv.restype = i
+        lib.di_silu_mul.argtypes = [v, long_, v, long_, i, i, i]
+        lib.di_silu_mul.restype = i
         lib.di_paged_decode_attention.argtypes = [
             v,
             long_,
@@ -109,6 +111,10 @@ class NativeLibrary:
     def store_kv(self, *args: int) -> None:
         """See `di_store_kv` in cpu/elementwise.c."""
         _check(self._lib.di_store_kv(*args))
+
+    def silu_mul(self, *args: int) -> None:
+        """See `di_silu_mul` in cpu/elementwise.c."""
+        _check(self._lib.di_silu_mul(*args))
 
     def paged_decode_attention(self, *args: int | float) -> None:
         """See `di_paged_decode_attention` in cpu/paged_attention.c for the arguments."""

@@ -31,6 +31,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "fused_add_rms_norm": ("norm", "fused_add_rms_norm_reference"),
     "apply_rotary": ("rotary", "apply_rotary_reference"),
     "store_kv": ("kv_store", "store_kv_reference"),
+    "silu_mul": ("activation", "silu_mul_reference"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention_reference"),
     "paged_prefill_attention": ("paged_attention", "paged_prefill_attention_reference"),
     "plan_paged_attention": ("paged_attention", "plan_paged_attention_reference"),
@@ -61,6 +62,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def paged_decode_attention(
         self,
@@ -107,6 +110,7 @@ class KernelBackend:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     apply_rotary: Callable[..., None]
     store_kv: Callable[..., None]
+    silu_mul: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
     plan_paged_attention: Callable[..., PagedAttentionPlan | None]
@@ -152,6 +156,7 @@ def cpu_backend() -> KernelBackend:
     ops["fused_add_rms_norm"] = ew.fused_add_rms_norm_cpu
     ops["apply_rotary"] = ew.apply_rotary_cpu
     ops["store_kv"] = ew.store_kv_cpu
+    ops["silu_mul"] = ew.silu_mul_cpu
     ops["plan_paged_attention"] = cpu.plan_paged_attention_cpu
     ops["paged_decode_attention"] = cpu.paged_decode_attention_cpu
     ops["paged_prefill_attention"] = cpu.paged_prefill_attention_cpu

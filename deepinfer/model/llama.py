@@ -136,9 +136,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))  # [T, 2I] -> [T, I] -> [T, D]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -166,7 +165,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm.weight, self.eps)
         h = self.self_attn(h, kv_cache, step)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm.weight, self.eps)
-        return self.mlp(h), residual
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,4 +1,4 @@
-"""The `cpu` backend's native norm, rotary and KV-store kernels (kernels/cpu/elementwise.c)
+"""The `cpu` backend's native norm, rotary, KV-store and silu * up kernels (kernels/cpu/elementwise.c)
 against the torch references they replace, on the strided views a forward pass gives them."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import elementwise_cpu as ew
+from deepinfer.kernels.activation import silu_mul_reference
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.kv_store import store_kv_reference
 from deepinfer.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -88,3 +89,21 @@ def test_other_layouts_fall_back_to_the_reference() -> None:
     ew.store_kv_cpu(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2])
+
+
+@pytest.mark.parametrize("t", [1, 5, 64])  # 64 x 1536: split over threads
+def test_silu_mul_matches_the_reference(t: int) -> None:
+    gate_up = torch.randn(t, 2 * 1536, generator=torch.Generator().manual_seed(t)) * 8
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0, 1e-30, -1e-30])
+    got = ew.silu_mul_cpu(gate_up)
+    assert got.shape == (t, 1536)
+    # exp within 2 ulp: a few float32 ulps of the product
+    torch.testing.assert_close(got, silu_mul_reference(gate_up), rtol=1e-6, atol=1e-30)
+
+
+def test_silu_mul_reads_strided_rows_and_falls_back_elsewhere() -> None:
+    wide = torch.randn(3, 200)
+    view = wide[:, 4:196]  # 192 wide, row stride 200
+    torch.testing.assert_close(ew.silu_mul_cpu(view), silu_mul_reference(view), rtol=1e-6, atol=0)
+    odd = torch.randn(3, 24)  # halves of 12: not the kernel's
+    assert torch.equal(ew.silu_mul_cpu(odd), silu_mul_reference(odd))
