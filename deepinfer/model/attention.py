@@ -146,8 +146,8 @@ def triton_backend() -> KernelBackend:
 
 
 def cpu_backend() -> KernelBackend:
-    """The torch references, with decode attention, the norms, rotary and the KV store through
-    the native CPU kernels."""
+    """The torch references, with decode attention (and short prompt chunks), the norms,
+    rotary, the KV store and silu * up through the native CPU kernels."""
     from deepinfer.kernels import elementwise_cpu as ew
     from deepinfer.kernels import paged_attention_cpu as cpu
 

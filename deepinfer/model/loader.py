@@ -87,6 +87,8 @@ def load_model(
     quantized = 0
     if isinstance(source, GGUFTensorSource) and wanted:
         quantized = quantize_linears(model, source, arch.num_layers, int8)
+    if int8 and not quantized:
+        raise ModelLoadError(f"--matmul-activations int8: {path} has no Q4_1 or Q8_0 matrices")
     causal_lm: CausalLM = model  # type: ignore[assignment]
     return LoadedModel(
         causal_lm, arch, path, dtype, device, weights_digest, reader, quantized, int8

@@ -13,7 +13,7 @@ import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from test_model_gguf_loader import CONFIG as BASE_CONFIG
-from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
+from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute, write_gguf
 
 from deepinfer.args import add_engine_args, config_from_args
 from deepinfer.config import Config, ConfigError, ModelConfig
@@ -149,6 +149,14 @@ def test_int8_activations_need_the_quantized_kernel(quantized_gguf: Any) -> None
         load_model(path, torch.float32, "cpu", quantized_matmul="off", matmul_activations="int8")
     with pytest.raises(ModelLoadError, match="unknown matmul activations"):
         load_model(path, torch.float32, "cpu", matmul_activations="int4")
+
+
+@needs_native
+def test_int8_activations_need_quantized_matrices(tmp_path: Path) -> None:
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG))
+    write_gguf(tmp_path / "f32.gguf", "llama", hf_model, tie=False)  # float32 matrices only
+    with pytest.raises(ModelLoadError, match="no Q4_1 or Q8_0 matrices"):
+        load_model(tmp_path / "f32.gguf", torch.float32, "cpu", matmul_activations="int8")
 
 
 def test_matmul_activations_flag_maps_to_config() -> None:
