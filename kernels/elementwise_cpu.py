@@ -4,9 +4,8 @@ instead of torch's several ops and temporaries (about 20 ms of a 32-stream decod
 cores).
 
 Same signatures as the references in `norm`, `rotary`, `kv_store` and `activation`, which they
-call wherever
-the native path does not apply: not float32 on CPU, rows not laid out as the kernel reads them,
-or no native library here.
+call wherever the native path does not apply: not float32 on CPU, rows not laid out as the
+kernel reads them, or no native library here.
 """
 
 from __future__ import annotations
@@ -34,31 +33,40 @@ def _rows(x: torch.Tensor) -> bool:
     )
 
 
-def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not (_rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
-        return rms_norm_reference(x, weight, eps)
+def _norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()
+
+
+def _native_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x (+ residual)) * weight, x + residual or None) through `di_rms_norm`."""
     out = torch.empty(x.shape, dtype=torch.float32)
+    summed = None if residual is None else torch.empty(x.shape, dtype=torch.float32)
     native_library().rms_norm(
-        x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(), out.data_ptr(), out.stride(0), 0, 0,
+        x.data_ptr(), x.stride(0),
+        0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+        weight.data_ptr(), out.data_ptr(), out.stride(0),
+        0 if summed is None else summed.data_ptr(), 0 if summed is None else summed.stride(0),
         x.shape[0], x.shape[1], eps, torch.get_num_threads(),
     )  # fmt: skip
-    return out
+    return out, summed
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _norm_applies(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    return _native_norm(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual)."""
-    applies = _rows(x) and _rows(residual) and x.shape == residual.shape
-    if not (applies and weight.dtype == torch.float32 and weight.is_contiguous()):
+    if not (_norm_applies(x, weight) and _rows(residual) and x.shape == residual.shape):
         return fused_add_rms_norm_reference(x, residual, weight, eps)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    summed = torch.empty(x.shape, dtype=torch.float32)
-    native_library().rms_norm(
-        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-        out.data_ptr(), out.stride(0), summed.data_ptr(), summed.stride(0), x.shape[0],
-        x.shape[1], eps, torch.get_num_threads(),
-    )  # fmt: skip
+    out, summed = _native_norm(x, residual, weight, eps)
+    assert summed is not None
     return out, summed
 
 

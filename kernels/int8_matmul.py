@@ -22,6 +22,7 @@ from .quant_matmul import (
     QK,
     QuantFormat,
     QuantizedWeight,
+    block_fields,
     dequantize_reference,
     linear_operands,
     quant_linear,
@@ -93,23 +94,15 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """The int8 kernel's arithmetic in float64: integer block sums, then the scales."""
     q, dx = quantize_activations(x)  # [M, nb, 32], [M, nb, 1]
-    n, nb = w.out_features, w.in_features // QK
-    raw = w.blocks.view(n, nb, w.fmt.block_bytes)
-    d = raw[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # [N, nb]
-    if w.fmt is QuantFormat.Q8_0:
-        qw = raw[..., 2:].contiguous().view(torch.int8).double()  # [N, nb, 32]
-    else:
-        qs = raw[..., 4:]
-        qw = torch.cat([qs & 0x0F, qs >> 4], dim=-1).double()
-    sums = torch.einsum("mbk,nbk->mnb", q.double(), qw)  # exact integers
-    dxb = dx.double().squeeze(-1)  # [M, nb]
+    d, m, qw = block_fields(w)  # [N, nb, 1], [N, nb, 1] or None, [N, nb, 32]
+    sums = torch.einsum("mbk,nbk->mnb", q.double(), qw.double())  # exact integers
+    dxb = dx.squeeze(-1)  # [M, nb]
     # the kernel rounds d * dx and dx * sum(q) to float32 before it uses them
-    scale = (d.float()[None] * dxb.float()[:, None]).double()  # [M, N, nb]
+    scale = (d.squeeze(-1)[None] * dxb[:, None]).double()  # [M, N, nb]
     y = (sums * scale).sum(-1)
-    if w.fmt is QuantFormat.Q4_1:
-        m = raw[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1)  # [N, nb]
-        sx = (dxb.float() * q.sum(-1).float()).double()  # [M, nb]
-        y = y + sx @ m.t()
+    if m is not None:
+        sx = (dxb * q.sum(-1)).double()  # [M, nb]
+        y = y + sx @ m.squeeze(-1).double().t()
     return y.float()
 
 

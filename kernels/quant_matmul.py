@@ -69,18 +69,24 @@ class QuantizedWeight:
         return QuantizedWeight(first.fmt, blocks, first.in_features)
 
 
-def dequantize_reference(w: QuantizedWeight) -> torch.Tensor:  # float32 [N, K]
-    """The fp32 weights, computed as gguf-py computes them (a multiply, then the add)."""
+def block_fields(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The blocks' fields as float32: scale d [N, nb, 1], Q4_1's offset m [N, nb, 1] (None for
+    Q8_0) and the integer weights q [N, nb, 32]; a weight is d * q (+ m)."""
     n, nb = w.out_features, w.in_features // QK
     raw = w.blocks.view(n, nb, w.fmt.block_bytes)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()
     if w.fmt is QuantFormat.Q8_0:
-        q = raw[..., 2:].contiguous().view(torch.int8).float()  # [N, nb, 32]
-        return (d * q).reshape(n, w.in_features)
+        return d, None, raw[..., 2:].contiguous().view(torch.int8).float()
     m = raw[..., 2:4].contiguous().view(torch.float16).float()
     qs = raw[..., 4:]  # [N, nb, 16]: low nibbles are weights 0-15, high nibbles 16-31
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
-    return (d * q + m).reshape(n, w.in_features)
+    return d, m, torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+
+
+def dequantize_reference(w: QuantizedWeight) -> torch.Tensor:  # float32 [N, K]
+    """The fp32 weights, computed as gguf-py computes them (a multiply, then the add)."""
+    d, m, q = block_fields(w)
+    weights = d * q if m is None else d * q + m
+    return weights.reshape(w.out_features, w.in_features)
 
 
 def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

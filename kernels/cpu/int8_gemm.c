@@ -20,7 +20,6 @@
    a block. Q8_0 products do not (2 x 127 x 127 = 32258 each): it widens after every multiply.
 */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
