@@ -43,7 +43,7 @@ velvet island mirror circuit falcon glacier lantern puzzle quarry saddle tunnel 
 cotton dragon ember fabric goblet hammer ivory jungle kettle lemon magnet needle oyster parrot
 quiver ribbon spider tomato umbrella valley wagon yarn zipper"""
 WORDS = WORD_LIST.split()
-MODES = ("disagg", "colocated", "llama")
+MODES = ("disagg", "split", "colocated", "llama")
 QUICK = {"long_prompts": "500,1000", "baseline_s": 10.0}
 CHATML_OVERHEAD_TOKENS = 14  # system + user + assistant header/footer tokens
 CONTEXT_SLACK_TOKENS = 16  # room for templates that differ slightly from ChatML
@@ -253,6 +253,11 @@ def mode_cmd(mode: str, port: int, work: Workload, args: argparse.Namespace) -> 
     extra = [*args.deepinfer_args.split(), "--no-disk-cache"]
     if mode == "disagg":
         return deepinfer_cmd(port, extra)
+    if mode == "split":  # disaggregated, each worker with its own device group, model and pool
+        prefill, decode = args.split_devices.split(",")
+        return deepinfer_cmd(
+            port, ["--prefill-devices", prefill, "--decode-devices", decode, *extra]
+        )
     if mode == "colocated":
         help_text = subprocess.run([*deepinfer_cmd(0), "--help"], capture_output=True, text=True)
         if "--colocated" in help_text.stdout:
@@ -300,7 +305,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--modes", default="disagg,colocated,llama", help="any of disagg,colocated,llama"
+        "--modes", default="disagg,colocated,llama", help="any of disagg,split,colocated,llama"
     )
     ap.add_argument("--streams", type=int, default=16, help="concurrent streaming sessions")
     ap.add_argument("--stream-tokens", type=int, default=64, help="prompt tokens of each session")
@@ -315,6 +320,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ramp-timeout-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompt text")
     ap.add_argument("--deepinfer-args", default="", help="extra flags for server.py (both modes)")
+    ap.add_argument(
+        "--split-devices",
+        default="cpu:0,cpu:1",
+        help="prefill,decode device groups of the 'split' mode (e.g. cuda:0,cuda:1)",
+    )
     ap.add_argument("--llama-args", default="", help="extra flags for llama-server")
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
     args = ap.parse_args()

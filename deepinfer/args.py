@@ -132,8 +132,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one worker mixing prefill chunks into decode steps (the baseline)",
     )
-    w.add_argument("--prefill-devices", default="", help="comma-separated, e.g. cuda:0")
-    w.add_argument("--decode-devices", default="", help="comma-separated, e.g. cuda:1")
+    w.add_argument("--prefill-devices", default="", help="the prefill worker's device, e.g. cuda:0")
+    w.add_argument(
+        "--decode-devices",
+        default="",
+        help="the decode worker's device, e.g. cuda:1: its own model replica and KV pool",
+    )
     w.add_argument("--prefill-threads", type=int, default=None, help="CPU threads of prefill")
     w.add_argument("--decode-threads", type=int, default=None, help="CPU threads of decode")
     w.add_argument(

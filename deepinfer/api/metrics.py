@@ -38,6 +38,17 @@ class _EngineCollector(Collector):
         )
         yield _gauge("deepinfer_kv_blocks_used", "KV blocks in use", stats.num_blocks_used)
         yield _gauge("deepinfer_kv_blocks_total", "KV blocks in the pool", stats.num_blocks_total)
+        if stats.decode_blocks_total:
+            yield _gauge(
+                "deepinfer_decode_kv_blocks_used",
+                "KV blocks in use in the decode device group's own pool",
+                stats.decode_blocks_used,
+            )
+            yield _gauge(
+                "deepinfer_decode_kv_blocks_total",
+                "KV blocks in the decode device group's own pool",
+                stats.decode_blocks_total,
+            )
         if stats.disk is not None:
             yield from _disk_metrics(stats.disk)
         if stats.host is not None:

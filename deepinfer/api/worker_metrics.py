@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from deepinfer.engine.types import EngineStats, WorkerStats
+from deepinfer.engine.types import EngineStats, HandoffStats, WorkerStats
 from deepinfer.scheduler.prefill_types import PlannerStats
 
 
@@ -15,6 +15,18 @@ def worker_metrics(stats: EngineStats) -> Iterator[Metric]:
         yield from _workers(stats.workers)
     if stats.prefill is not None:
         yield from _planner(stats.prefill)
+    if stats.decode_blocks_total:
+        yield from _handoffs(stats.handoffs)
+
+
+def _handoffs(h: HandoffStats) -> Iterator[Metric]:
+    """KV copies between the two device groups' pools."""
+    for name, doc, value in (
+        ("deepinfer_kv_handoffs", "KV copies from the prefill pool to the decode pool", h.num_handoffs),
+        ("deepinfer_kv_handoff_blocks", "KV blocks copied to the decode pool", h.num_blocks),
+        ("deepinfer_kv_handoff_seconds", "Time KV copies took, start to completion", h.seconds_total),
+    ):  # fmt: skip
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 def _workers(workers: tuple[WorkerStats, ...]) -> Iterator[Metric]:

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,7 @@ from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.prompts import Prompt, encode_prompt
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.tiers import check_retention, fill_from_lower_tiers, write_behind
-from deepinfer.engine.types import EngineStats, GenerationOutput
+from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
 from deepinfer.engine.workers import Worker, build_workers
 from deepinfer.errors import (
     ContextLengthError,
@@ -56,6 +57,10 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task[None]] = []
         self._kv_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-io")
         """Copies between device blocks and lower tiers (into blocks no step can see yet)."""
+        self._transfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-xfer")
+        """KV copies from the prefill pool to the decode pool (separate device groups)."""
+        self._handoff_wakeup = asyncio.Event()
+        self._handoffs = HandoffStats()
         self._counter = itertools.count()
         self._saved_switch_interval: float | None = None
         self._dead: BaseException | None = None
@@ -75,6 +80,8 @@ class AsyncEngine:
         self._tasks = [
             asyncio.create_task(self._run(w), name=f"deepinfer-{w.name}") for w in self._workers
         ]
+        if self._core.decode_kv is not None:
+            self._tasks.append(asyncio.create_task(self._run_handoffs(), name="deepinfer-handoff"))
 
     async def shutdown(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -89,6 +96,7 @@ class AsyncEngine:
         for worker in self._workers:
             await asyncio.to_thread(worker.shutdown)
         await asyncio.to_thread(self._kv_io.shutdown, True)
+        await asyncio.to_thread(self._transfer.shutdown, True)
         if self._core is not None:
             await asyncio.to_thread(self._core.close)
         if self._saved_switch_interval is not None:
@@ -145,6 +153,9 @@ class AsyncEngine:
             num_running=core.scheduler.num_running,
             num_blocks_total=core.info.num_blocks,
             num_blocks_used=core.kv.num_used_blocks,
+            decode_blocks_total=core.info.decode_num_blocks,
+            decode_blocks_used=core.decode_kv.num_used_blocks if core.decode_kv else 0,
+            handoffs=self._handoffs,
             max_model_len=core.info.max_model_len,
             disk=core.disk.stats() if core.disk is not None else None,
             workers=tuple(w.stats() for w in self._workers),
@@ -252,6 +263,33 @@ class AsyncEngine:
     def _wake_workers(self) -> None:
         for worker in self._workers:
             worker.wakeup.set()
+        self._handoff_wakeup.set()
+
+    async def _run_handoffs(self) -> None:
+        """Separate device groups: run the KV copies the scheduler orders, one at a time on the
+        transfer thread, and let decode admit each request once its copy is complete."""
+        core = self.core
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._handoff_wakeup.clear()
+                handoffs = core.drain_handoffs()
+                if not handoffs:
+                    await self._handoff_wakeup.wait()
+                    continue
+                for handoff in handoffs:
+                    start = time.perf_counter()
+                    await loop.run_in_executor(self._transfer, core.copy_kv, handoff)
+                    core.complete_handoff(handoff)
+                    self._wake_workers()
+                    self._handoffs = self._handoffs.add(
+                        len(handoff.dst_block_ids), time.perf_counter() - start
+                    )
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("engine KV handoff failed; failing every open request")
+            self._fail_all(exc)
 
     async def _run(self, worker: Worker) -> None:
         core = self.core
@@ -309,6 +347,8 @@ class AsyncEngine:
                 task.cancel()
 
     def _apply_aborts(self) -> None:
+        if self._pending_aborts:
+            self._handoff_wakeup.set()  # freed decode blocks may let a waiting handoff go
         while self._pending_aborts:
             rid = self._pending_aborts.pop()
             self.core.abort(rid)

@@ -59,6 +59,21 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
+class HandoffStats:
+    """KV copies from the prefill pool to the decode pool (separate device groups), since start."""
+
+    num_handoffs: int = 0
+    num_blocks: int = 0
+    seconds_total: float = 0.0
+    """Ordered to complete, including the wait for the transfer thread."""
+
+    def add(self, num_blocks: int, seconds: float) -> HandoffStats:
+        return HandoffStats(
+            self.num_handoffs + 1, self.num_blocks + num_blocks, self.seconds_total + seconds
+        )
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_waiting: int
     num_running: int
@@ -73,3 +88,8 @@ class EngineStats:
     """The prefill planner's queues per bucket and step-time predictions (disaggregated)."""
     host: HostTierStats | None = None
     """The host-RAM tier's counters, when it is enabled."""
+    decode_blocks_total: int = 0
+    """Blocks of the decode pool, when the decode worker has its own device group (else 0:
+    the one pool above serves both)."""
+    decode_blocks_used: int = 0
+    handoffs: HandoffStats = HandoffStats()

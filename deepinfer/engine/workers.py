@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deepinfer.config import ConfigError, WorkersConfig
+from deepinfer.config import WorkersConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.types import WorkerStats
 from deepinfer.outputs import RunnerOutput
@@ -147,23 +147,10 @@ class Worker:
         self._executor.shutdown(wait=True)
 
 
-def _check_device_group(name: str, group: tuple[str, ...], device: torch.device) -> None:
-    """Every lane runs on the engine's one device for now: a group naming another device would
-    need the model replicated and KV copied across devices, which is not built."""
-    for spec in group:
-        other = torch.device(spec)
-        if other.type != device.type or (other.index or 0) != (device.index or 0):
-            raise ConfigError(
-                f"--{name}-devices {spec}: both workers run on {device} in this version "
-                "(separate device groups need cross-device KV transfer, not built yet)"
-            )
-
-
 def build_workers(core: EngineCore, config: WorkersConfig) -> tuple[Worker, ...]:
-    """One worker per lane of the core's scheduler, with its thread share (CPU) or stream."""
+    """One worker per lane of the core's scheduler, on its lane's device group, with its thread
+    share (CPU) or stream."""
     device = core.info.device
-    _check_device_group("prefill", config.prefill_devices, device)
-    _check_device_group("decode", config.decode_devices, device)
     num_cores = core.config.runtime.num_threads or torch.get_num_threads()
     if device.type != "cpu":
         shares: tuple[int | None, ...] = (None,) * len(core.lanes)
@@ -172,7 +159,8 @@ def build_workers(core: EngineCore, config: WorkersConfig) -> tuple[Worker, ...]
     else:
         shares = thread_shares(config, num_cores)
     workers = tuple(
-        Worker(lane, device, n, core.execute) for lane, n in zip(core.lanes, shares, strict=True)
+        Worker(lane, core.lane_device(lane.kind), n, core.execute)
+        for lane, n in zip(core.lanes, shares, strict=True)
     )
     if len(workers) == 2:
         workers[0].peer, workers[1].peer = workers[1], workers[0]

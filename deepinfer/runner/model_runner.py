@@ -86,6 +86,22 @@ class ModelRunner:
             self._generators[request.request_id] = gen
         return gen
 
+    def take_generator(self, request_id: str) -> torch.Generator | None:
+        """Hand a request's random stream over to another runner (KV handoff across devices)."""
+        return self._generators.pop(request_id, None)
+
+    def adopt_generator(self, request_id: str, generator: torch.Generator | None) -> None:
+        """Continue a request's random stream here, moved to this runner's device if needed
+        (the state carries over: the draws go on as if one runner had made them all)."""
+        if generator is None:
+            return
+        here, there = self.device, generator.device
+        if (there.type, there.index or 0) != (here.type, here.index or 0):
+            moved = torch.Generator(device=self.device)
+            moved.set_state(generator.get_state())
+            generator = moved
+        self._generators[request_id] = generator
+
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' sampling state."""
         for rid in request_ids:

@@ -7,8 +7,11 @@ A request moves WAITING -> prefilling -> decoding -> finished:
   time budget per step, chunked prefill). Admission keeps one free block per decoding request in
   reserve, and a prefilling request never needs another block: prefill never waits on decode.
 - The prefill lane's steps are the planner's plans. The chunk that completes a prompt samples
-  the first token and hands the request to the decode lane by block ownership: the blocks it
-  filled are now the decoder's, nothing is copied.
+  the first token and hands the request to the decode lane. With one KV pool (both workers on
+  one device) that is block ownership: the blocks it filled are now the decoder's, nothing is
+  copied. With separate pools (separate device groups, `decode_kv` given) the request waits for
+  blocks in the decode pool, then for a `KVHandoff` copy the engine runs (`drain_handoffs`,
+  `complete_handoff`); its prefill blocks are freed after the copy and stay in the prefix cache.
 - The decode lane batches every decoding request, one token each, up to `max_num_seqs`. When
   a block is missing the newest decoder is preempted by recompute (back to the waiting queue).
 
@@ -30,7 +33,7 @@ from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import check_new_request, finish_request, preempt_request
 from deepinfer.scheduler.cost_model import StepCostModel
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
-from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
+from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
 from deepinfer.scheduler.stop import check_finished
@@ -45,16 +48,28 @@ class DisaggScheduler:
         kv: KVCacheManager,
         max_model_len: int,
         cost_model: StepCostModel | None = None,
+        decode_kv: KVCacheManager | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_waiting = scheduler_config.max_waiting
         self.kv = kv
+        """The prefill pool: admission, prefix hits, and (one pool) decoding too."""
+        self.decode_kv = decode_kv if decode_kv is not None else kv
+        """The decode pool: `kv` itself, or a separate pool on the decode device group."""
+        self.split_pools = decode_kv is not None
         self.max_model_len = max_model_len
-        self.max_request_tokens = min(max_model_len, kv.capacity_tokens)
+        self.max_request_tokens = min(
+            max_model_len, kv.capacity_tokens, self.decode_kv.capacity_tokens
+        )
         self.planner = PrefillPlanner(planner_config, cost_model or StepCostModel())
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
         self.decoding: list[Request] = []
+        self.handoff_waiting: deque[Request] = deque()
+        """Prefilled requests waiting for blocks in the decode pool (separate pools only)."""
+        self.handing_off: dict[str, Request] = {}
+        """Requests whose KV copy is ordered and not yet complete."""
+        self._handoffs: list[KVHandoff] = []
         self._requests: dict[str, Request] = {}
         self._in_flight: dict[StepKind, tuple[ScheduleOutput, PrefillPlan | None]] = {}
         self._deferred_aborts: set[str] = set()
@@ -68,11 +83,13 @@ class DisaggScheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.prefilling) + len(self.decoding)
+        handoffs = len(self.handoff_waiting) + len(self.handing_off)
+        return len(self.prefilling) + handoffs + len(self.decoding)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        handoffs = self.handoff_waiting or self.handing_off
+        return bool(self.waiting or self.prefilling or handoffs or self.decoding)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -99,7 +116,8 @@ class DisaggScheduler:
         request = self._requests.get(request_id)
         if request is None or request_id in self._deferred_aborts:
             return False
-        if any(request_id in so_ids(so) for so, _ in self._in_flight.values()):
+        in_steps = any(request_id in so_ids(so) for so, _ in self._in_flight.values())
+        if in_steps or request_id in self.handing_off:
             self._deferred_aborts.add(request_id)
             return True
         self._remove(request)
@@ -129,7 +147,7 @@ class DisaggScheduler:
             request = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            reserve = len(self.decoding)
+            reserve = 0 if self.split_pools else len(self.decoding)
             if not self.kv.can_allocate(request, num_new, hits, reserve_blocks=reserve):
                 return
             allocated = self.kv.allocate_slots(request, num_new, hits)
@@ -173,9 +191,47 @@ class DisaggScheduler:
                 del self.prefilling[request.request_id]
                 deltas.append(self._sampled(request, out))
                 if not request.is_finished:
-                    self.decoding.append(request)
+                    self._to_decode(request)
         self._apply_deferred_aborts(so)
         return deltas
+
+    def _to_decode(self, request: Request) -> None:
+        if self.split_pools:
+            self.handoff_waiting.append(request)
+        else:
+            self.decoding.append(request)
+
+    # -- KV handoffs between separate pools --
+    def drain_handoffs(self) -> list[KVHandoff]:
+        """Order the copies whose decode blocks can be allocated now (arrival order, keeping a
+        block per decoder in reserve) and return every copy ordered since the last call."""
+        while self.handoff_waiting:
+            request = self.handoff_waiting[0]
+            reserve = len(self.decoding)
+            if not self.decode_kv.can_allocate(request, 0, reserve_blocks=reserve):
+                break
+            allocated = self.decode_kv.allocate_slots(request, 0)
+            assert allocated, "can_allocate promised room"
+            self.handoff_waiting.popleft()
+            rid = request.request_id
+            dst = self.decode_kv.block_ids(rid)
+            self.handing_off[rid] = request
+            self._handoffs.append(KVHandoff(rid, self.kv.block_ids(rid)[: len(dst)], dst))
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def complete_handoff(self, request_id: str) -> bool:
+        """The copy for `request_id` is done: free its prefill blocks (their content stays in
+        the prefix cache) and start decoding it (True), or finish it if it was aborted
+        meanwhile (False)."""
+        request = self.handing_off.pop(request_id)
+        self.kv.free(request)
+        if request_id in self._deferred_aborts:
+            self._deferred_aborts.discard(request_id)
+            self._finish(request, FinishReason.ABORT)
+            return False
+        self.decoding.append(request)
+        return True
 
     # -- the decode lane --
     def schedule_decode(self) -> ScheduleOutput:
@@ -186,7 +242,7 @@ class DisaggScheduler:
         i = 0
         while i < len(self.decoding):
             request = self.decoding[i]
-            while not self.kv.allocate_slots(request, 1):
+            while not self.decode_kv.allocate_slots(request, 1):
                 victim = self.decoding.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -211,7 +267,7 @@ class DisaggScheduler:
             request=request,
             start_position=start,
             num_new_tokens=1,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=self.decode_kv.block_ids(request.request_id),
             sample=True,
         )
 
@@ -223,7 +279,7 @@ class DisaggScheduler:
             if request.request_id in self._deferred_aborts:
                 continue
             request.num_computed_tokens = chunk.end_position
-            self.kv.cache_blocks(request)
+            self.decode_kv.cache_blocks(request)
             deltas.append(self._sampled(request, out))
         if any(r.is_finished for r in self.decoding):
             self.decoding = [r for r in self.decoding if not r.is_finished]
@@ -258,25 +314,32 @@ class DisaggScheduler:
         rid = request.request_id
         if self.prefilling.pop(rid, None) is not None:
             self.planner.remove(rid)
+        elif any(r is request for r in self.handoff_waiting):
+            self.handoff_waiting = deque(r for r in self.handoff_waiting if r is not request)
         elif request.status is RequestStatus.RUNNING:
             self.decoding = [r for r in self.decoding if r is not request]
         else:
             self.waiting = deque(r for r in self.waiting if r is not request)
 
     def _preempt(self, request: Request) -> None:
-        preempt_request(self.kv, request, self.waiting)
+        preempt_request(self.decode_kv, request, self.waiting)
         self.num_preemptions += 1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if self.split_pools:
+            self.decode_kv.free(request)
         finish_request(self.kv, request, reason, self._requests)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests; prefilling ones hold blocks for their whole
         prompt and match the planner; decoders have computed all but their last token."""
         self.kv.check_integrity()
+        if self.split_pools:
+            self.decode_kv.check_integrity()
         self.planner.check_integrity()
         decoding = [r.request_id for r in self.decoding]
         ids = decoding + list(self.prefilling) + [r.request_id for r in self.waiting]
+        ids += [r.request_id for r in self.handoff_waiting] + list(self.handing_off)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self._requests), "queues and the request table disagree"
         assert self.num_running <= self.max_num_seqs, "more running requests than max_num_seqs"
@@ -288,9 +351,25 @@ class DisaggScheduler:
         for r in self.decoding:
             assert r.status is RequestStatus.RUNNING
             assert r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step"
+            assert not self.split_pools or self.kv.num_blocks_of(r.request_id) == 0
+        self._check_handoffs()
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), "bad status"
             assert r.num_computed_tokens == 0 and self.kv.num_blocks_of(r.request_id) == 0
+            assert self.decode_kv.num_blocks_of(r.request_id) == 0, "waiting with decode blocks"
+
+    def _check_handoffs(self) -> None:
+        """Requests between the pools hold their prompt's prefill blocks; those with a copy
+        ordered also hold exactly as many decode blocks."""
+        bs = self.kv.block_size
+        for r in [*self.handoff_waiting, *self.handing_off.values()]:
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step"
+            num_blocks = -(-r.num_computed_tokens // bs)
+            assert self.kv.num_blocks_of(r.request_id) >= num_blocks, "handoff source freed"
+            ordered = r.request_id in self.handing_off
+            assert self.decode_kv.num_blocks_of(r.request_id) == (num_blocks if ordered else 0)
+        assert {h.request_id for h in self._handoffs} <= set(self.handing_off)
 
     def _in_flight_prefill_ids(self) -> set[str]:
         """Requests whose last prefill chunk is planned but not yet applied."""

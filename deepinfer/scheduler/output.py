@@ -64,3 +64,15 @@ class ScheduleOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """Copy a prefilled request's KV from the prefill pool to the decode pool (separate device
+    groups): `src_block_ids[i]` of the prefill caches into `dst_block_ids[i]` of the decode
+    caches. The decode lane admits the request when `DisaggScheduler.complete_handoff` says the
+    copy is done; until then no step reads or writes either side's blocks."""
+
+    request_id: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]

@@ -4,7 +4,9 @@ A step's reads are checked when it starts (against the KV as it is then) and its
 when it finishes, so two overlapping steps are simulated as truly concurrent: neither may read or
 write a slot the other writes. After every schedule and update: integrity. At the end: every
 request not aborted produced exactly what the fake model generates for it alone, and no block
-is leaked.
+is leaked. The split-pool trials give decode its own KV pool (separate device groups): a KV copy
+is ordered when a prompt is done and completed at a random later moment, and decoders read only
+what the copy brought over.
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
-from deepinfer.scheduler.output import ScheduleOutput, StepKind
+from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
 
-Slot = tuple[int, int]
+Slot = tuple[str, int, int]
+"""(pool, block id, offset)"""
 
 
 class ConcurrentFakeRunner:
-    """Steps start (reads checked, writes computed) and finish (writes applied) separately."""
+    """Steps start (reads checked, writes computed) and finish (writes applied) separately.
+    Decode steps read and write the `decode` pool when the pools are split."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, split_pools: bool = False) -> None:
         self.block_size = block_size
+        self.pools = {StepKind.PREFILL: "prefill", StepKind.DECODE: "prefill"}
+        if split_pools:
+            self.pools[StepKind.DECODE] = "decode"
         self.kv: dict[Slot, tuple[int, int]] = {}
         self._pending: dict[StepKind, tuple[set[Slot], dict[Slot, tuple[int, int]], RunnerOutput]]
         self._pending = {}
@@ -41,16 +48,17 @@ class ConcurrentFakeRunner:
         reads: set[Slot] = set()
         writes: dict[Slot, tuple[int, int]] = {}
         sampled: dict[str, SampledToken] = {}
+        pool = self.pools[so.kind]
         for chunk in so.chunks:
             digests = prefix_digests(chunk.request.all_token_ids[: chunk.end_position])
             table = chunk.block_ids
             assert 0 not in table and len(set(table)) == len(table)
             for p in range(chunk.start_position):
-                slot = (table[p // bs], p % bs)
+                slot = (pool, table[p // bs], p % bs)
                 assert self.kv.get(slot) == (p, digests[p]), f"{chunk.request_id}: bad KV at {p}"
                 reads.add(slot)
             for p in range(chunk.start_position, chunk.end_position):
-                slot = (table[p // bs], p % bs)
+                slot = (pool, table[p // bs], p % bs)
                 assert slot not in writes, "two chunks of one step write one slot"
                 writes[slot] = (p, digests[p])
             if chunk.sample:
@@ -66,6 +74,22 @@ class ConcurrentFakeRunner:
         self.kv.update(writes)
         return out
 
+    def copy(self, handoff: KVHandoff, num_tokens: int) -> None:
+        """The handoff's copy, while steps may be in flight: it reads only finished KV and
+        writes only decode blocks no step touches."""
+        written: set[Slot] = set()
+        busy: set[Slot] = set()
+        for reads, writes, _ in self._pending.values():
+            written |= writes.keys()
+            busy |= reads | writes.keys()
+        bs = self.block_size
+        assert len(handoff.src_block_ids) == len(handoff.dst_block_ids) == -(-num_tokens // bs)
+        for p in range(num_tokens):
+            src = ("prefill", handoff.src_block_ids[p // bs], p % bs)
+            dst = ("decode", handoff.dst_block_ids[p // bs], p % bs)
+            assert src in self.kv and src not in written and dst not in busy, "copy collides"
+            self.kv[dst] = self.kv[src]
+
 
 def planner_config(block_size: int, budget_tokens: int) -> PrefillPlannerConfig:
     return PrefillPlannerConfig(
@@ -78,9 +102,17 @@ def planner_config(block_size: int, budget_tokens: int) -> PrefillPlannerConfig:
     )
 
 
-def run_trial(seed: int, block_size: int, num_blocks: int, max_num_seqs: int, abort_rate: float):
+def run_trial(
+    seed: int,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    abort_rate: float,
+    split_pools: bool = False,
+):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, f"model-{seed}", True)
+    decode_kv = KVCacheManager(num_blocks, block_size, "decode", False) if split_pools else None
     prior = CostCoefficients(step_s=0.002, token_s=0.001, attention_s=0.0)
     sched = DisaggScheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs),
@@ -88,18 +120,28 @@ def run_trial(seed: int, block_size: int, num_blocks: int, max_num_seqs: int, ab
         kv,
         max_model_len=60,
         cost_model=StepCostModel(CostModelConfig(prior=prior)),
+        decode_kv=decode_kv,
     )
     prefill, decode = sched.lanes()
-    runner = ConcurrentFakeRunner(block_size)
+    runner = ConcurrentFakeRunner(block_size, split_pools)
     assert kv.capacity_tokens >= MAX_REQUEST_TOKENS
     requests = random_requests(rng, 24)
     pending, aborted, outputs = list(requests), set(), {}
     in_flight: dict[StepKind, ScheduleOutput] = {}
+    copies: list[KVHandoff] = []
     for _ in range(20000):
         while pending and rng.random() < 0.3:
             sched.add_request(pending.pop(0))
+        copies += sched.drain_handoffs()
         if not sched.has_work and not pending and not in_flight:
             break
+        if copies and rng.random() < 0.3:
+            handoff = copies.pop(rng.randrange(len(copies)))
+            request = sched.handing_off[handoff.request_id]
+            runner.copy(handoff, request.num_computed_tokens)
+            sched.complete_handoff(handoff.request_id)
+            sched.check_integrity()
+            continue
         lane = rng.choice([prefill, decode])
         so = in_flight.pop(lane.kind, None)
         if so is None:
@@ -120,6 +162,7 @@ def run_trial(seed: int, block_size: int, num_blocks: int, max_num_seqs: int, ab
     else:
         raise AssertionError("requests did not all finish: starvation or deadlock")
     assert kv.num_used_blocks == 0, "blocks leaked"
+    assert decode_kv is None or decode_kv.num_used_blocks == 0, "decode blocks leaked"
     return {
         r.request_id: (r, outputs.get(r.request_id))
         for r in requests
@@ -140,10 +183,23 @@ def test_concurrent_lanes_match_reference(config: tuple[int, int, int], seed: in
         assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
-def test_tiny_pool_preempts_decoders_and_all_finish() -> None:
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("seed", range(3))
+def test_split_pools_match_reference(config: tuple[int, int, int], seed: int) -> None:
+    """Separate prefill and decode pools, copies completing out of order, aborts anywhere."""
+    done, sched = run_trial(seed, *config, abort_rate=0.03, split_pools=True)
+    assert len(done) >= 12
+    assert not sched.handing_off and not sched.handoff_waiting
+    for req, got in done.values():
+        assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
+        assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("split_pools", [False, True])
+def test_tiny_pool_preempts_decoders_and_all_finish(split_pools: bool) -> None:
     total = 0
     for seed in range(6):
-        done, sched = run_trial(seed, 4, 11, 16, abort_rate=0.0)
+        done, sched = run_trial(seed, 4, 11, 16, abort_rate=0.0, split_pools=split_pools)
         assert len(done) == 24
         total += sched.num_preemptions
     assert total > 0, "the tiny pool was meant to force preemptions"
