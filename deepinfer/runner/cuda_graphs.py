@@ -171,7 +171,8 @@ def capture_decode_graphs(
     if why_not is not None:
         raise ConfigError(f"--cuda-graphs on: {why_not}")
     try:
-        return DecodeGraphs(model, max_batch, max_blocks, device)
+        with torch.cuda.device(device):  # capture on the model's device (e.g. the decode group's)
+            return DecodeGraphs(model, max_batch, max_blocks, device)
     except (RuntimeError, ValueError) as exc:
         if mode == "on":
             raise

@@ -32,7 +32,8 @@ KERNEL_TESTS=(tests/kernels/test_{kv_store,matmul,norm,paged_attention,rotary}_k
 step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TESTS[@]}"
 CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
   tests/cache_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
-  tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py}
+  tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py \
+  tests/engine/test_engine_device_groups.py}
 # shellcheck disable=SC2086  # a list of paths
 step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS
 step decode_step 120 python3 -m bench.decode_step --device cuda --dtype bfloat16 \

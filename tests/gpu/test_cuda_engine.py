@@ -18,6 +18,7 @@ from deepinfer.config import (
     ModelConfig,
     RuntimeConfig,
     SchedulerConfig,
+    WorkersConfig,
 )
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.core import EngineCore
@@ -103,3 +104,17 @@ async def test_bfloat16_default_answers_and_workers_use_their_own_streams() -> N
         workers = {w.name: w for w in engine.stats().workers}
         assert workers["prefill"].num_steps > 0 and workers["decode"].num_steps > 0
         engine.check_integrity()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_split_device_groups_give_the_one_device_tokens() -> None:
+    """Prefill on cuda:0, decode on cuda:1 (a replica and a pool each, KV copied on transfer
+    streams), decode from CUDA graphs on cuda:1: the tokens of one device."""
+    one = _greedy(_config("cuda", "triton"))
+    split = _config("cuda", "triton").replace(
+        workers=WorkersConfig(prefill_devices=("cuda:0",), decode_devices=("cuda:1",))
+    )
+    tokens, core = _greedy_core(split)
+    assert core.info.decode_device == torch.device("cuda", 1)
+    assert core.decode_runner.graphs is not None and core.decode_runner.graphs.num_replays > 0
+    assert tokens == one
