@@ -24,7 +24,7 @@ from pathlib import Path
 
 SOURCES = tuple(
     Path(__file__).parent / "cpu" / n
-    for n in ("quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c")
+    for n in ("quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c", "llama_layers.c")
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
@@ -79,6 +79,8 @@ class NativeLibrary:
             i,  # kv_f16
         ]
         lib.di_paged_decode_attention.restype = i
+        lib.di_llama_layers.argtypes = [v, i, v, v, v, i]
+        lib.di_llama_layers.restype = i
         self._lib = lib
 
     def gemm(
@@ -119,6 +121,10 @@ class NativeLibrary:
     def paged_decode_attention(self, *args: int | float) -> None:
         """See `di_paged_decode_attention` in cpu/paged_attention.c for the arguments."""
         _check(self._lib.di_paged_decode_attention(*args))
+
+    def llama_layers(self, *args: object) -> None:
+        """See `di_llama_layers` in cpu/llama_layers.c (`llama_layers_cpu` builds the args)."""
+        _check(self._lib.di_llama_layers(*args))
 
 
 def _check(status: int) -> None:

@@ -14,6 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
+from deepinfer.kernels.llama_layers_cpu import (
+    LayerWeights,
+    NativeLayerStack,
+    StackShape,
+    step_applies,
+)
 from deepinfer.kernels.paged_attention import PagedAttentionPlan
 from deepinfer.kernels.rotary import rotary_cos_sin
 from deepinfer.model.arch import ModelArch
@@ -168,6 +174,20 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h, ops), residual
 
 
+def _layer_weights(
+    layer: LlamaDecoderLayer, kv_cache: tuple[torch.Tensor, torch.Tensor]
+) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(lin.bias is not None for lin in linears):
+        raise ValueError("the native stack has no matmul biases")
+    qkv, o, gate_up, down = (lin.quantized for lin in linears)
+    if qkv is None or o is None or gate_up is None or down is None:
+        raise ValueError("every matmul must be served by a quantized kernel")
+    norms = (layer.input_norm.weight.data, layer.post_attention_norm.weight.data)
+    return LayerWeights(qkv, o, gate_up, down, *norms, *kv_cache)
+
+
 class LlamaForCausalLM(nn.Module):
     """`model(batch) -> logits [B_sample, V]` (float32), only for `batch.logits_indices` rows.
 
@@ -201,15 +221,47 @@ class LlamaForCausalLM(nn.Module):
         self.kv_caches: KVCaches | None = None
         self.lm_head_quantized: BlockWeight | None = None
         """The output projection in GGUF blocks (native kernel), when the loader set it."""
+        self.native_layers = True
+        """On the `cpu` backend with quantized matmuls, run the decoder stack as one native call
+        for steps whose attention is all native rows (bit-identical; False: layer by layer)."""
+        self._stack: NativeLayerStack | str | None = None
+        """The native stack once built, or why it cannot be (None: not tried yet)."""
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Replace the kernel backend (chosen once at start-up, before serving)."""
         self.attention_backend = backend
+        self._stack = None
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """Attach one (k_cache, v_cache) per layer (see `kv_layout.allocate_kv_caches`)."""
         check_kv_caches(self.arch, kv_caches)
         self.kv_caches = kv_caches
+        self._stack = None
+
+    def native_stack(self) -> NativeLayerStack | None:
+        """The decoder stack as one native call, where this model and its caches qualify."""
+        if self._stack is None:
+            try:
+                self._stack = self._build_stack()
+            except ValueError as exc:
+                self._stack = str(exc)
+        return self._stack if isinstance(self._stack, NativeLayerStack) else None
+
+    def _build_stack(self) -> NativeLayerStack:
+        a = self.arch
+        if self.attention_backend.name != "cpu" or self.kv_caches is None:
+            raise ValueError("needs the cpu attention backend and bound caches")
+        if a.qk_norm or a.qkv_bias:
+            raise ValueError("q/k norms and qkv biases are not in the native stack")
+        layers = []
+        for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)
+            layers.append(_layer_weights(layer, kv_cache))
+        shape = StackShape(
+            a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
+            a.rms_norm_eps, a.head_dim**-0.5,
+        )  # fmt: skip
+        return NativeLayerStack(layers, shape, self.cos_sin)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, V] float32
@@ -227,8 +279,12 @@ class LlamaForCausalLM(nn.Module):
         step = StepContext(batch, ops, self.cos_sin, plan)
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
-            h, residual = layer(h, residual, kv_cache, step)
+        stack = self.native_stack() if self.native_layers else None
+        if stack is not None and plan is not None and step_applies(plan, h.shape[0]):
+            h, residual = stack.run(h, batch.positions, batch.slot_mapping, plan)
+        else:
+            for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
+                h, residual = layer(h, residual, kv_cache, step)
         assert residual is not None
         h, residual = h[batch.logits_indices], residual[batch.logits_indices]  # [B_sample, hidden]
         if h.shape[0] == 0:  # nothing to sample this step (prefill chunks only)

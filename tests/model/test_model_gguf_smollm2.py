@@ -189,3 +189,23 @@ def test_int8_activations_stay_close_to_transformers(
         error = (got - want).abs()
         assert error.mean().item() < 0.3 and error.max().item() < 3.0
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.95
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or not native_available(), reason="native CPU kernels only")
+def test_native_stack_is_bit_identical_on_the_real_model(
+    smollm2_ours: Any, smollm2_reference: Any
+) -> None:
+    """Decode steps through the one-call decoder stack equal the layer-by-layer forward."""
+    prompts = smollm2_reference[1]
+    prefill_lens = [len(p) - n for p, n in zip(prompts, (6, 5, 4), strict=True)]
+    outs = []
+    for native in (False, True):
+        model, blocks = _fresh(smollm2_ours)
+        model.native_layers = native
+        try:
+            outs.append(prefill_then_decode_logits(model, blocks, prompts, prefill_lens))
+        finally:
+            model.native_layers = True
+    assert smollm2_ours.model.native_stack() is not None
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

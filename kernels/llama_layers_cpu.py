@@ -1,0 +1,181 @@
+"""A Llama decoder stack in one native call (`cpu/llama_layers.c`), for the `cpu` backend.
+
+The C driver calls the same kernels, with the same arguments and in the same order, as the
+Python forward does through the backend ops one by one, so its output is bit-identical; it only
+saves the ~13 Python calls a layer (most of a one-stream decode step's time). `NativeLayerStack`
+is built once per model and KV pool where everything qualifies (quantized matmuls without
+biases, no q/k norms, caches the native attention reads, shapes the kernels take) and raises
+`ValueError` saying why not otherwise; `step_applies` says whether a step's attention plan is
+entirely native (every query one row of the decode kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cpu_native import native_library
+from .int8_matmul import BlockWeight, Int8PackedWeight
+from .paged_attention_cpu import MAX_GROUP, MAX_HEAD_DIM, NATIVE_KV_DTYPES
+from .paged_attention_torch import PagedAttentionPlan
+
+_p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("data", _p), ("fmt", _i), ("int8", _i), ("N", _i), ("K", _i)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
+        ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("T", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("head_dim", _i), ("intermediate", _i),
+        ("eps", _f), ("scale", _f), ("positions", _p), ("cos_sin", _p), ("num_positions", _l),
+        ("slots", _p), ("num_slots", _l), ("block_tables", _p), ("max_blocks", _i),
+        ("context_lens", _p), ("block_size", _i), ("kv_f16", _i), ("num_threads", _i),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as the native stack reads it."""
+
+    qkv: BlockWeight
+    o: BlockWeight
+    gate_up: BlockWeight
+    down: BlockWeight
+    input_norm: torch.Tensor  # float32 [hidden]
+    post_norm: torch.Tensor
+    k_cache: torch.Tensor  # [N, S, Hkv, D] float32 or float16, contiguous
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+def _matrix(w: BlockWeight, out_features: int, in_features: int) -> _Matrix:
+    int8 = isinstance(w, Int8PackedWeight)
+    data = w.packed if isinstance(w, Int8PackedWeight) else w.blocks
+    if (w.out_features, w.in_features) != (out_features, in_features):
+        raise ValueError(
+            f"a {w.out_features}x{w.in_features} matrix where {out_features}x{in_features} belongs"
+        )
+    return _Matrix(data.data_ptr(), int(w.fmt), int(int8), out_features, in_features)  # fmt: skip
+
+
+def _check_shape(s: StackShape) -> None:
+    if s.hidden % 8 or s.intermediate % 8:
+        raise ValueError("hidden and intermediate sizes must be multiples of 8")
+    if s.head_dim % 16 or s.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head size {s.head_dim} is not one the attention kernel takes")
+    if s.num_heads % s.num_kv_heads or s.num_heads // s.num_kv_heads > MAX_GROUP:
+        raise ValueError(f"{s.num_heads} query heads over {s.num_kv_heads} KV heads")
+
+
+def _check_caches(layer: LayerWeights, s: StackShape) -> None:
+    k, v = layer.k_cache, layer.v_cache
+    if k.device.type != "cpu" or k.dtype not in NATIVE_KV_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"KV caches of {k.dtype} on {k.device}")
+    if k.shape != v.shape or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("K and V caches must be contiguous and of one shape")
+    if k.dim() != 4 or tuple(k.shape[2:]) != (s.num_kv_heads, s.head_dim):
+        raise ValueError(f"KV cache shape {tuple(k.shape)}")
+    for norm in (layer.input_norm, layer.post_norm):
+        if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (s.hidden,):
+            raise ValueError("norm weights must be contiguous float32 [hidden]")
+
+
+class NativeLayerStack:
+    """Every decoder layer of one model over one KV pool, as one native call a step."""
+
+    def __init__(self, layers: Sequence[LayerWeights], shape: StackShape, cos_sin: torch.Tensor):
+        _check_shape(shape)
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.dim() != 2:
+            raise ValueError("the rotary table must be contiguous float32 [P, head_dim]")
+        s = shape
+        width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        structs = []
+        for layer in layers:
+            _check_caches(layer, s)
+            matrices = (
+                _matrix(layer.qkv, width, s.hidden),
+                _matrix(layer.o, s.hidden, s.num_heads * s.head_dim),
+                _matrix(layer.gate_up, 2 * s.intermediate, s.hidden),
+                _matrix(layer.down, s.hidden, s.intermediate),
+            )
+            tensors = (layer.input_norm, layer.post_norm, layer.k_cache, layer.v_cache)
+            structs.append(_Layer(*matrices, *(t.data_ptr() for t in tensors)))
+        if not structs:
+            raise ValueError("a stack of no layers")
+        self.shape = shape
+        self._layers = (_Layer * len(structs))(*structs)
+        self._num_layers = len(structs)
+        self._keep = (list(layers), cos_sin)  # the memory the pointers point into
+        self._cos_sin = cos_sin
+        k0 = layers[0].k_cache
+        self._block_size = k0.shape[1]
+        self._num_slots = k0.shape[0] * k0.shape[1]
+        self._kv_f16 = int(k0.dtype == torch.float16)
+        self._lib = native_library()
+
+    def run(
+        self,
+        h: torch.Tensor,  # [T, hidden] float32: the embeddings (not modified)
+        positions: torch.Tensor,  # [T] int64
+        slot_mapping: torch.Tensor,  # [T] int64
+        plan: PagedAttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream before it), as the Python layers
+        return them; the caller has checked `step_applies(plan, ...)`."""
+        native = plan.native
+        assert native is not None and native.rows is None, "a step the stack does not take"
+        tokens = h.shape[0]
+        for t, dtype in ((positions, torch.int64), (slot_mapping, torch.int64)):
+            if t.dtype != dtype or not t.is_contiguous() or t.shape != (tokens,):
+                raise ValueError("positions and slots must be contiguous int64 [T]")
+        if h.dtype != torch.float32 or h.dim() != 2 or h.shape[1] != self.shape.hidden:
+            raise ValueError(f"hidden states {h.dtype} {tuple(h.shape)}")
+        out = h.contiguous().clone()
+        residual = torch.empty_like(out)
+        tables, lens = native.block_tables, native.context_lens
+        s = self.shape
+        step = _Step(
+            tokens, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
+            s.eps, s.scale, positions.data_ptr(), self._cos_sin.data_ptr(),
+            self._cos_sin.shape[0], slot_mapping.data_ptr(), self._num_slots,
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), self._block_size,
+            self._kv_f16, torch.get_num_threads(),
+        )  # fmt: skip
+        self._lib.llama_layers(
+            self._layers, self._num_layers, ctypes.byref(step), out.data_ptr(),
+            residual.data_ptr(), 0,
+        )  # fmt: skip
+        return out, residual
+
+
+def step_applies(plan: PagedAttentionPlan | None, num_tokens: int) -> bool:
+    """Whether every query of the step is one row of the native attention kernel, in order."""
+    return (
+        plan is not None
+        and plan.native is not None
+        and plan.native.rows is None
+        and len(plan.single_query) == len(plan.context_lens)
+        and plan.native.context_lens.shape[0] == num_tokens
+    )
