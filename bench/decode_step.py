@@ -190,13 +190,21 @@ def main() -> None:
         "--prompt-tokens", type=int, nargs=2, default=[300, 600], metavar=("LO", "HI")
     )
     parser.add_argument(
-        "--time-calls", action="store_true", help="ms a step inside matmuls and attention ops"
+        "--time-calls",
+        action="store_true",
+        help="ms a step inside matmuls and attention ops (runs layer by layer)",
+    )
+    parser.add_argument(
+        "--layer-by-layer",
+        action="store_true",
+        help="CPU: no one-call native decoder stack (the A/B of kernels/cpu/llama_layers.c)",
     )
     ns = parser.parse_args()
     core = make_core(
         max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs,
         ns.kv_dtype, ns.matmul_activations,
     )  # fmt: skip
+    core.runner.model.native_layers = not (ns.layer_by_layer or ns.time_calls)
     instrument(core)
     spent = time_calls(core) if ns.time_calls else None
     rng = random.Random(ns.seed)
@@ -208,7 +216,8 @@ def main() -> None:
         f"attention {info.attention_backend}, {torch.get_num_threads()} threads, "
         f"decode graphs {info.decode_graph_sizes or 'off'}, "
         f"quantized matmul: {f'{quantized / 1e6:.0f} MB of blocks' if quantized else 'off'}"
-        f"{' (int8 activations)' if info.int8_activations else ''}"
+        f"{' (int8 activations)' if info.int8_activations else ''}, "
+        f"native decoder stack {'on' if core.runner.model.native_layers else 'off'}"
     )
     for batch in ns.batch:
         ids = prefill(core, batch, f"b{batch}", rng, ns.temperature, tuple(ns.prompt_tokens))
