@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_engine import run_all, tiny_config, token_prompts
 
 from deepinfer.api.worker_metrics import worker_metrics
 from deepinfer.config import (
-    CacheConfig,
-    Config,
     ConfigError,
-    DiskCacheConfig,
-    ModelConfig,
-    SchedulerConfig,
     WorkersConfig,
 )
 from deepinfer.engine.async_engine import AsyncEngine
@@ -37,32 +33,6 @@ SPLIT = WorkersConfig(
     prefill_buckets=(16, 48),
 )
 SHARED = WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48))
-
-
-def _config(model_dir: Path, workers: WorkersConfig, num_blocks: int = 96) -> Config:
-    return Config(
-        model=ModelConfig(path=model_dir, dtype="float32"),
-        cache=CacheConfig(num_blocks=num_blocks),
-        disk_cache=DiskCacheConfig(enabled=False),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-        workers=workers,
-    )
-
-
-def _prompts() -> list[list[int]]:
-    return [[(i * 37 + j * 11) % 5000 + 100 for j in range(5 + 23 * (i % 4))] for i in range(10)]
-
-
-async def _run_all(
-    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams
-) -> list[list[int]]:
-    async def one(ids: list[int]) -> list[int]:
-        out: list[int] = []
-        async for delta in engine.generate(ids, params):
-            out.extend(delta.token_ids)
-        return out
-
-    return await asyncio.gather(*(one(p) for p in prompts))
 
 
 async def _settle(engine: AsyncEngine) -> None:
@@ -87,8 +57,8 @@ async def test_split_groups_give_the_shared_pool_tokens(
 ) -> None:
     results = {}
     for name, workers in (("shared", SHARED), ("split", SPLIT)):
-        async with AsyncEngine(_config(tiny_llama_dir, workers)) as engine:
-            results[name] = await _run_all(engine, _prompts(), params)
+        async with AsyncEngine(tiny_config(tiny_llama_dir, workers)) as engine:
+            results[name] = await run_all(engine, token_prompts(), params)
             engine.check_integrity()
             stats = engine.stats()
             assert stats.num_blocks_used == 0 and stats.decode_blocks_used == 0
@@ -98,8 +68,8 @@ async def test_split_groups_give_the_shared_pool_tokens(
                 assert core.decode_runner.model is not core.runner.model, "one replica each"
                 assert engine.info.decode_device == torch.device("cpu")
                 assert stats.decode_blocks_total == 96
-                assert stats.handoffs.num_handoffs == len(_prompts())
-                assert stats.handoffs.num_blocks >= len(_prompts())
+                assert stats.handoffs.num_handoffs == len(token_prompts())
+                assert stats.handoffs.num_blocks >= len(token_prompts())
                 names = {m.name for m in worker_metrics(stats)}
                 assert {"deepinfer_kv_handoffs", "deepinfer_kv_handoff_seconds"} <= names
                 assert all(w.num_steps > 0 for w in stats.workers)
@@ -110,7 +80,7 @@ async def test_split_groups_give_the_shared_pool_tokens(
 async def test_prefix_cache_lives_on_the_prefill_pool(tiny_llama_dir: Path) -> None:
     prompt = [(j * 13) % 5000 + 100 for j in range(70)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    async with AsyncEngine(_config(tiny_llama_dir, SPLIT)) as engine:
+    async with AsyncEngine(tiny_config(tiny_llama_dir, SPLIT)) as engine:
         cached = []
         tokens = []
         for _ in range(2):
@@ -128,7 +98,7 @@ async def test_prefix_cache_lives_on_the_prefill_pool(tiny_llama_dir: Path) -> N
 async def test_aborts_anywhere_leak_nothing(tiny_llama_dir: Path) -> None:
     """Clients leave after 1-5 tokens, some while their KV is being copied; a small decode
     pool makes handoffs wait for blocks too."""
-    config = _config(tiny_llama_dir, SPLIT, num_blocks=24)
+    config = tiny_config(tiny_llama_dir, SPLIT, num_blocks=24)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(config) as engine:
 
@@ -140,7 +110,7 @@ async def test_aborts_anywhere_leak_nothing(tiny_llama_dir: Path) -> None:
                     break
             return n
 
-        prompts = _prompts() * 2
+        prompts = token_prompts() * 2
         counts = await asyncio.gather(*(partial(p, 1 + i % 5) for i, p in enumerate(prompts)))
         assert all(c >= 1 for c in counts)
         await _settle(engine)
@@ -150,7 +120,7 @@ async def test_aborts_anywhere_leak_nothing(tiny_llama_dir: Path) -> None:
         sched = engine.core.scheduler
         assert isinstance(sched, DisaggScheduler)
         assert not sched.handing_off and not sched.handoff_waiting
-        (again,) = await _run_all(engine, _prompts()[:1], params)
+        (again,) = await run_all(engine, token_prompts()[:1], params)
         assert len(again) == params.max_tokens
 
 
@@ -158,8 +128,8 @@ def test_offline_steps_copy_synchronously(tiny_llama_dir: Path) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
     for name, workers in (("shared", SHARED), ("split", SPLIT)):
-        core = EngineCore(_config(tiny_llama_dir, workers))
-        for i, ids in enumerate(_prompts()[:4]):
+        core = EngineCore(tiny_config(tiny_llama_dir, workers))
+        for i, ids in enumerate(token_prompts()[:4]):
             core.add_request(Request(f"r{i}", list(ids), params))
         got: dict[str, list[int]] = {}
         for _ in range(200):
@@ -202,7 +172,7 @@ def test_groups_this_version_cannot_run_are_refused(
     tiny_llama_dir: Path, workers: WorkersConfig, match: str
 ) -> None:
     with pytest.raises(ConfigError, match=match):
-        EngineCore(_config(tiny_llama_dir, workers))
+        EngineCore(tiny_config(tiny_llama_dir, workers))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -10,56 +10,26 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
 
 from deepinfer.config import (
-    CacheConfig,
-    Config,
     ConfigError,
-    DiskCacheConfig,
-    ModelConfig,
-    SchedulerConfig,
     WorkersConfig,
 )
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.workers import BusyMeter, thread_shares
 from deepinfer.request import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def _config(model_dir: Path, workers: WorkersConfig) -> Config:
-    return Config(
-        model=ModelConfig(path=model_dir, dtype="float32"),
-        cache=CacheConfig(num_blocks=96),
-        disk_cache=DiskCacheConfig(enabled=False),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-        workers=workers,
-    )
-
-
-def _prompts() -> list[list[int]]:
-    return [[(i * 37 + j * 11) % 5000 + 100 for j in range(5 + 23 * (i % 4))] for i in range(10)]
-
-
-async def _run_all(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
-    async def one(ids: list[int]) -> list[int]:
-        out: list[int] = []
-        async for delta in engine.generate(ids, GREEDY):
-            out.extend(delta.token_ids)
-        return out
-
-    return await asyncio.gather(*(one(p) for p in prompts))
-
 
 async def test_disaggregated_matches_colocated(tiny_llama_dir: Path) -> None:
-    prompts = _prompts()
+    prompts = token_prompts()
     results = {}
     for name, workers in (
         ("colocated", WorkersConfig(colocated=True)),
         ("disagg", WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48))),
     ):
-        async with AsyncEngine(_config(tiny_llama_dir, workers)) as engine:
-            results[name] = await _run_all(engine, prompts)
+        async with AsyncEngine(tiny_config(tiny_llama_dir, workers)) as engine:
+            results[name] = await run_all(engine, prompts)
             stats = engine.stats()
             engine.check_integrity()
             assert stats.num_blocks_used == 0
@@ -76,7 +46,7 @@ async def test_disaggregated_matches_colocated(tiny_llama_dir: Path) -> None:
 
 async def test_aborts_in_flight_free_every_block(tiny_llama_dir: Path) -> None:
     workers = WorkersConfig(prefill_step_ms=2.0, prefill_buckets=(16, 48))
-    async with AsyncEngine(_config(tiny_llama_dir, workers)) as engine:
+    async with AsyncEngine(tiny_config(tiny_llama_dir, workers)) as engine:
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
         async def partial(ids: list[int], keep: int) -> int:
@@ -87,7 +57,9 @@ async def test_aborts_in_flight_free_every_block(tiny_llama_dir: Path) -> None:
                     break
             return n
 
-        counts = await asyncio.gather(*(partial(p, 1 + i % 5) for i, p in enumerate(_prompts())))
+        counts = await asyncio.gather(
+            *(partial(p, 1 + i % 5) for i, p in enumerate(token_prompts()))
+        )
         assert all(c >= 1 for c in counts)
         for _ in range(200):
             if engine.stats().num_running == 0 and engine.stats().num_waiting == 0:
@@ -96,7 +68,7 @@ async def test_aborts_in_flight_free_every_block(tiny_llama_dir: Path) -> None:
         engine.check_integrity()
         assert engine.stats().num_blocks_used == 0
         # and it still serves
-        (again,) = await _run_all(engine, _prompts()[:1])
+        (again,) = await run_all(engine, token_prompts()[:1])
         assert len(again) == GREEDY.max_tokens
 
 
@@ -119,18 +91,18 @@ def test_busy_meter_window() -> None:
 async def test_device_groups_on_other_devices_are_refused(tiny_llama_dir: Path) -> None:
     workers = WorkersConfig(decode_devices=("cuda:1",))
     with pytest.raises(ConfigError, match="decode-devices"):
-        async with AsyncEngine(_config(tiny_llama_dir, workers)):
+        async with AsyncEngine(tiny_config(tiny_llama_dir, workers)):
             pass
 
 
 async def test_gil_switch_interval_is_set_while_running_and_restored(tiny_llama_dir: Path) -> None:
     before = sys.getswitchinterval()
-    config = _config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.25))
+    config = tiny_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.25))
     async with AsyncEngine(config) as engine:
         assert sys.getswitchinterval() == pytest.approx(0.25e-3)
-        assert len(await _run_all(engine, _prompts()[:2])) == 2
+        assert len(await run_all(engine, token_prompts()[:2])) == 2
     assert sys.getswitchinterval() == before
-    async with AsyncEngine(_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=None))):
+    async with AsyncEngine(tiny_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=None))):
         assert sys.getswitchinterval() == before
     with pytest.raises(ConfigError, match="gil_switch_interval_ms"):
-        _config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.0))
+        tiny_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.0))
