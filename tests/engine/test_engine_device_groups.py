@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_engine import run_all, tiny_config, token_prompts
+from tiny_engine import leave_after, run_all, settle, tiny_config, token_prompts
 
 from deepinfer.api.worker_metrics import worker_metrics
 from deepinfer.config import (
@@ -33,15 +33,6 @@ SPLIT = WorkersConfig(
     prefill_buckets=(16, 48),
 )
 SHARED = WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48))
-
-
-async def _settle(engine: AsyncEngine) -> None:
-    for _ in range(300):
-        stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("requests still running")
 
 
 @pytest.mark.parametrize(
@@ -101,19 +92,12 @@ async def test_aborts_anywhere_leak_nothing(tiny_llama_dir: Path) -> None:
     config = tiny_config(tiny_llama_dir, SPLIT, num_blocks=24)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(config) as engine:
-
-        async def partial(ids: list[int], keep: int) -> int:
-            n = 0
-            async for delta in engine.generate(ids, params):
-                n += len(delta.token_ids)
-                if n >= keep:
-                    break
-            return n
-
         prompts = token_prompts() * 2
-        counts = await asyncio.gather(*(partial(p, 1 + i % 5) for i, p in enumerate(prompts)))
+        counts = await asyncio.gather(
+            *(leave_after(engine, p, params, 1 + i % 5) for i, p in enumerate(prompts))
+        )
         assert all(c >= 1 for c in counts)
-        await _settle(engine)
+        await settle(engine)
         engine.check_integrity()
         stats = engine.stats()
         assert stats.num_blocks_used == 0 and stats.decode_blocks_used == 0

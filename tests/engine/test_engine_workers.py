@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
+from tiny_engine import GREEDY, leave_after, run_all, settle, tiny_config, token_prompts
 
 from deepinfer.config import (
     ConfigError,
@@ -48,23 +48,11 @@ async def test_aborts_in_flight_free_every_block(tiny_llama_dir: Path) -> None:
     workers = WorkersConfig(prefill_step_ms=2.0, prefill_buckets=(16, 48))
     async with AsyncEngine(tiny_config(tiny_llama_dir, workers)) as engine:
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-        async def partial(ids: list[int], keep: int) -> int:
-            n = 0
-            async for delta in engine.generate(ids, params):
-                n += len(delta.token_ids)
-                if n >= keep:
-                    break
-            return n
-
         counts = await asyncio.gather(
-            *(partial(p, 1 + i % 5) for i, p in enumerate(token_prompts()))
+            *(leave_after(engine, p, params, 1 + i % 5) for i, p in enumerate(token_prompts()))
         )
         assert all(c >= 1 for c in counts)
-        for _ in range(200):
-            if engine.stats().num_running == 0 and engine.stats().num_waiting == 0:
-                break
-            await asyncio.sleep(0.01)
+        await settle(engine)
         engine.check_integrity()
         assert engine.stats().num_blocks_used == 0
         # and it still serves

@@ -46,3 +46,25 @@ async def run_all(
         return out
 
     return await asyncio.gather(*(one(p) for p in prompts))
+
+
+async def leave_after(
+    engine: AsyncEngine, ids: list[int], params: SamplingParams, keep: int
+) -> int:
+    """Stream a request and walk away (closing the stream aborts it) after `keep` tokens."""
+    n = 0
+    async for delta in engine.generate(ids, params):
+        n += len(delta.token_ids)
+        if n >= keep:
+            break
+    return n
+
+
+async def settle(engine: AsyncEngine) -> None:
+    """Wait until no request is running or waiting (aborts are applied between steps)."""
+    for _ in range(300):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("requests still running")
