@@ -127,7 +127,7 @@ class NativeLayerStack:
         self.shape = shape
         self._layers = (_Layer * len(structs))(*structs)
         self._num_layers = len(structs)
-        self._keep = (list(layers), cos_sin)  # the memory the pointers point into
+        self._layers_kept = list(layers)  # with _cos_sin: the memory the pointers point into
         self._cos_sin = cos_sin
         k0 = layers[0].k_cache
         self._block_size = k0.shape[1]

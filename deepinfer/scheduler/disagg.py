@@ -56,7 +56,6 @@ class DisaggScheduler:
         """The prefill pool: admission, prefix hits, and (one pool) decoding too."""
         self.decode_kv = decode_kv if decode_kv is not None else kv
         """The decode pool: `kv` itself, or a separate pool on the decode device group."""
-        self.split_pools = decode_kv is not None
         self.max_model_len = max_model_len
         self.max_request_tokens = min(
             max_model_len, kv.capacity_tokens, self.decode_kv.capacity_tokens
@@ -77,6 +76,11 @@ class DisaggScheduler:
         self.num_preemptions = 0
 
     # -- queries --
+    @property
+    def split_pools(self) -> bool:
+        """Decode has its own pool (separate device groups): KV is copied on handoff."""
+        return self.decode_kv is not self.kv
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

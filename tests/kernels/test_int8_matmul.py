@@ -3,12 +3,10 @@ float64 by torch, and against the exact float product within the rounding of x."
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
+from gguf_weights import gguf_weight, needs_native
 
-from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.int8_matmul import (
     Int8PackedWeight,
     block_linear,
@@ -21,18 +19,9 @@ from deepinfer.kernels.int8_matmul import (
 )
 from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, quant_linear_reference
 
-needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
-GGML = {
-    QuantFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1,
-    QuantFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
-}
-
 
 def _weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:
-    """Random weights quantized by gguf-py."""
-    dense = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    blocks = gguf.quants.quantize(dense, GGML[fmt])
-    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks)), k)
+    return gguf_weight(fmt, n, k, seed)[0]
 
 
 def _raw_weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:

@@ -3,12 +3,11 @@ dequantized weights, and `dequantize_reference` against gguf-py itself."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_weights import gguf_weight, needs_native
 
-from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.quant_matmul import (
     QuantFormat,
     QuantizedWeight,
@@ -17,25 +16,10 @@ from deepinfer.kernels.quant_matmul import (
     quant_linear_reference,
 )
 
-needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
-GGML = {
-    QuantFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1,
-    QuantFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
-}
-
-
-def _weight(fmt: QuantFormat, n: int, k: int, seed: int) -> tuple[QuantizedWeight, np.ndarray]:
-    """Random weights quantized by gguf-py, and gguf-py's dequantization of them."""
-    rng = np.random.default_rng(seed)
-    dense = rng.standard_normal((n, k)).astype(np.float32)
-    blocks = gguf.quants.quantize(dense, GGML[fmt])
-    expected = gguf.quants.dequantize(blocks, GGML[fmt]).astype(np.float32)
-    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks)), k), expected
-
 
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 def test_dequantize_reference_is_gguf_py_bit_for_bit(fmt: QuantFormat) -> None:
-    w, expected = _weight(fmt, 37, 96, seed=1)
+    w, expected = gguf_weight(fmt, 37, 96, seed=1)
     assert torch.equal(dequantize_reference(w), torch.from_numpy(expected))
 
 
@@ -43,7 +27,7 @@ def test_dequantize_reference_is_gguf_py_bit_for_bit(fmt: QuantFormat) -> None:
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 7, 32, 70])
 def test_quant_linear_matches_float64(fmt: QuantFormat, m: int) -> None:
-    w, dense = _weight(fmt, 37, 96, seed=2)  # 37 rows: a partial tile of the kernel's 4
+    w, dense = gguf_weight(fmt, 37, 96, seed=2)  # 37 rows: a partial tile of the kernel's 4
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
     got = quant_linear(x, w)
     assert got.shape == (m, 37) and got.dtype == torch.float32
@@ -55,7 +39,7 @@ def test_quant_linear_matches_float64(fmt: QuantFormat, m: int) -> None:
 @needs_native
 def test_rows_do_not_depend_on_the_batch() -> None:
     """Each output is one fixed reduction whatever M is: a row alone equals it in any batch."""
-    w, _ = _weight(QuantFormat.Q4_1, 64, 576, seed=3)
+    w, _ = gguf_weight(QuantFormat.Q4_1, 64, 576, seed=3)
     x = torch.randn(33, 576)
     together = quant_linear(x, w)
     for m in (0, 1, 2, 31, 32):
@@ -65,7 +49,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 @needs_native
 def test_threads_do_not_change_results() -> None:
-    w, _ = _weight(QuantFormat.Q8_0, 130, 64, seed=4)
+    w, _ = gguf_weight(QuantFormat.Q8_0, 130, 64, seed=4)
     x = torch.randn(9, 64)
     before = torch.get_num_threads()
     try:
@@ -83,18 +67,18 @@ def test_bad_weights_and_inputs_are_refused() -> None:
         QuantizedWeight(QuantFormat.Q4_1, torch.zeros(2, 20, dtype=torch.uint8), 48)
     with pytest.raises(ValueError, match=r"uint8 \[N, 40\]"):
         QuantizedWeight(QuantFormat.Q4_1, torch.zeros(2, 34, dtype=torch.uint8), 64)
-    w, _ = _weight(QuantFormat.Q4_1, 4, 64, seed=5)
+    w, _ = gguf_weight(QuantFormat.Q4_1, 4, 64, seed=5)
     with pytest.raises(ValueError, match="float32 CPU"):
         quant_linear(torch.zeros(2, 64, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="cannot multiply"):
         quant_linear(torch.zeros(2, 32), w)
     with pytest.raises(ValueError, match="share their format"):
-        QuantizedWeight.cat([w, _weight(QuantFormat.Q8_0, 4, 64, seed=6)[0]])
+        QuantizedWeight.cat([w, gguf_weight(QuantFormat.Q8_0, 4, 64, seed=6)[0]])
 
 
 def test_cat_stacks_rows() -> None:
-    a, da = _weight(QuantFormat.Q4_1, 5, 64, seed=7)
-    b, db = _weight(QuantFormat.Q4_1, 3, 64, seed=8)
+    a, da = gguf_weight(QuantFormat.Q4_1, 5, 64, seed=7)
+    b, db = gguf_weight(QuantFormat.Q4_1, 3, 64, seed=8)
     fused = QuantizedWeight.cat([a, b])
     assert fused.out_features == 8
     assert torch.equal(dequantize_reference(fused), torch.from_numpy(np.concatenate([da, db])))

@@ -94,15 +94,20 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return got
 
 
+def _reference(hf_model: Any) -> tuple[list[int], torch.Tensor]:
+    """A fixed prompt and transformers' logits for it (the dequantized weights)."""
+    prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        return prompt, hf_model(torch.tensor([prompt])).logits[0]
+
+
 @needs_native
 def test_quantized_matmul_matches_transformers(quantized_gguf: Any) -> None:
     path, hf_model = quantized_gguf
     loaded = load_model(path, torch.float32, "cpu", quantized_matmul="on")
     assert loaded.quantized_bytes > 0 and not loaded.int8_activations  # float32 by default
     assert loaded.model.lm_head_quantized is not None  # type: ignore[attr-defined]
-    prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        want = hf_model(torch.tensor([prompt])).logits[0]
+    prompt, want = _reference(hf_model)
     got = _logits(loaded.model, prompt)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     plain = load_model(path, torch.float32, "cpu", quantized_matmul="off")
@@ -129,9 +134,7 @@ def test_int8_activations_stay_close_to_transformers(quantized_gguf: Any) -> Non
     exact = load_model(path, torch.float32, "cpu")
     assert loaded.int8_activations and loaded.quantized_bytes > 0
     assert isinstance(loaded.model.lm_head_quantized, Int8PackedWeight)  # type: ignore[attr-defined]
-    prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        want = hf_model(torch.tensor([prompt])).logits[0]
+    prompt, want = _reference(hf_model)
     got = _logits(loaded.model, prompt)
     error = (got - want).abs()
     assert 0 < error.max().item() < 0.05 * want.abs().max().item()
