@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from deepinfer.config import (
@@ -11,6 +12,7 @@ from deepinfer.config import (
     DiskCacheConfig,
     HostCacheConfig,
     ModelConfig,
+    RequestLimits,
     RuntimeConfig,
     SchedulerConfig,
     ServerConfig,
@@ -193,6 +195,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    d = ServerConfig()
+    g.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s)
+    g.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s)
+    g.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s)
+    g.add_argument("--max-connections", type=int, default=d.max_connections)
+    limits = parser.add_argument_group("request limits (each refused with a 400 naming it)")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument(
+            "--" + f.name.replace("_", "-"), type=int, default=getattr(d.limits, f.name)
+        )
 
 
 def config_from_args(ns: argparse.Namespace) -> Config:
@@ -204,6 +216,13 @@ def config_from_args(ns: argparse.Namespace) -> Config:
             api_key=ns.api_key,
             served_model_name=ns.served_model_name,
             max_body_bytes=ns.max_body_bytes,
+            limits=RequestLimits(
+                **{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)}
+            ),
+            header_timeout_s=ns.header_timeout_s,
+            body_timeout_s=ns.body_timeout_s,
+            keep_alive_timeout_s=ns.keep_alive_timeout_s,
+            max_connections=ns.max_connections,
         )
     return Config(
         model=ModelConfig(
