@@ -45,3 +45,12 @@ class ModelLoadError(DeepInferError):
 
 class EngineDeadError(DeepInferError):
     """The engine loop stopped (after an internal error or shutdown); no more requests."""
+
+
+class RequestFailedError(DeepInferError):
+    """An internal error stopped this request (a step holding it failed); the engine serves on."""
+
+
+class FatalEngineError(DeepInferError):
+    """The engine cannot go on (the device is lost, or its state is inconsistent after a failed
+    step): it stops, and reports this as its reason."""

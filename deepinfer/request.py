@@ -12,6 +12,18 @@ from dataclasses import dataclass, field
 
 from deepinfer.errors import InvalidRequestError
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (argmax): dividing logits by them would overflow float32."""
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids (stop_token_ids) and top_k above this are refused: they must fit an int32."""
+
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""Divides or multiplies logits: outside this range float32 logits overflow or collapse to 0."""
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""A seed must fit 64 bits (signed or unsigned)."""
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"
@@ -20,6 +32,8 @@ class FinishReason(enum.StrEnum):
     """max_tokens reached, or the context is full."""
     ABORT = "abort"
     """Aborted by the caller (disconnect, cancel, abort by id)."""
+    ERROR = "error"
+    """A step holding the request failed; its stream ends with an error, never this reason."""
 
 
 class RequestStatus(enum.Enum):
@@ -35,7 +49,7 @@ class SamplingParams:
 
     max_tokens: int = 256
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below `GREEDY_TEMPERATURE`) means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
@@ -61,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -78,36 +92,53 @@ def _check(cond: bool, field_name: str, message: str) -> None:
 
 
 def _check_sampling(p: SamplingParams) -> None:
-    finite = all(
-        math.isfinite(v)
-        for v in (
-            p.temperature,
-            p.top_p,
-            p.min_p,
-            p.repetition_penalty,
-            p.presence_penalty,
-            p.frequency_penalty,
-        )
-    )
-    _check(finite, "sampling", "parameters must be finite numbers")
+    """Every parameter within the range where the sampler's float32 arithmetic is sound."""
+    floats = {
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+    }
+    for name, value in floats.items():
+        _check(math.isfinite(value), name, f"must be a finite number, got {value}")
     _check(p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}")
     _check(
         0.0 <= p.temperature <= 100.0, "temperature", f"must be in [0, 100], got {p.temperature}"
     )
     _check(0.0 < p.top_p <= 1.0, "top_p", f"must be in (0, 1], got {p.top_p}")
-    _check(p.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {p.top_k}")
+    _check(
+        0 <= p.top_k <= MAX_TOKEN_ID,
+        "top_k",
+        f"must be in [0, {MAX_TOKEN_ID}] (0 disables it), got {p.top_k}",
+    )
     _check(0.0 <= p.min_p <= 1.0, "min_p", f"must be in [0, 1], got {p.min_p}")
-    _check(p.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
-    _check(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-    _check(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-    _check(p.min_tokens >= 0, "min_tokens", "must be >= 0")
+    low, high = REPETITION_PENALTY_RANGE
+    _check(
+        low <= p.repetition_penalty <= high,
+        "repetition_penalty",
+        f"must be in [{low}, {high}] (1 disables it), got {p.repetition_penalty}",
+    )
+    for name in ("presence_penalty", "frequency_penalty"):
+        _check(-2.0 <= floats[name] <= 2.0, name, f"must be in [-2, 2], got {floats[name]}")
+    _check(p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}")
     _check(p.min_tokens <= p.max_tokens, "min_tokens", "must not exceed max_tokens")
     _check(p.logprobs is None or 0 <= p.logprobs <= 20, "logprobs", "must be in [0, 20]")
+    low_seed, high_seed = SEED_RANGE
+    _check(
+        p.seed is None or low_seed <= p.seed <= high_seed,
+        "seed",
+        f"must fit 64 bits: in [{low_seed}, {high_seed}]",
+    )
     _check(
         all(isinstance(s, str) and s for s in p.stop), "stop", "entries must be non-empty strings"
     )
-    _check(len(p.stop) <= 16, "stop", "may hold at most 16 strings")
-    _check(all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "must be non-negative")
+    _check(
+        all(0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids),
+        "stop_token_ids",
+        f"entries must be in [0, {MAX_TOKEN_ID}]",
+    )
 
 
 @dataclass

@@ -64,6 +64,11 @@ class EngineClient(Protocol):
     def is_running(self) -> bool: ...
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving after an unrecoverable error (None otherwise)."""
+        ...
+
+    @property
     def tokenizer(self) -> TokenizerLike: ...
 
     @property

@@ -9,6 +9,13 @@ steps overlap, or one colocated worker. Each schedules its step on the loop (pur
 forward pass on its own thread, and applies the results on the loop. Aborts are applied between
 steps; the scheduler defers those of requests inside a running step until that step is applied,
 so blocks are never freed under a forward pass.
+
+One request never takes the engine down: a step that raises (its forward pass or sampling on the
+worker's thread, or its update on the loop) fails the requests of that step only (their streams
+raise `RequestFailedError`, their blocks are freed), and the worker goes on with its next step;
+a delta that cannot be delivered fails its request only. What cannot be recovered (a lost device,
+a scheduler left inconsistent, a failed KV handoff) stops the engine: every open stream raises
+`EngineDeadError`, and `dead_reason` says why.
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ from deepinfer.engine.workers import Worker, build_workers
 from deepinfer.errors import (
     ContextLengthError,
     EngineDeadError,
+    FatalEngineError,
     InvalidRequestError,
     OverloadedError,
+    RequestFailedError,
 )
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, SamplingParams
+from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduleOutput
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
@@ -64,6 +74,8 @@ class AsyncEngine:
         self._counter = itertools.count()
         self._saved_switch_interval: float | None = None
         self._dead: BaseException | None = None
+        self._num_failed_steps = 0
+        self._num_failed_requests = 0
         self.step_observers: list[Callable[[ScheduleOutput, RunnerOutput], None]] = []
         """Callables `(so, out)` run on the loop after each step (metrics hook)."""
 
@@ -127,6 +139,13 @@ class AsyncEngine:
         return bool(self._tasks) and self._dead is None and not any(t.done() for t in self._tasks)
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving after an unrecoverable error; None otherwise."""
+        if self._dead is None:
+            return None
+        return f"{type(self._dead).__name__}: {self._dead}"
+
+    @property
     def info(self) -> RuntimeInfo:
         return self.core.info
 
@@ -161,6 +180,8 @@ class AsyncEngine:
             workers=tuple(w.stats() for w in self._workers),
             prefill=core.prefill_stats(),
             host=core.host.stats() if core.host is not None else None,
+            num_failed_steps=self._num_failed_steps,
+            num_failed_requests=self._num_failed_requests,
         )
 
     def check_integrity(self) -> None:
@@ -170,8 +191,9 @@ class AsyncEngine:
     async def encode_prompt(
         self, prompt: Prompt, reasoning_effort: ReasoningEffort | None = None
     ) -> list[int]:
-        """Token ids for a text prompt, chat messages (through the recipe) or ids as given."""
-        return await encode_prompt(self.recipe, prompt, reasoning_effort)
+        """Token ids for a text prompt, chat messages (through the recipe) or ids as given; a
+        prompt whose size alone exceeds the context is refused before it is tokenized."""
+        return await encode_prompt(self.recipe, prompt, reasoning_effort, self.max_model_len)
 
     async def submit(
         self,
@@ -185,7 +207,8 @@ class AsyncEngine:
     ) -> RequestStream:
         """Validate and enqueue a request; raises before any output if it cannot be served."""
         if self._dead is not None or not self.is_running:
-            raise EngineDeadError("the engine is not running")
+            reason = self.dead_reason
+            raise EngineDeadError("the engine is not running" + (f": {reason}" if reason else ""))
         check_retention(cache_retention)
         ids = await self.encode_prompt(prompt, reasoning_effort)
         self._check_admissible(ids, params)
@@ -308,19 +331,61 @@ class AsyncEngine:
                     core.update(worker.lane, so, RunnerOutput(step=so.step))
                     await worker.wakeup.wait()
                     continue
-                out = await worker.run(so, self._threads_for(worker))
-                self._apply_aborts()
-                self._deliver(core.update(worker.lane, so, out))
-                self._wake_workers()
-                await write_behind(core, worker.executor)
-                for observer in self.step_observers:
-                    observer(so, out)
+                await self._step(worker, so)
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             log.exception("engine %s worker failed; failing every open request", worker.name)
             self._fail_all(exc)
+
+    async def _step(self, worker: Worker, so: ScheduleOutput) -> None:
+        """Run a step and apply it; if either raises, fail the step's requests only."""
+        try:
+            out = await worker.run(so, self._threads_for(worker))
+        except FatalEngineError:
+            raise
+        except Exception as exc:
+            self._fail_step(worker.lane, so, exc)
+        else:
+            self._apply_aborts()
+            try:
+                deltas = self.core.update(worker.lane, so, out)
+            except Exception as exc:
+                self._fail_step(worker.lane, so, exc)
+            else:
+                self._deliver(deltas)
+                for observer in self.step_observers:
+                    observer(so, out)
+        self._wake_workers()
+        await write_behind(self.core, worker.executor)
+
+    def _fail_step(self, lane: StepLane, so: ScheduleOutput, exc: Exception) -> None:
+        """Finish the failed step's requests and end their streams with an error. Raises
+        `FatalEngineError` when the scheduler cannot be made consistent again."""
+        log.error("engine %s step %d failed", lane.kind.value, so.step, exc_info=exc)
+        try:
+            failed = self.core.fail(lane, so)
+        except Exception as broken:
+            raise FatalEngineError(
+                f"the scheduler is inconsistent after a failed {lane.kind.value} step "
+                f"({type(exc).__name__}: {exc}): {broken!r}"
+            ) from broken
+        self._num_failed_steps += 1
+        for rid in failed:
+            self._fail_request(rid, exc)
+
+    def _fail_request(self, request_id: str, exc: BaseException) -> None:
+        """End one request's stream with an internal error (the caller frees its blocks)."""
+        self._num_failed_requests += 1
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(
+                RequestFailedError(
+                    f"an internal error ({type(exc).__name__}) stopped this request; "
+                    "the server serves on, retry it"
+                )
+            )
 
     def _threads_for(self, worker: Worker) -> int | None:
         """The worker's own share, plus its idle peer's when lending is on."""
@@ -361,7 +426,14 @@ class AsyncEngine:
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue
-            if stream.push(delta):  # a stop string matched: end the request now
+            try:
+                stopped = stream.push(delta)
+            except Exception as exc:
+                log.error("delivering to request %s failed", delta.request_id, exc_info=exc)
+                self._fail_request(delta.request_id, exc)
+                self._pending_aborts.add(delta.request_id)  # frees its blocks, if still held
+                continue
+            if stopped:  # a stop string matched: end the request now
                 self._pending_aborts.add(delta.request_id)
             elif delta.finished:
                 del self._streams[delta.request_id]

@@ -299,6 +299,15 @@ class EngineCore:
         self._release([c.request_id for c in so.chunks if c.request.is_finished])
         return deltas
 
+    def fail(self, lane: StepLane, so: ScheduleOutput) -> list[str]:
+        """A step of `lane` failed (execute, or update part way): finish its requests, free
+        their blocks and sampling state. Returns the ids whose outputs must end with an error
+        (see `StepLane.fail`). Raises if the scheduler is left inconsistent: the engine cannot go on."""
+        failed = lane.fail(so)
+        self._release([c.request_id for c in so.chunks if c.request.is_finished])
+        self.check_integrity()
+        return failed
+
     def _release(self, request_ids: list[str]) -> None:
         self.runner.release(request_ids)
         if self.decode_runner is not self.runner:

@@ -63,9 +63,17 @@ class RequestStream:
 
     def push(self, delta: TokenDelta) -> bool:
         """Merge an engine delta. Returns True when a stop string ended the request here
-        (the engine must then abort it in the scheduler)."""
+        (the engine must then abort it in the scheduler). If it raises, the stream is left
+        unfinished for `fail` to end."""
         if self.finished:
             return False
+        try:
+            return self._merge(delta)
+        except BaseException:
+            self._finish = None
+            raise
+
+    def _merge(self, delta: TokenDelta) -> bool:
         if delta.num_prompt_tokens:
             cached = delta.num_cached_tokens
             # Tiers fill the prefix in order (device, host, disk): a shortfall (loaded blocks

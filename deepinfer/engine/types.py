@@ -93,3 +93,7 @@ class EngineStats:
     the one pool above serves both)."""
     decode_blocks_used: int = 0
     handoffs: HandoffStats = HandoffStats()
+    num_failed_steps: int = 0
+    """Steps that raised since start; each failed only its own requests."""
+    num_failed_requests: int = 0
+    """Requests ended with an internal error (a failed step, or a failed delivery)."""

@@ -6,6 +6,10 @@ worker whose steps overlap. A worker's thread count is set on its own thread bef
 two workers never oversubscribe the cores they were given. With `lend_idle_threads`, a worker
 whose peer has nothing to do runs its step on both shares; the peer then waits for that step to
 end before starting its own (at most one step, bounded by the prefill time budget or one decode).
+
+A step that raises on the worker's thread raises from `Worker.run`; on CUDA the worker first
+waits for the step's queued kernels (its blocks must not be reused under them). When even that
+wait fails, the device is lost: `run` raises `FatalEngineError`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from deepinfer.config import WorkersConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.types import WorkerStats
+from deepinfer.errors import FatalEngineError
 from deepinfer.outputs import RunnerOutput
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduleOutput
@@ -121,11 +126,23 @@ class Worker:
         if self._stream is None:
             return self._execute(so)
         start = time.perf_counter()
-        with torch.cuda.stream(self._stream):
-            out = self._execute(so)
-        self._stream.synchronize()
+        try:
+            with torch.cuda.stream(self._stream):
+                out = self._execute(so)
+            self._stream.synchronize()
+        except Exception:
+            self._settle()
+            raise
         # a step that samples nothing never waits for the device: time it to completion here
         return dataclasses.replace(out, elapsed_s=time.perf_counter() - start)
+
+    def _settle(self) -> None:
+        """After a failed step: wait for the kernels it queued; a device that cannot is lost."""
+        assert self._stream is not None
+        try:
+            self._stream.synchronize()
+        except Exception as exc:
+            raise FatalEngineError(f"device {self.device} is lost: {exc}") from exc
 
     @property
     def executor(self) -> ThreadPoolExecutor:

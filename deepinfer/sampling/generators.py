@@ -79,9 +79,11 @@ def inverse_cdf_pick(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     `draws[i] * total`, which picks token t with probability `probs[i, t] / total`.
 
     Never a zero-probability token: the pick is capped at the last token with mass (rounding
-    could otherwise push `u * total` onto the total itself)."""
+    could otherwise push `u * total` onto the total itself). A row that is no distribution (its
+    total is NaN, infinite or 0) gets -1, never an id past the vocabulary."""
     cdf = probs.cumsum(dim=1, dtype=torch.float64)  # [S, V], non-decreasing
     total = cdf[:, -1:].contiguous()  # [S, 1]
     picked = torch.searchsorted(cdf, draws.unsqueeze(1) * total, right=True)  # [S, 1]
     last = torch.searchsorted(cdf, total)  # [S, 1], first index reaching the total
-    return torch.minimum(picked, last).squeeze(1)
+    valid = torch.isfinite(total) & (total > 0)  # [S, 1]
+    return torch.where(valid, torch.minimum(picked, last), -1).squeeze(1)

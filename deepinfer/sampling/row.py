@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.request import SamplingParams
+from deepinfer.request import GREEDY_TEMPERATURE, SamplingParams
 
-GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this are greedy (argmax): dividing by them would overflow float32."""
+__all__ = ["GREEDY_TEMPERATURE", "SamplingRow"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,12 +30,12 @@ class SamplingRow:
     None draws from the sampler's shared generator."""
     suppress_token_ids: frozenset[int] = frozenset()
     """Token ids that may not be sampled this step (e.g. end-of-turn before min_tokens).
-    Ids outside the vocabulary are ignored: they cannot be sampled anyway. At least one token
-    must stay allowed (the engine suppresses only end-of-turn and stop tokens)."""
+    Ids outside the vocabulary are ignored: they cannot be sampled anyway. When every token of
+    the row is suppressed, the sampler ignores suppression for that row (see `Sampler`)."""
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < GREEDY_TEMPERATURE
+        return self.params.greedy
 
     @property
     def wants_logprobs(self) -> bool:

@@ -12,11 +12,27 @@ Logprobs (when `params.logprobs` is not None) are `log_softmax` of the processed
 suppression and penalties, before temperature and the filters. They are the model's distribution
 under the request's hard constraints, the same whatever temperature or top-p a client picks (as
 vLLM's default reports the unshaped distribution), and the sampled token always has a finite
-logprob (it was never suppressed). `top_logprobs` holds the `params.logprobs` most likely tokens
+logprob (it was never suppressed, but see the guards below). `top_logprobs` holds the `params.logprobs` most likely tokens
 of that distribution, most likely first.
 
 Work is grouped, not looped: all greedy rows share one argmax, all sampled rows one softmax,
 one cumulative sum and one binary search, all logprob rows one log_softmax and one topk.
+
+Numeric guards: whatever the logits hold (NaN, +-inf, every token suppressed), every id is in
+`[0, V)` and the chosen token's logprob is finite. A row is *unsound* when its greedy pick is not finite
+(a NaN or +inf logit, or nothing but -inf) or its warped distribution is not one (NaN, +inf,
+overflow, no mass). Sound rows, the common case, cost one `[B]` check and nothing else. Each
+unsound row is repaired and chosen again (sampled rows draw again from their own generator):
+
+- NaN logits become -inf (never chosen while any other token can be), +inf logits the largest
+  float32 (chosen first: greedy takes the first of them, logprob 0);
+- a row left with no token above -inf (every token suppressed, or all -inf after penalties)
+  ignores suppression and penalties: its raw logits, repaired alike, decide;
+- a row whose raw logits have no token above -inf either is uniform (greedy: token 0);
+- a repaired row whose distribution is still unsound (the temperature overflowed its +inf
+  stand-ins) takes the argmax of its repaired logits.
+
+The repaired logits are the row's processed logits for logprobs.
 """
 
 from __future__ import annotations
@@ -45,7 +61,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified)."""
         processed = self.process_logits(logits, rows)  # [B, V]
-        token_ids = self.choose(processed, rows)  # [B]
+        token_ids = self.choose(processed, rows)  # [B], -1 where unsound
+        if not bool((token_ids >= 0).all()):  # the ids are read back right after anyway
+            processed, token_ids = self._repair(logits, processed, token_ids, rows)
         return _package(processed, token_ids, rows)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -61,17 +79,18 @@ class Sampler:
         return processed
 
     def choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Token ids `[B]` (int64) from processed logits: argmax or a draw (steps 2 and 3)."""
+        """Token ids `[B]` (int64) from processed logits: argmax or a draw (steps 2 and 3);
+        -1 for an unsound row (see the module docstring)."""
         greedy = [i for i, row in enumerate(rows) if row.greedy]
         if len(greedy) == len(rows):
-            return processed.argmax(dim=1)
+            return _argmax(processed)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if len(sampled) == len(rows):
             return self._draw(processed, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
         greedy_index = torch.tensor(greedy, device=processed.device)
         sampled_index = torch.tensor(sampled, device=processed.device)
-        token_ids[greedy_index] = processed[greedy_index].argmax(dim=1)
+        token_ids[greedy_index] = _argmax(processed[greedy_index])
         token_ids[sampled_index] = self._draw(processed[sampled_index], [rows[i] for i in sampled])
         return token_ids
 
@@ -80,6 +99,40 @@ class Sampler:
         probs = warp(processed.contiguous(), [row.params for row in rows]).softmax(dim=1)  # [S, V]
         draws = uniform_draws([row.generator for row in rows], self._shared, probs.device)
         return inverse_cdf_pick(probs, draws)  # [S]
+
+    def _repair(
+        self,
+        logits: torch.Tensor,  # [B, V] as given
+        processed: torch.Tensor,  # [B, V]
+        token_ids: torch.Tensor,  # [B], -1 where unsound
+        rows: Sequence[SamplingRow],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unsound rows repaired and chosen again (rare: a row per Python call is fine)."""
+        index = (token_ids < 0).nonzero().squeeze(1)  # [R]
+        repaired = repair_logits(processed[index], logits[index])  # [R, V]
+        again = self.choose(repaired, [rows[i] for i in index.tolist()])  # [R]
+        again = torch.where(again >= 0, again, repaired.argmax(dim=1))
+        return processed.index_copy(0, index, repaired), token_ids.index_copy(0, index, again)
+
+
+def repair_logits(processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """`[R, V]` float32 logits with no NaN or +inf and a token above -inf in every row: NaN as
+    -inf, +inf as the largest float32; a row with nothing left takes its raw logits (suppression
+    and penalties ignored), and a row with nothing there either is uniform (all 0)."""
+    largest = torch.finfo(torch.float32).max
+    ninf = float("-inf")
+    out = processed.nan_to_num(nan=ninf, posinf=largest, neginf=ninf)
+    fallback = raw.to(torch.float32).nan_to_num(nan=ninf, posinf=largest, neginf=ninf)
+    empty = (out == ninf).all(dim=1, keepdim=True)  # [R, 1]
+    out = torch.where(empty, fallback, out)
+    return out.masked_fill((out == ninf).all(dim=1, keepdim=True), 0.0)
+
+
+def _argmax(processed: torch.Tensor) -> torch.Tensor:
+    """Greedy ids `[G]`; -1 where the largest logit is not finite (argmax takes a NaN first)."""
+    token_ids = processed.argmax(dim=1)  # [G]
+    best = processed.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [G]
+    return torch.where(torch.isfinite(best), token_ids, -1)
 
 
 def _package(

@@ -290,6 +290,29 @@ class DisaggScheduler:
         self._apply_deferred_aborts(so)
         return deltas
 
+    # -- both lanes --
+    def fail_step(self, kind: StepKind, so: ScheduleOutput) -> list[str]:
+        """Finish the requests of lane `kind`'s failed step with ERROR (see `StepLane.fail`);
+        those the caller aborted (deferred aborts) finish aborted and are not returned."""
+        entry = self._in_flight.get(kind)
+        if entry is not None and entry[0] is so:  # else an update popped it, then raised
+            del self._in_flight[kind]
+        failed: list[str] = []
+        for chunk in so.chunks:
+            rid, request = chunk.request_id, chunk.request
+            aborted = rid in self._deferred_aborts
+            self._deferred_aborts.discard(rid)
+            if self._requests.get(rid) is request:
+                assert rid not in self.handing_off, "a failed step's request is being copied"
+                self._remove(request)
+                self._finish(request, FinishReason.ABORT if aborted else FinishReason.ERROR)
+            if not aborted and request.finish_reason is not FinishReason.ABORT:
+                request.finish_reason = FinishReason.ERROR  # its final delta, if any, was lost
+                failed.append(rid)
+        if any(r.is_finished for r in self.decoding):
+            self.decoding = [r for r in self.decoding if not r.is_finished]
+        return failed
+
     # -- shared --
     def _pop_in_flight(self, kind: StepKind, so: ScheduleOutput) -> PrefillPlan | None:
         in_flight, plan = self._in_flight.pop(kind)

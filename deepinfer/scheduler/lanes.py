@@ -27,6 +27,15 @@ class StepLane(Protocol):
 
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]: ...
 
+    def fail(self, so: ScheduleOutput) -> list[str]:
+        """The step `so` failed (its forward pass, or its `update` part way): finish every live
+        request of the step and free its blocks; nothing the step computed enters the prefix
+        cache. Instead of `update`, or after an `update` that raised. Afterwards the scheduler
+        is consistent (`check_integrity` passes) and the lane schedules its next step. Returns
+        the ids of the step's requests whose output must end with an error: all but those the
+        caller aborted meanwhile (including any an update finished before it raised)."""
+        ...
+
 
 class PrefillLane:
     """The prefill worker's lane: admission and the planner's chunks."""
@@ -46,6 +55,9 @@ class PrefillLane:
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         return self._s.update_prefill(so, out)
 
+    def fail(self, so: ScheduleOutput) -> list[str]:
+        return self._s.fail_step(self.kind, so)
+
 
 class DecodeLane:
     """The decode worker's lane: one token for every decoding request."""
@@ -64,3 +76,6 @@ class DecodeLane:
 
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         return self._s.update_decode(so, out)
+
+    def fail(self, so: ScheduleOutput) -> list[str]:
+        return self._s.fail_step(self.kind, so)

@@ -181,6 +181,21 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas
 
+    def fail(self, so: ScheduleOutput) -> list[str]:
+        """Finish the requests of a failed step with ERROR (see `StepLane.fail`); those the
+        caller aborted stay aborted and are not returned."""
+        failed: list[str] = []
+        for chunk in so.chunks:
+            request = chunk.request
+            if self._requests.get(request.request_id) is request:
+                assert request.status is RequestStatus.RUNNING, "a step's requests run"
+                self._finish(request, FinishReason.ERROR)
+            if request.finish_reason is not FinishReason.ABORT:  # its final delta was lost
+                request.finish_reason = FinishReason.ERROR
+                failed.append(request.request_id)
+        self.running = [r for r in self.running if not r.is_finished]
+        return failed
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         finish_request(self.kv, request, reason, self._requests)
 

@@ -145,6 +145,10 @@ class FakeEngine:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def dead_reason(self) -> str | None:
+        return None
+
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 

@@ -74,6 +74,10 @@ class ConcurrentFakeRunner:
         self.kv.update(writes)
         return out
 
+    def drop(self, so: ScheduleOutput) -> None:
+        """The step failed before writing anything: its writes never land."""
+        del self._pending[so.kind]
+
     def copy(self, handoff: KVHandoff, num_tokens: int) -> None:
         """The handoff's copy, while steps may be in flight: it reads only finished KV and
         writes only decode blocks no step touches."""
