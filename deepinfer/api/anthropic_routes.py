@@ -32,10 +32,10 @@ from deepinfer.api.anthropic_schemas import (
     TextDelta,
     TokenCount,
 )
-from deepinfer.api.body import decode_json, read_body
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, new_id
 from deepinfer.api.errors import anthropic_error_response, anthropic_payload, to_api_error
+from deepinfer.api.limits import check_anthropic
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.sse import EventStreamResponse, event_frame, unless_disconnected
 from deepinfer.api.streams import collect
@@ -61,8 +61,9 @@ def _count_handler(ctx: ApiContext) -> Handler:
     async def count_tokens(request: Request) -> Response:
         try:
             ctx.check_running()
-            req = decode_json(await read_body(request, ctx.max_body_bytes), CountTokensRequest)
-            ids = await ctx.encode_chat(chat_messages(req), None)
+            req = await ctx.read_json(request, CountTokensRequest)
+            check_anthropic(req, ctx.limits)
+            ids = await ctx.encode_chat(chat_messages(req), None, within_context=False)
         except Exception as exc:
             return anthropic_error_response(exc)
         return _json(TokenCount(len(ids)))
@@ -74,7 +75,8 @@ def _messages_handler(ctx: ApiContext) -> Handler:
     async def messages(request: Request) -> Response:
         try:
             ctx.check_running()
-            req = decode_json(await read_body(request, ctx.max_body_bytes), MessagesRequest)
+            req = await ctx.read_json(request, MessagesRequest)
+            check_anthropic(req, ctx.limits)
             ids = await ctx.encode_chat(chat_messages(req), None)
             params = sampling_params(req)
             mid = new_id("msg_")

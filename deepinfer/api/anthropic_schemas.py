@@ -23,6 +23,8 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     messages: list[MessageIn]
     model: str | None = None
     system: str | list[ContentBlockIn] | None = None
+    tools: list[msgspec.Raw] | None = None
+    """Counted and sized against `max_tools` and `max_schema_bytes`; not interpreted."""
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):

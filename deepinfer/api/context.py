@@ -6,15 +6,23 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
+from starlette.requests import Request
+
+from deepinfer.api.body import decode_json, read_body
 from deepinfer.api.cache_options import CacheOptions
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
+from deepinfer.config import RequestLimits
+from deepinfer.engine.prompts import check_prompt_fits
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
+
+T = TypeVar("T")
 
 _OFFLOAD_CHARS = 16_384
 """Prompts longer than this are tokenized in a worker thread, off the event loop."""
@@ -28,6 +36,7 @@ class ApiContext:
     metrics: ApiMetrics
     served_model_name: str | None
     max_body_bytes: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def model_name(self) -> str:
@@ -38,18 +47,39 @@ class ApiContext:
         if not self.engine.is_running:
             raise ApiError(ErrorKind.UNAVAILABLE, "the engine is not running (starting or stopped)")
 
+    async def read_json(self, request: Request, type_: type[T]) -> T:
+        """The body, size- and depth-checked, decoded as `type_`; 400/413 naming the problem."""
+        body = await read_body(request, self.max_body_bytes)
+        return decode_json(body, type_, max_json_depth=self.limits.max_json_depth)
+
     async def encode_text(self, text: str) -> list[int]:
+        """Ids of a completion prompt; one that cannot fit the context is refused untokenized."""
+        self._check_fits([text], "prompt")
         recipe = self.engine.recipe
         return await _maybe_offload(len(text), lambda: recipe.encode_prompt(text))
 
     async def encode_chat(
-        self, messages: Sequence[ChatMessage], reasoning_effort: str | None
+        self,
+        messages: Sequence[ChatMessage],
+        reasoning_effort: str | None,
+        *,
+        within_context: bool = True,
     ) -> list[int]:
-        size = sum(len(m.content) for m in messages)
+        """Ids of a conversation; with `within_context`, one that cannot fit the context is
+        refused untokenized (token counting passes False: it counts whatever the length)."""
+        texts = [m.content for m in messages] + [m.name for m in messages if m.name]
+        if within_context:
+            self._check_fits(texts, "messages")
         recipe = self.engine.recipe
         return await _maybe_offload(
-            size, lambda: recipe.encode(messages, reasoning_effort=reasoning_effort)
+            sum(len(t) for t in texts),
+            lambda: recipe.encode(messages, reasoning_effort=reasoning_effort),
         )
+
+    def _check_fits(self, texts: Sequence[str], param: str) -> None:
+        # Only tokenizers that state their longest token (the real one does) bound a prompt.
+        max_token_bytes: int | None = getattr(self.engine.tokenizer, "max_token_bytes", None)
+        check_prompt_fits(texts, max_token_bytes, self.engine.max_model_len, param)
 
     async def submit_all(
         self,

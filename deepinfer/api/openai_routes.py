@@ -10,10 +10,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from deepinfer.api.body import decode_json, read_body
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, check_choices, default_max_tokens, new_id
 from deepinfer.api.errors import openai_error_response
+from deepinfer.api.limits import check_openai_chat, check_openai_sampling
 from deepinfer.api.openai_convert import (
     chat_logprobs,
     chat_messages,
@@ -38,6 +38,7 @@ from deepinfer.api.openai_streams import chat_frames, completion_frames
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
+from deepinfer.engine.prompts import PromptTooLongError
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -79,7 +80,8 @@ def _chat_handler(ctx: ApiContext) -> Handler:
     async def chat_completions(request: Request) -> Response:
         try:
             ctx.check_running()
-            req = decode_json(await read_body(request, ctx.max_body_bytes), ChatCompletionRequest)
+            req = await ctx.read_json(request, ChatCompletionRequest)
+            check_openai_chat(req, ctx.limits)
             messages = chat_messages(req.messages)
             n = check_choices(req.n)
             ids = await ctx.encode_chat(messages, req.reasoning_effort)
@@ -142,10 +144,12 @@ def _completion_prompts(
         items = [p for p in prompt if isinstance(p, list)]
     else:
         raise invalid("prompt", "must be a string, a list of strings, token ids, or lists of ids")
-    vocab = ctx.engine.tokenizer.vocab_size
+    vocab, max_model_len = ctx.engine.tokenizer.vocab_size, ctx.engine.max_model_len
     for i, item in enumerate(items):
         if len(item) == 0:
             raise invalid("prompt", f"prompt {i} is empty")
+        if isinstance(item, list) and len(item) > max_model_len:  # before scanning the ids
+            raise PromptTooLongError(len(item), max_model_len, "prompt")
         if isinstance(item, list) and not all(0 <= t < vocab for t in item):
             raise invalid("prompt", f"prompt {i} holds token ids outside [0, {vocab})")
     return items
@@ -155,7 +159,8 @@ def _completion_handler(ctx: ApiContext) -> Handler:
     async def completions(request: Request) -> Response:
         try:
             ctx.check_running()
-            req = decode_json(await read_body(request, ctx.max_body_bytes), CompletionRequest)
+            req = await ctx.read_json(request, CompletionRequest)
+            check_openai_sampling(req, ctx.limits)
             if req.echo:
                 raise invalid("echo", "echo is not supported")
             if req.suffix:

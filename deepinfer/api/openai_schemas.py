@@ -2,6 +2,8 @@
 
 Requests ignore unknown fields (clients send many); the vLLM extras that benchmark tools send
 (ignore_eos, min_tokens, top_k, min_p, repetition_penalty, stop_token_ids) are honoured.
+`tools`, `response_format` and `logit_bias` are read only so that the server's request limits
+apply to them (kept raw, not interpreted); they do not change what is generated.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class _SamplingFields(msgspec.Struct):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    """Counted against `max_logit_bias`; not applied to sampling."""
     cache_salt: str | None = None
     cache_retention: str | None = None
 
@@ -56,6 +60,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
+    tools: list[msgspec.Raw] | None = None
+    """Counted and sized against `max_tools` and `max_schema_bytes`; not interpreted."""
+    response_format: msgspec.Raw = msgspec.Raw()
+    """Sized against `max_schema_bytes` (empty when absent; msgspec takes no `Raw | None`); not
+    interpreted."""
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -1,32 +1,84 @@
-"""Prompts in any accepted form (text, chat messages, token ids) -> token ids."""
+"""Prompts in any accepted form (text, chat messages, token ids) -> token ids.
+
+Nothing proportional to a prompt's size runs on the event loop: long texts and long
+conversations are tokenized on a worker thread. A prompt whose size alone proves it longer than
+the context is refused before it is tokenized at all (`check_prompt_fits`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from deepinfer.errors import InvalidRequestError
+from deepinfer.errors import ContextLengthError, InvalidRequestError
 from deepinfer.text.recipe import ChatMessage, ChatRecipe, ReasoningEffort
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 _LONG_TEXT_CHARS = 8192
-"""Prompts longer than this are tokenized on a worker thread, not on the loop."""
+"""Prompts (or conversations) longer than this are tokenized on a worker thread, not on the loop."""
+
+
+class PromptTooLongError(ContextLengthError):
+    """A prompt refused untokenized: its bytes alone need more tokens than the context holds."""
+
+    def __init__(self, min_prompt_tokens: int, max_model_len: int, param: str) -> None:
+        super().__init__(min_prompt_tokens, 0, max_model_len)
+        self.message = (
+            f"this model's context is {max_model_len} tokens, but the prompt is at least "
+            f"{min_prompt_tokens} tokens long; shorten the prompt"
+        )
+        self.args = (self.message,)
+        self.param = param
+
+
+def check_prompt_fits(
+    texts: Sequence[str], max_token_bytes: int | None, max_model_len: int, param: str
+) -> None:
+    """Refuse texts whose UTF-8 size proves they hold more than `max_model_len` tokens (each
+    token stands for at most `max_token_bytes` bytes); costs O(bytes) in C, no tokenizing."""
+    if max_token_bytes is None:
+        return
+    budget_bytes = max_model_len * max_token_bytes
+    num_chars = sum(len(t) for t in texts)
+    if num_chars <= budget_bytes // 4:  # a character is at most 4 bytes
+        return
+    num_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if num_bytes > budget_bytes:
+        raise PromptTooLongError(-(-num_bytes // max_token_bytes), max_model_len, param)
 
 
 async def encode_prompt(
-    recipe: ChatRecipe, prompt: Prompt, reasoning_effort: ReasoningEffort | None = None
+    recipe: ChatRecipe,
+    prompt: Prompt,
+    reasoning_effort: ReasoningEffort | None = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Text is plain text (specials typed in it stay text), chat messages go through the
-    recipe, token ids are checked against the vocabulary."""
+    recipe, token ids are checked against the vocabulary. With `max_model_len`, a prompt that
+    cannot fit is refused (`ContextLengthError`) before it is tokenized."""
+    limit = max_model_len
+    max_token_bytes = recipe.tokenizer.max_token_bytes
     if isinstance(prompt, str):
-        if len(prompt) > _LONG_TEXT_CHARS:
-            return await asyncio.to_thread(recipe.encode_prompt, prompt)
-        return recipe.encode_prompt(prompt)
+        if limit is not None:
+            check_prompt_fits([prompt], max_token_bytes, limit, "prompt")
+        return await _run(len(prompt), lambda: recipe.encode_prompt(prompt))
     items = list(prompt)
     if items and isinstance(items[0], ChatMessage):
         messages = [m for m in items if isinstance(m, ChatMessage)]
-        return recipe.encode(messages, reasoning_effort=reasoning_effort)
+        texts = [m.content for m in messages] + [m.name for m in messages if m.name]
+        if limit is not None:
+            check_prompt_fits(texts, max_token_bytes, limit, "messages")
+        size = sum(len(t) for t in texts)
+        return await _run(size, lambda: recipe.encode(messages, reasoning_effort=reasoning_effort))
+    if limit is not None and len(items) > limit:
+        raise PromptTooLongError(len(items), limit, "prompt")
     return check_token_ids(items, recipe.tokenizer.vocab_size)
+
+
+async def _run(num_chars: int, encode: Callable[[], list[int]]) -> list[int]:
+    if num_chars > _LONG_TEXT_CHARS:
+        return await asyncio.to_thread(encode)
+    return encode()
 
 
 def check_token_ids(items: list[object], vocab_size: int) -> list[int]:

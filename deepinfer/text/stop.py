@@ -23,7 +23,12 @@ class StopResult:
 
 
 class StopStringMatcher:
-    """Finds the first stop string in a text stream; cost per push is O(len(text) + held)."""
+    """Finds the first stop string in a text stream.
+
+    Set-up and memory are O(total length of the stops): nothing is derived from them. A push
+    searches `held + text` once per stop (`str.find`), then finds the tail to hold back by
+    checking, longest first, the places in that tail where a stop's first character occurs.
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         for i, stop in enumerate(stops):
@@ -31,7 +36,6 @@ class StopStringMatcher:
                 raise InvalidRequestError("stop strings must not be empty", param=f"stop[{i}]")
         self._stops = tuple(dict.fromkeys(stops))
         self._max_len = max((len(s) for s in self._stops), default=0)
-        self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
         self._held = ""
         self.matched: str | None = None
 
@@ -56,9 +60,11 @@ class StopStringMatcher:
         return "" if self.matched is not None else held
 
     def check_integrity(self) -> None:
-        """The held tail is always a proper prefix of some stop string."""
-        assert self._held == "" or self._held in self._prefixes
-        assert len(self._held) < max(self._max_len, 1)
+        """The held tail is always a proper prefix of some stop string, and holds no stop."""
+        held = self._held
+        assert held == "" or any(len(held) < len(s) and s.startswith(held) for s in self._stops)
+        assert len(held) < max(self._max_len, 1)
+        assert not any(s in held for s in self._stops)
 
     def _first_match(self, buffer: str) -> tuple[int, str] | None:
         """(start, stop) of the stop ending first in `buffer`, the longest on ties."""
@@ -74,8 +80,23 @@ class StopStringMatcher:
         return end + neg_len, stop
 
     def _held_back_len(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that begins some stop string."""
-        for k in range(min(len(buffer), self._max_len - 1), 0, -1):
-            if buffer[-k:] in self._prefixes:
-                return k
-        return 0
+        """Length of the longest suffix of `buffer` that is a proper prefix of some stop."""
+        keep = 0
+        for stop in self._stops:
+            keep = max(keep, _overlap(buffer, stop, keep))
+        return keep
+
+
+def _overlap(text: str, stop: str, floor: int) -> int:
+    """Length of the longest suffix of `text` longer than `floor` that is a proper prefix of
+    `stop`; 0 when there is none.
+
+    Only a suffix starting with `stop[0]` can qualify: those starts are found with `str.find`,
+    from the longest suffix down, and each is checked with one comparison."""
+    end = len(text)
+    pos = text.find(stop[0], max(0, end - len(stop) + 1), end - floor)
+    while pos != -1:
+        if stop.startswith(text[pos:]):
+            return end - pos
+        pos = text.find(stop[0], pos + 1, end - floor)
+    return 0

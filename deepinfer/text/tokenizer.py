@@ -102,6 +102,10 @@ class Tokenizer:
         self.added_token_ids: frozenset[int] = frozenset(added)
         """Every added token, special or not (user-defined ones like `<think>` match in text)."""
         self.vocab_size: int = self._special.get_vocab_size(with_added_tokens=True)
+        self.max_token_bytes: int | None = _max_token_bytes(self._special)
+        """Most bytes of text one token of `encode` can stand for; None when the vocabulary does
+        not bound it (a normalizer may shrink text, a pre-tokenizer may drop it). A text of B
+        UTF-8 bytes has at least B / max_token_bytes tokens."""
 
     @classmethod
     def from_gguf(cls, reader: Any) -> Tokenizer:
@@ -203,6 +207,24 @@ class Tokenizer:
         """The vocabulary spelling of `token_id`; None when out of range."""
         token = self._special.id_to_token(token_id)
         return None if token is None else str(token)
+
+
+def _max_token_bytes(hf: HFTokenizer) -> int | None:
+    """The longest token `encode` can produce, in bytes of text, for byte-level vocabularies
+    without a normalizer. A vocabulary token is spelled one character per byte; an added token
+    matches its own text (control tokens are never produced by `encode`)."""
+    if hf.normalizer is not None or not isinstance(hf.decoder, decoders.ByteLevel):
+        return None
+    alphabet = frozenset(_bytes_to_unicode().values())
+    added = hf.get_added_tokens_decoder()
+    control = {i for i, t in added.items() if t.special}
+    spelled = (
+        len(t) if t.isascii() or alphabet.issuperset(t) else len(t.encode("utf-8"))
+        for t, i in hf.get_vocab(with_added_tokens=False).items()
+        if i not in control
+    )
+    matched = (len(t.content.encode("utf-8")) for i, t in added.items() if i not in control)
+    return max([*spelled, *matched], default=1)
 
 
 def _named_token_id(hf: HFTokenizer, token: Any) -> int | None:

@@ -159,3 +159,40 @@ def test_unsupported_gguf_tokenizers_are_named() -> None:
         Tokenizer.from_gguf(tiny_reader("default", model="llama"))
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
         Tokenizer.from_dir("/nonexistent")
+
+
+def test_max_token_bytes_of_a_tiny_vocabulary(tmp_path: Any) -> None:
+    """Control tokens are never produced by `encode`: the longest others are "ab" and "Ġa"."""
+    tok = Tokenizer.from_gguf(tiny_reader("gpt2"))
+    assert tok.max_token_bytes == 2
+    tok.save_dir(tmp_path)
+    assert Tokenizer.from_dir(tmp_path).max_token_bytes == 2
+
+
+def test_max_token_bytes_unknown_without_a_byte_level_vocabulary(tmp_path: Any) -> None:
+    """A whitespace pre-tokenizer drops text, so no token length bounds a prompt's tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    hf = HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.encode("a " * 100) == [0] * 100
+    assert tok.max_token_bytes is None
+
+
+@pytest.mark.slow
+def test_max_token_bytes_bounds_every_encoding(smollm_tokenizer: Tokenizer) -> None:
+    """It is the longest token's decoded text, and no text needs fewer tokens than its bytes
+    divided by it."""
+    tok = smollm_tokenizer
+    decoded = [
+        len(tok.decode([i]).encode("utf-8"))
+        for i in range(tok.vocab_size)
+        if i not in tok.special_token_ids
+    ]
+    assert tok.max_token_bytes == max(decoded) == 81
+    assert tok.max_token_bytes is not None
+    for text in [*ALL_TEXTS, "\n" + " " * 4000, "#" * 5000, "日本語" * 300]:
+        assert len(text.encode("utf-8")) <= tok.max_token_bytes * len(tok.encode(text))
