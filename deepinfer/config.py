@@ -211,13 +211,15 @@ class ServerConfig:
     """Bounds on one request's size and work."""
     header_timeout_s: float = 10.0
     """A connection that has not sent a whole request head this long after it opened (or after
-    its previous response) is closed."""
+    its previous response) is closed; bytes trickling in do not extend it."""
     body_timeout_s: float = 30.0
     """A request whose body stalls this long between two reads is answered 408 and closed."""
     keep_alive_timeout_s: float = 5.0
-    """An idle keep-alive connection is closed after this long."""
+    """An idle keep-alive connection is closed this long after its last response."""
     max_connections: int = 1024
-    """Connections served at once; beyond it new ones are answered 503 and closed."""
+    """Open connections served at once. Connections beyond it are still accepted, but while more
+    are open (or more requests in flight) every request, on any connection, is answered 503 and
+    its connection closed. Stalled connections count until the deadlines above close them."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -24,6 +25,7 @@ from starlette.routing import Route
 from deepinfer.api.access_log import AccessLogMiddleware
 from deepinfer.api.anthropic_routes import anthropic_routes
 from deepinfer.api.auth import ApiKeyMiddleware, route_path
+from deepinfer.api.body_timeout import BodyTimeoutMiddleware
 from deepinfer.api.context import ApiContext
 from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
 from deepinfer.api.metrics import ApiMetrics
@@ -63,17 +65,23 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         metrics=metrics,
         served_model_name=config.served_model_name,
         max_body_bytes=config.max_body_bytes,
+        limits=config.limits,
     )
 
     async def health(request: Request) -> Response:
         if not engine.is_running:
-            return Response(b'{"status":"unavailable"}', 503, media_type="application/json")
+            reason = engine.dead_reason or "the engine is not running"
+            body = msgspec.json.encode({"status": "unavailable", "reason": reason})
+            return Response(body, 503, media_type="application/json")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    middleware = [Middleware(AccessLogMiddleware, metrics=metrics)]
+    middleware = [
+        Middleware(AccessLogMiddleware, metrics=metrics),
+        Middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s),
+    ]
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
     app = Starlette(
@@ -87,6 +95,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         lifespan=lambda _app: engine_lifespan(engine),
     )
+    # No 307 to the slash-less path (clients re-send bodies inconsistently across redirects):
+    # a trailing slash gets a 404 naming the route (`_http_error`).
+    app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.engine = engine
     return app
@@ -110,11 +121,23 @@ def _observe_steps(engine: EngineClient, metrics: ApiMetrics) -> None:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = _HTTP_KINDS.get(exc.status_code, ErrorKind.INVALID_REQUEST)
-    err = ApiError(kind, f"{exc.detail}: {request.method} {route_path(request.scope)}")
-    response = error_response_for(route_path(request.scope), err)
+    path = route_path(request.scope)
+    message = f"{exc.detail}: {request.method} {path}"
+    if exc.status_code == 404:
+        message += _slash_hint(request, path)
+    response = error_response_for(path, ApiError(kind, message))
     response.status_code = exc.status_code
     response.headers.update(exc.headers or {})
     return response
+
+
+def _slash_hint(request: Request, path: str) -> str:
+    """For a path that is a route but for trailing slashes: the route to call instead."""
+    bare = path.rstrip("/")
+    routes = getattr(request.app, "routes", ())
+    if bare != path and any(isinstance(r, Route) and r.path == bare for r in routes):
+        return f"; the route is {bare} (no trailing slash)"
+    return ""
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

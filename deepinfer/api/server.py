@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from deepinfer.api.app import create_app
+from deepinfer.api.connections import http_protocol
 from deepinfer.args import add_engine_args, add_server_args, config_from_args
 from deepinfer.config import Config
 
@@ -61,11 +62,19 @@ async def serve_async(config: Config) -> None:
 
 
 def uvicorn_config(app: object, config: Config) -> uvicorn.Config:
-    """uvicorn settings: our loop (loop="none"), our access log, lifespan on."""
+    """uvicorn settings: our loop (loop="none"), our access log, lifespan on, and the connection
+    limits of `config.server`: deadlines for request heads and idle keep-alive, and a cap on
+    connections (uvicorn counts the asking connection, hence the + 1). The body deadline is the
+    app's own (`create_app`)."""
+    s = config.server
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
-        host=config.server.host,
-        port=config.server.port,
+        host=s.host,
+        port=s.port,
+        http=http_protocol(s.header_timeout_s),
+        # annotated int, but only ever handed to loop.call_later: fractions work
+        timeout_keep_alive=s.keep_alive_timeout_s,  # type: ignore[arg-type]
+        limit_concurrency=s.max_connections + 1,
         loop="none",
         lifespan="on",
         access_log=False,

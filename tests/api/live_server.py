@@ -14,8 +14,13 @@ T = TypeVar("T")
 
 
 class LiveServer:
-    def __init__(self, app: Any) -> None:
-        self.config = uvicorn.Config(
+    """Serves `app` with test settings, or exactly as a ready `config` says (give one or the
+    other; a config must leave the loop to the server: loop="none")."""
+
+    def __init__(self, app: Any = None, *, config: uvicorn.Config | None = None) -> None:
+        if (app is None) == (config is None):
+            raise ValueError("give LiveServer an app or a uvicorn.Config, not both")
+        self.config = config or uvicorn.Config(
             app, host="127.0.0.1", port=0, loop="none", lifespan="on", log_config=None,
             access_log=False, timeout_graceful_shutdown=2,
         )  # fmt: skip

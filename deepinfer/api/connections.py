@@ -1,0 +1,117 @@
+"""Connection hygiene: a connection that stops making progress is closed.
+
+- Heads: a whole request head must arrive within `header_timeout_s` of the connection opening or
+  of its previous response. uvicorn has no such deadline (its keep-alive timer covers only the
+  idle gap, and any byte cancels it), so `http_protocol` returns uvicorn's HTTP protocol with one
+  added: a timer armed while the protocol waits for a head and disarmed when the head is whole.
+- Bodies: `body_timeout.BodyTimeoutMiddleware` (part of the app, so a mounted app has it too)
+  answers 408 and closes the connection when a request body stalls between two reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import cast
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("deepinfer.api")
+
+_DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+class HeadDeadline:
+    """One connection's deadline for a whole request head; on expiry its transport is closed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, transport: asyncio.BaseTransport) -> None:
+        """Start the clock unless it runs already: bytes trickling in do not restart it."""
+        if self._handle is None:
+            self._handle = self._loop.call_later(self._timeout_s, _close_stalled, transport)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+def _close_stalled(transport: asyncio.BaseTransport) -> None:
+    if not transport.is_closing():
+        log.debug("closing a connection that sent no whole request head in time")
+        transport.close()
+
+
+class H11HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a head deadline, armed while the client's side is IDLE: h11
+    returns there only when the connection opens and when a request and its response are both
+    done, and leaves it as soon as a whole head is parsed."""
+
+    header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
+        super().connection_made(transport)
+        self._sync_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.head_deadline.disarm()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._sync_head_deadline()
+
+    def _sync_head_deadline(self) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self.head_deadline.arm(self.transport)
+        else:
+            self.head_deadline.disarm()
+
+
+@functools.cache
+def httptools_protocol() -> type[asyncio.Protocol] | None:
+    """uvicorn's httptools protocol with a head deadline, or None without httptools. Armed when
+    the connection opens and when a response completes with no pipelined request queued;
+    disarmed when the parser reports a whole head."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class HttpToolsHeadTimeoutProtocol(HttpToolsProtocol):
+        header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
+            super().connection_made(transport)
+            self.head_deadline.arm(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.head_deadline.disarm()
+            super().connection_lost(exc)
+
+        def on_headers_complete(self) -> None:
+            self.head_deadline.disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            if not self.pipeline and not self.transport.is_closing():
+                self.head_deadline.arm(self.transport)
+            super().on_response_complete()
+
+    return HttpToolsHeadTimeoutProtocol
+
+
+def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """The HTTP protocol for uvicorn's `http=`: httptools when installed (as uvicorn's "auto"
+    picks), else h11; either with a head deadline of `header_timeout_s`."""
+    base = httptools_protocol() or H11HeadTimeoutProtocol
+    namespace = {"header_timeout_s": header_timeout_s}
+    return cast(type[asyncio.Protocol], type(base.__name__, (base,), namespace))
