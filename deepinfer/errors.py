@@ -19,16 +19,40 @@ class InvalidRequestError(DeepInferError):
 class ContextLengthError(InvalidRequestError):
     """Prompt plus max_tokens exceed the context window."""
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        *,
+        message: str | None = None,
+        param: str = "max_tokens",
+    ) -> None:
         super().__init__(
-            f"this model's context is {max_model_len} tokens, but the request asks for "
+            message
+            or f"this model's context is {max_model_len} tokens, but the request asks for "
             f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens} max_tokens); "
             "shorten the prompt or lower max_tokens",
-            param="max_tokens",
+            param=param,
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
+
+
+class PromptTooLongError(ContextLengthError):
+    """A prompt refused before it was tokenized: its size alone proves it needs at least
+    `num_prompt_tokens` tokens, more than the context holds."""
+
+    def __init__(self, min_prompt_tokens: int, max_model_len: int, param: str) -> None:
+        super().__init__(
+            min_prompt_tokens,
+            0,
+            max_model_len,
+            message=f"this model's context is {max_model_len} tokens, but the prompt is at "
+            f"least {min_prompt_tokens} tokens long; shorten the prompt",
+            param=param,
+        )
 
 
 class OverloadedError(DeepInferError):

@@ -25,7 +25,12 @@ from deepinfer.text.recipe import ChatMessage
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
 
 
 def invalid(param: str, message: str) -> ApiError:

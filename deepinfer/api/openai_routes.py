@@ -38,7 +38,7 @@ from deepinfer.api.openai_streams import chat_frames, completion_frames
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
-from deepinfer.engine.prompts import PromptTooLongError
+from deepinfer.errors import PromptTooLongError
 
 Handler = Callable[[Request], Awaitable[Response]]
 

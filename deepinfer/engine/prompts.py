@@ -10,25 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from deepinfer.errors import ContextLengthError, InvalidRequestError
+from deepinfer.errors import InvalidRequestError, PromptTooLongError
 from deepinfer.text.recipe import ChatMessage, ChatRecipe, ReasoningEffort
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 _LONG_TEXT_CHARS = 8192
 """Prompts (or conversations) longer than this are tokenized on a worker thread, not on the loop."""
-
-
-class PromptTooLongError(ContextLengthError):
-    """A prompt refused untokenized: its bytes alone need more tokens than the context holds."""
-
-    def __init__(self, min_prompt_tokens: int, max_model_len: int, param: str) -> None:
-        super().__init__(min_prompt_tokens, 0, max_model_len)
-        self.message = (
-            f"this model's context is {max_model_len} tokens, but the prompt is at least "
-            f"{min_prompt_tokens} tokens long; shorten the prompt"
-        )
-        self.args = (self.message,)
-        self.param = param
 
 
 def check_prompt_fits(

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from deepinfer.engine.prompts import PromptTooLongError, encode_prompt
-from deepinfer.errors import ContextLengthError
+from deepinfer.engine.prompts import encode_prompt
+from deepinfer.errors import ContextLengthError, PromptTooLongError
 from deepinfer.text.recipe import ChatMessage, ChatRecipe
 from deepinfer.text.tokenizer import Tokenizer
 
