@@ -49,6 +49,16 @@ class _EngineCollector(Collector):
                 "KV blocks in the decode device group's own pool",
                 stats.decode_blocks_total,
             )
+        yield CounterMetricFamily(
+            "deepinfer_failed_steps",
+            "Engine steps that raised (each failed only its own requests)",
+            value=stats.num_failed_steps,
+        )
+        yield CounterMetricFamily(
+            "deepinfer_failed_requests",
+            "Requests ended with an internal error",
+            value=stats.num_failed_requests,
+        )
         if stats.disk is not None:
             yield from _disk_metrics(stats.disk)
         if stats.host is not None:
@@ -66,6 +76,8 @@ def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:
         ("evictions", "Blocks evicted by the byte budget", d.num_evictions),
         ("expirations", "Blocks dropped at the end of their retention", d.num_expirations),
         ("checksum_failures", "Corrupt records detected and dropped", d.num_checksum_failures),
+        ("corrupt_records", "Index records that failed to decode (dropped)", d.num_corrupt_records),
+        ("index_repairs", "Index rebuilds, and damaged indexes set aside", d.num_index_repairs),
         ("io_errors", "Disk I/O errors (the tier degrades, serving goes on)", d.num_io_errors),
     ):
         yield CounterMetricFamily(f"deepinfer_disk_cache_{name}", doc, value=value)

@@ -22,6 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from deepinfer.cache.block_hash import BlockHash
+from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.config import RETENTION_CLASSES
 from deepinfer.engine.core import EngineCore
 from deepinfer.errors import InvalidRequestError
@@ -73,7 +74,7 @@ async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Re
     num_host = host.contains_prefix(rest) if host is not None else 0
     num_disk = 0
     if disk is not None and num_host < len(rest):
-        num_disk = await asyncio.to_thread(disk.contains_prefix, rest[num_host:])
+        num_disk = await _disk_prefix(disk, rest[num_host:])
     reservation = kv.reserve_blocks(num_host + num_disk) if num_host + num_disk else None
     if reservation is None:
         _touch(core, hashes[:num_device], request.retention)
@@ -84,7 +85,7 @@ async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Re
         disk_hashes = rest[num_host : num_host + num_disk]
         payloads: list[bytes | None] = []
         if disk is not None and disk_hashes:
-            payloads = await asyncio.to_thread(disk.load, disk_hashes)
+            payloads = await _disk_load(disk, disk_hashes)
         plan = _FillPlan(
             block_ids, rest[:num_host], disk_hashes, _leading(payloads), request.retention
         )
@@ -94,6 +95,24 @@ async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Re
         kv.commit_reserved(reservation_id, rest[: sum(loaded)])
     _touch(core, hashes[: num_device + sum(loaded)], request.retention)
     return TierFill(loaded[0] * kv.block_size, loaded[1] * kv.block_size)
+
+
+async def _disk_prefix(disk: DiskTier, hashes: list[BlockHash]) -> int:
+    """The disk tier's prefix hit; 0 if it fails (it should not: it degrades instead)."""
+    try:
+        return await asyncio.to_thread(disk.contains_prefix, hashes)
+    except Exception:
+        log.exception("disk tier lookup failed; serving without it")
+        return 0
+
+
+async def _disk_load(disk: DiskTier, hashes: list[BlockHash]) -> list[bytes | None]:
+    """Verified payloads from the disk tier; all misses if it fails."""
+    try:
+        return await asyncio.to_thread(disk.load, hashes)
+    except Exception:
+        log.exception("disk tier read failed; serving without it")
+        return [None] * len(hashes)
 
 
 def _leading(payloads: Sequence[bytes | None]) -> list[bytes]:
@@ -120,7 +139,11 @@ def _fill_blocks(core: EngineCore, plan: _FillPlan) -> tuple[int, int]:
     if len(views) < len(plan.host_hashes) or not plan.disk_payloads:
         return len(views), 0
     num_disk = len(plan.disk_payloads)
-    core.fill_blocks(ids[len(views) : len(views) + num_disk], plan.disk_payloads)
+    try:
+        core.fill_blocks(ids[len(views) : len(views) + num_disk], plan.disk_payloads)
+    except Exception:  # payloads that do not fit the pool: the disk hit is lost, not the request
+        log.exception("copying disk tier blocks into the KV pool failed; recomputing them")
+        return len(views), 0
     if host is not None:
         for block_hash, payload in zip(plan.disk_hashes, plan.disk_payloads, strict=False):
             host.offer(block_hash, payload, plan.retention)
@@ -134,7 +157,10 @@ def _touch(core: EngineCore, served: list[BlockHash], retention: str | None) -> 
     if core.host is not None:
         core.host.touch(served)
     if core.disk is not None:
-        core.disk.touch(served, retention)
+        try:
+            core.disk.touch(served, retention)
+        except Exception:
+            log.exception("disk tier touch failed")
 
 
 async def write_behind(core: EngineCore, forward: Executor) -> None:

@@ -60,8 +60,11 @@ class DiskTierConfig:
     live blocks are copied to the active segment (metadata kept) and the file deleted."""
     index_map_bytes: int | None = None
     """LMDB map size; None: sized from `max_bytes` (sparse, so generous costs nothing)."""
-    retry_degraded_s: float = 30.0
-    """After an I/O error the tier drops writes for this long before trying again."""
+    retry_degraded_s: float = 1.0
+    """After a failure (opening, an I/O error, a misbehaving index) the tier is degraded for
+    this long, then tries again; each failed retry doubles the wait, up to `retry_max_s`."""
+    retry_max_s: float = 60.0
+    """Longest wait between retries of a degraded tier."""
 
     def __post_init__(self) -> None:
         if self.max_bytes < 2 * self.segment_bytes:
@@ -79,6 +82,11 @@ class DiskTierConfig:
         if any(ttl <= 0 for _, ttl in self.retention_s):
             raise InvalidRequestError("retention lifetimes must be positive", param="retention_s")
         self.ttl_s(self.default_retention)
+        if not 0.0 < self.retry_degraded_s <= self.retry_max_s:
+            raise InvalidRequestError(
+                "retry_degraded_s must be positive and at most retry_max_s",
+                param="retry_degraded_s",
+            )
         if not 0.0 <= self.reclaim_live_fraction < 1.0:
             raise InvalidRequestError(
                 "reclaim_live_fraction must be in [0, 1)", param="reclaim_live_fraction"

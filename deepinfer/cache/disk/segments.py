@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 
 from deepinfer.cache.block_hash import HASH_NUM_BYTES, BlockHash
-from deepinfer.cache.disk.records import CHECKSUM_NUM_BYTES, checksum
+from deepinfer.cache.disk.records import CHECKSUM_NUM_BYTES, MAX_SEGMENT_ID, checksum
 
 MAGIC = b"DKV1"
 HEADER = struct.Struct(f"<4sI{HASH_NUM_BYTES}s{CHECKSUM_NUM_BYTES}s")
@@ -50,7 +50,7 @@ class SegmentStore:
         """Segment ids with a file on disk, ascending."""
         ids = []
         for p in self.directory.glob(f"*{SUFFIX}"):
-            if p.stem.isdigit():
+            if p.stem.isdigit() and int(p.stem) <= MAX_SEGMENT_ID:
                 ids.append(int(p.stem))
         return sorted(ids)
 
@@ -68,7 +68,11 @@ class SegmentStore:
         _fsync_dir(self.directory)
 
     def is_full(self) -> bool:
-        return self.active is None or self.active_size >= self.segment_bytes
+        """True when appending needs a new segment: none yet, this one full, or its file deleted
+        behind our back (appends to it would be unreadable)."""
+        if self._fd is None or self.active_size >= self.segment_bytes:
+            return True
+        return os.fstat(self._fd).st_nlink == 0
 
     def append(self, block_hash: BlockHash, payload: bytes) -> tuple[int, int, bytes]:
         """Write one record at the end of the active segment (not yet durable: call `sync`).
@@ -104,12 +108,14 @@ class SegmentStore:
         self, segment: int, offset: int, length: int, block_hash: BlockHash, digest: bytes
     ) -> bytes | None:
         """The payload if the record at (segment, offset) is intact and is `block_hash`'s, else
-        None. A missing file also reads as None."""
+        None. A missing or short file also reads as None."""
         try:
             fd = os.open(self.path(segment), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
+            if offset < 0 or length < 0 or offset + HEADER.size + length > os.fstat(fd).st_size:
+                return None  # a damaged record, or a truncated file: never allocate for it
             data = os.pread(fd, HEADER.size + length, offset)
         finally:
             os.close(fd)

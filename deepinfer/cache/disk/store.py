@@ -6,8 +6,11 @@ before its segment file is deleted. So after a crash at any point, every index e
 durable bytes, and the only leftovers are unindexed bytes (reclaimed with their segment) or files
 the index does not know (deleted at open).
 
-Not thread-safe for writers: one thread at a time may call `write`, `sweep` and `recover` (the
-tier's writer lock). `load` and `contains_prefix` may run on any thread concurrently.
+Damage (a record that fails to decode or to verify, tables that disagree) is a miss, never an
+error or a wrong payload: `load` drops what fails, and `heal` rebuilds the index when it is dirty.
+
+Not thread-safe for writers: one thread at a time may call `write`, `sweep`, `recover` and `heal`
+(the tier's writer lock). `load` and `contains_prefix` may run on any thread concurrently.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import msgspec
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.config import DiskTierConfig
-from deepinfer.cache.disk.index import BlockIndex
+from deepinfer.cache.disk.index import CORRUPT, BlockIndex
 from deepinfer.cache.disk.records import BlockRecord, time_key
 from deepinfer.cache.disk.segments import SegmentStore, record_bytes
+from deepinfer.cache.free_queue import IntegrityError
 
 SWEEP_BATCH = 256
 
@@ -58,23 +62,38 @@ def _template(w: PendingWrite, now_s: float) -> BlockRecord:
     )
 
 
+def _ignore(num: int) -> None:
+    del num
+
+
 class DiskStore:
-    def __init__(self, directory: Path, config: DiskTierConfig, readonly: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        config: DiskTierConfig,
+        readonly: bool = False,
+        on_corrupt: Callable[[int], None] = _ignore,
+    ) -> None:
+        """`on_corrupt(n)`: `n` index entries failed to decode (dropped unless read-only)."""
         self.config = config
         self.readonly = readonly
         seg_dir = directory / "segments"
         if not readonly:
             seg_dir.mkdir(parents=True, exist_ok=True)
         self.segments = SegmentStore(seg_dir, config.segment_bytes)
-        self.index = BlockIndex(directory / "index", config.map_bytes(), readonly=readonly)
+        self.index = BlockIndex(directory / "index", config.map_bytes(), readonly, on_corrupt)
 
     def close(self) -> None:
         self.segments.close()
         self.index.close()
 
     def recover(self) -> int:
-        """Reconcile files and index after open (writer only). Returns files/segments dropped."""
+        """Reconcile files and index after open (writer only; `heal` runs it again after a
+        rebuild). Returns files/segments dropped. Files the index does not know (a crash before
+        indexing, an index rebuilt empty) are deleted: that is how unindexed bytes come back."""
         known, on_disk = self.index.segments(), set(self.segments.list_segments())
+        if self.index.dirty:  # a damaged `segments` entry may hide a live file: heal first
+            return 0
         dropped = 0
         for segment in on_disk - set(known):
             self.segments.delete(segment)  # created by a process that crashed before indexing
@@ -91,13 +110,21 @@ class DiskStore:
         return self.index.contains_prefix(hashes)
 
     def load(self, hashes: Sequence[BlockHash]) -> LoadResult:
-        """Payloads (None: absent or failed verification; a failed entry is dropped)."""
-        records = self.index.get_many(hashes)
+        """Payloads (None: absent, damaged or failed verification; a failed entry is dropped)."""
+        found = self.index.read_many(hashes)
+        corrupt = [h for h, r in zip(hashes, found, strict=True) if r is CORRUPT]
+        if corrupt and self.readonly:
+            self.index.on_corrupt(len(corrupt))
+        elif corrupt:
+            self.index.drop_corrupt(corrupt)
         out: list[bytes | None] = []
         failures = 0
-        for block_hash, record in zip(hashes, records, strict=True):
-            payload = None if record is None else self._read(block_hash, record)
-            if record is not None and payload is None and self._still_indexed(block_hash, record):
+        for block_hash, record in zip(hashes, found, strict=True):
+            if not isinstance(record, BlockRecord):
+                out.append(None)
+                continue
+            payload = self._read(block_hash, record)
+            if payload is None and self._still_indexed(block_hash, record):
                 failures += 1
                 if not self.readonly:
                     self.index.remove_many([block_hash])
@@ -184,6 +211,8 @@ class DiskStore:
             if num_bytes <= 0:
                 break
             chosen.append(block_hash)
+            if record is None:  # an `lru` entry without its block: the tables disagree
+                self.index.dirty = True
             num_bytes -= 0 if record is None else record_bytes(record.length)
         return len(self.index.remove_many(chosen))
 
@@ -243,12 +272,30 @@ class DiskStore:
         bad = 0
         for segment in self.index.segments():
             for block_hash in self.index.hashes_in(segment):
-                record = self.index.get_many([block_hash])[0]
-                if record is not None and self._read(block_hash, record) is None:
+                record = self.index.read_many([block_hash])[0]
+                if record is CORRUPT or (
+                    isinstance(record, BlockRecord) and self._read(block_hash, record) is None
+                ):
                     bad += 1
                     if on_bad is not None:
                         on_bad(block_hash)
         return bad
+
+    def heal(self, full: bool) -> bool:
+        """Rebuild the index when it is dirty or (`full`: O(entries)) fails its check, then
+        reconcile the files with it. Returns whether a rebuild ran. Writing resumes in a fresh
+        segment afterwards."""
+        if full and not self.index.dirty:
+            try:
+                self.index.check_integrity()
+            except IntegrityError:
+                self.index.dirty = True
+        if not self.index.dirty:
+            return False
+        self.segments.close()
+        self.index.rebuild()
+        self.recover()
+        return True
 
     def check_integrity(self) -> None:
         self.index.check_integrity()

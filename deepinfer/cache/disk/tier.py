@@ -2,63 +2,50 @@
 
 Threads, not coroutines (the cache layer stays free of asyncio): `offer` and `touch` only enqueue
 and return at once; one writer thread owned by the tier drains the queue in batches (append,
-fsync, index commit) and runs the periodic sweep. `load` and `contains_prefix` run on the calling
-thread; `load` reads files and may take milliseconds, so an event loop calls it through
-`loop.run_in_executor`. `contains_prefix` is one LMDB read transaction (microseconds).
+fsync, index commit), runs the periodic sweep, and heals and reopens the store. `load` and
+`contains_prefix` run on the calling thread; `load` reads files and may take milliseconds, so an
+event loop calls it through `loop.run_in_executor`. `contains_prefix` is one LMDB read
+transaction (microseconds).
 
-Failures never escape: an unwritable directory, a full disk or a broken index puts the tier in
-degraded mode (one warning, a counter, `stats().degraded`); lookups then miss and offers are
-dropped, and writing is retried after `retry_degraded_s`. A second process on the same directory
-opens it read-only (it serves hits; the first process keeps writing).
+Failures never escape: any exception inside the tier (an unwritable directory, a full disk, a
+damaged index, a bug) puts it in degraded mode (one warning, a counter, `stats().degraded`):
+offers are dropped, and a lookup the store cannot answer misses. It tries again after
+`retry_degraded_s`, the wait doubling after each failed retry up to `retry_max_s`: after a plain
+I/O error (a full disk) the writer just writes again; after anything else (a failed open, an
+index error) it reopens the store (keeper.py). A file where one of the tier's folders should
+be is left alone: the tier stays degraded, retrying, until it is gone. Only bad arguments raise (`InvalidRequestError`: unknown retention).
+
+Damage is healed, never served: a record that fails to decode (`num_corrupt_records`) or to
+verify (`num_checksum_failures`) is a miss and is dropped; tables found to disagree are rebuilt
+from the block table by the writer (`num_index_repairs`), which also checks the whole index each
+time it opens it; an index LMDB cannot open is moved aside and rebuilt empty (opener.py).
+LMDB keeps no checksums of its own pages: damage inside its page structure (not in our records)
+can still stop the process inside LMDB's C code; records, segments and payloads are ours to
+verify, and are.
+A second process on the same directory opens it read-only (it serves hits; the first process
+keeps writing).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
-import lmdb
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.config import DiskTierConfig, fingerprint_dir
+from deepinfer.cache.disk.keeper import StoreKeeper
 from deepinfer.cache.disk.records import check_hash
+from deepinfer.cache.disk.stats import Counters, DiskTierStats, make_stats
 from deepinfer.cache.disk.store import DiskStore, PendingWrite, SweepResult
-from deepinfer.cache.disk.write_queue import Pending, PendingTouch, WriteQueue
+from deepinfer.cache.disk.write_queue import Pending, PendingHeal, PendingTouch, WriteQueue
 
 logger = logging.getLogger(__name__)
-_ERRORS = (OSError, lmdb.Error)
+_POLL_S = 0.2
+"""While degraded, the writer wakes this often (real seconds) to see whether a retry is due."""
 
-
-@dataclass(frozen=True)
-class DiskTierStats:
-    num_lookups: int
-    """Blocks asked of `load`."""
-    num_hits: int
-    """Of those, payloads returned (verified)."""
-    num_writes: int
-    """Blocks written to disk and indexed."""
-    num_writes_dropped: int
-    """Offers refused: queue full (disk slower than generation), degraded, or read-only."""
-    num_evictions: int
-    """Entries dropped for the byte budget (LRU) or with a reclaimed segment."""
-    num_expirations: int
-    num_checksum_failures: int
-    """Records that failed verification on read (dropped, reported as misses)."""
-    num_io_errors: int
-    num_blocks: int
-    live_bytes: int
-    """Bytes of indexed records (headers included)."""
-    disk_bytes: int
-    """Bytes of segment files."""
-    pending_bytes: int
-    """Bytes waiting in the write-behind queue."""
-    degraded: bool
-    readonly: bool
+__all__ = ["DiskTier", "DiskTierStats"]
 
 
 class DiskTier:
@@ -67,45 +54,36 @@ class DiskTier:
         fingerprint: str,
         config: DiskTierConfig | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """`fingerprint`: the model's KV fingerprint (the hash seed). `clock`: wall-clock seconds
-        (expiry survives restarts, so it is wall time; tests inject their own)."""
+        (expiry survives restarts, so it is wall time); `monotonic`: seconds for retries and the
+        sweep period (tests inject their own)."""
         self.config = config or DiskTierConfig()
         self.directory = fingerprint_dir(self.config.root(), fingerprint)
         self.fingerprint = fingerprint
-        self.clock = clock
-        self._store: DiskStore | None = None
+        self.clock, self.monotonic = clock, monotonic
         self._queue = WriteQueue(self.config.max_pending_bytes)
-        self._write_lock = threading.Lock()
-        self._count_lock = threading.Lock()
-        self._counts = dict.fromkeys(
-            ("lookups", "hits", "writes", "dropped", "evictions", "expirations", "checksum", "io"),
-            0,
+        self._counts = Counters()
+        self._keeper = StoreKeeper(
+            self.directory, fingerprint, self.config, clock, monotonic, self._counts, self._queue
         )
-        self._lock_fd: int | None = None
+        self._write_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._degraded_until: float | None = None
-        self._warned = False
+
+    @property
+    def _store(self) -> DiskStore | None:
+        return self._keeper.store
 
     # lifecycle
 
     def open(self) -> None:
-        """Open (or create) the index and segments and start the writer. Never raises for I/O:
-        on failure the tier stays degraded and every lookup misses."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            (self.directory / "fingerprint").write_text(self.fingerprint)
-            readonly = not self._take_writer_lock()
-            self._store = DiskStore(self.directory, self.config, readonly=readonly)
-            if not readonly:
-                self._store.recover()
-        except _ERRORS as exc:
-            self._fail("cannot open the disk cache", exc)
-            self._store = None
-            return
-        if not self._store.readonly:
-            self._thread = threading.Thread(target=self._run, name="disk-tier-writer", daemon=True)
-            self._thread.start()
+        """Open (or create) the index and segments and start the writer. Never raises: on
+        failure the tier stays degraded (every lookup misses) and the writer retries."""
+        with self._write_lock:
+            self._keeper.open()
+        self._thread = threading.Thread(target=self._run, name="disk-tier-writer", daemon=True)
+        self._thread.start()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued (up to `timeout_s`), stop the writer and release the files."""
@@ -113,58 +91,47 @@ class DiskTier:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-            with self._count_lock:
-                c = dict(self._counts)
+            c = self._counts.snapshot()
             logger.info(
                 "disk cache closed: %d blocks written, %d offers dropped, %d bytes still queued",
                 c["writes"], c["dropped"], self._queue.pending_bytes,
             )  # fmt: skip
         with self._write_lock:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _take_writer_lock(self) -> bool:
-        fd = os.open(self.directory / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            logger.info("disk cache %s is written by another process: read-only", self.directory)
-            return False
-        self._lock_fd = fd
-        return True
+            self._keeper.close()
 
     # lookups (any thread)
 
     def contains_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks are on disk (index only; a later `load` may still miss)."""
-        store = self._store
-        if store is None:
-            return 0
-        try:
-            return store.contains_prefix(block_hashes)
-        except _ERRORS as exc:
-            self._fail("disk cache index read failed", exc)
-            return 0
+        with self._keeper.slot.use() as store:
+            if store is None:
+                return 0
+            try:
+                return store.contains_prefix(block_hashes)
+            except Exception as exc:
+                self._keeper.fail("disk cache index read failed", exc)
+                return 0
 
     def load(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
-        """Verified payloads, None where absent or corrupt (a corrupt entry is dropped). Blocking
-        file reads: call it from a worker thread, not from an event loop."""
-        store = self._store
-        if store is None:
-            self._count(lookups=len(block_hashes))
-            return [None] * len(block_hashes)
-        try:
-            result = store.load(block_hashes)
-        except _ERRORS as exc:
-            self._fail("disk cache read failed", exc)
-            return [None] * len(block_hashes)
+        """Verified payloads, None where absent or damaged (a damaged entry is dropped).
+        Blocking file reads: call it from a worker thread, not from an event loop."""
+        misses: list[bytes | None] = [None] * len(block_hashes)
+        with self._keeper.slot.use() as store:
+            if store is None:
+                self._counts.add(lookups=len(block_hashes))
+                return misses
+            try:
+                result = store.load(block_hashes)
+                dirty = store.index.dirty and not store.readonly
+            except Exception as exc:
+                self._keeper.fail("disk cache read failed", exc)
+                return misses
+        if dirty:  # the writer rebuilds the index (and `flush` waits for it)
+            self._queue.offer(PendingHeal())
         hits = sum(p is not None for p in result.payloads)
-        self._count(lookups=len(block_hashes), hits=hits, checksum=result.num_checksum_failures)
+        self._counts.add(
+            lookups=len(block_hashes), hits=hits, checksum=result.num_checksum_failures
+        )
         return result.payloads
 
     # writes (non-blocking: enqueue only)
@@ -183,7 +150,7 @@ class DiskTier:
         item = PendingWrite(block_hash, bytes(payload), num_tokens, retention, ttl_s)
         if self._writable() and self._queue.offer(item):
             return True
-        self._count(dropped=1)
+        self._counts.add(dropped=1)
         return False
 
     def touch(self, block_hashes: Sequence[BlockHash], retention: str | None = None) -> None:
@@ -200,7 +167,7 @@ class DiskTier:
         return self._queue.wait_idle(timeout_s)
 
     def sweep(self) -> SweepResult | None:
-        """Run a sweep now (the writer also runs one every `sweep_interval_s`)."""
+        """Heal the index if needed, then sweep now (the writer also does both periodically)."""
         with self._write_lock:
             return self._sweep_locked()
 
@@ -208,49 +175,59 @@ class DiskTier:
         store = self._store
         if store is None or store.readonly or self._queue.closed:
             return False
-        return self._degraded_until is None or time.monotonic() >= self._degraded_until
+        return not self._keeper.degraded
 
     # the writer thread
 
     def _run(self) -> None:
-        next_sweep = time.monotonic() + self.config.sweep_interval_s
+        next_sweep = self.monotonic() + self.config.sweep_interval_s
         while True:
-            wait_s = max(0.0, next_sweep - time.monotonic())
+            wait_s = max(0.0, next_sweep - self.monotonic())
+            if self._keeper.degraded:
+                wait_s = min(wait_s, _POLL_S)
             batch = self._queue.take(self.config.max_batch_blocks, wait_s)
             if not batch and self._queue.closed:
                 return
-            with self._write_lock:
-                if batch:
+            try:
+                with self._write_lock:
+                    self._keeper.maintain()
                     self._write_locked(batch)
+                    self._keeper.maintain()  # damage the batch met is repaired at once
+                    if self.monotonic() >= next_sweep or self._over_budget():
+                        self._sweep_locked()
+                        next_sweep = self.monotonic() + self.config.sweep_interval_s
+            except Exception as exc:  # the writer must outlive anything that goes wrong
+                self._keeper.fail("disk cache writer failed", exc)
+            finally:
+                if batch:
                     self._queue.done(batch)
-                if time.monotonic() >= next_sweep or self._over_budget():
-                    self._sweep_locked()
-                    next_sweep = time.monotonic() + self.config.sweep_interval_s
 
     def _write_locked(self, batch: list[Pending]) -> None:
         store = self._store
         writes = [p for p in batch if isinstance(p, PendingWrite)]
+        touches = [p for p in batch if isinstance(p, PendingTouch)]
+        if not writes and not touches:
+            return
         if store is None or not self._writable():
-            self._count(dropped=len(writes))
+            self._counts.add(dropped=len(writes))
             return
         try:
-            for p in batch:
-                if isinstance(p, PendingTouch):
-                    store.index.touch_many(p.block_hashes, p.now_s, p.ttl_s, p.retention)
+            for p in touches:
+                store.index.touch_many(p.block_hashes, p.now_s, p.ttl_s, p.retention)
             if writes:
-                self._count(writes=store.write(writes, self.clock()))
-        except _ERRORS as exc:
-            self._count(dropped=len(writes))
-            self._fail("disk cache write failed; writes are dropped for now", exc)
+                self._counts.add(writes=store.write(writes, self.clock()))
+        except Exception as exc:
+            self._counts.add(dropped=len(writes))
+            self._keeper.fail("disk cache write failed; writes are dropped for now", exc)
             return
-        self._degraded_until = None
+        self._keeper.succeeded()
 
     def _over_budget(self) -> bool:
         store = self._store
         try:
             budget = self.config.max_bytes - self.config.segment_bytes
             return store is not None and store.closed_bytes() > budget
-        except _ERRORS:
+        except Exception:
             return False
 
     def _sweep_locked(self) -> SweepResult | None:
@@ -258,57 +235,67 @@ class DiskTier:
         if store is None or store.readonly:
             return None
         try:
+            healed = store.heal(full=False)
             result = store.sweep(self.clock())
-        except _ERRORS as exc:
-            self._fail("disk cache sweep failed", exc)
+        except Exception as exc:
+            self._keeper.fail("disk cache sweep failed", exc)
             return None
-        self._count(evictions=result.num_evicted, expirations=result.num_expired)
+        self._counts.add(
+            evictions=result.num_evicted, expirations=result.num_expired, repairs=int(healed)
+        )
         return result
 
-    # accounting
+    # checks and accounting
 
-    def _count(self, **deltas: int) -> None:
-        with self._count_lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
-
-    def _fail(self, what: str, exc: BaseException) -> None:
-        self._count(io=1)
-        self._degraded_until = time.monotonic() + self.config.retry_degraded_s
-        log = logger.debug if self._warned else logger.warning
-        self._warned = True
-        log("%s (%s): %s; serving without it, retrying later", what, self.directory, exc)
+    def repair(self) -> int:
+        """Check the whole index now (rebuilding it if its tables disagree) and drop records
+        that fail verification, with writing paused (O(data): for tests and offline checks).
+        Returns the records dropped for failing verification."""
+        with self._write_lock:
+            self._keeper.check_needed = True
+            self._keeper.maintain()
+            store = self._store
+            if store is None or store.readonly:
+                return 0
+            try:
+                bad: list[BlockHash] = []
+                store.verify_all(bad.append)
+                dropped = len(store.index.remove_many(bad))
+            except Exception as exc:
+                self._keeper.fail("disk cache repair failed", exc)
+                self._keeper.maintain()  # a damaged index is reset now
+                return 0
+        self._counts.add(checksum=dropped)
+        return dropped
 
     @property
     def degraded(self) -> bool:
-        until = self._degraded_until
-        return self._store is None or (until is not None and time.monotonic() < until)
+        return self._keeper.degraded
 
     def stats(self) -> DiskTierStats:
-        store = self._store
         num_blocks = live = disk = 0
-        if store is not None:
+        with self._keeper.slot.use() as store:
             try:
-                num_blocks = store.index.num_blocks()
-                live, disk = store.byte_counts()
-            except _ERRORS as exc:
-                self._fail("disk cache index read failed", exc)
-        with self._count_lock:
-            c = dict(self._counts)
-        return DiskTierStats(
-            num_lookups=c["lookups"], num_hits=c["hits"], num_writes=c["writes"],
-            num_writes_dropped=c["dropped"], num_evictions=c["evictions"],
-            num_expirations=c["expirations"], num_checksum_failures=c["checksum"],
-            num_io_errors=c["io"], num_blocks=num_blocks, live_bytes=live, disk_bytes=disk,
-            pending_bytes=self._queue.pending_bytes, degraded=self.degraded,
-            readonly=store is not None and store.readonly,
+                if store is not None:
+                    num_blocks = store.index.num_blocks()
+                    live, disk = store.byte_counts()
+            except Exception as exc:
+                self._keeper.fail("disk cache index read failed", exc)
+        return make_stats(
+            self._counts.snapshot(), num_blocks, live, disk, self._queue.pending_bytes,
+            self.degraded, readonly=store is not None and store.readonly,
         )  # fmt: skip
 
     def verify_all(self) -> int:
         """Read and verify every indexed record, with writing paused (O(data): for tests and
         offline checks). Returns how many failed (they are not dropped)."""
         with self._write_lock:
-            return 0 if self._store is None else self._store.verify_all()
+            store = self._store
+            try:
+                return 0 if store is None else store.verify_all()
+            except Exception as exc:
+                self._keeper.fail("disk cache verification failed", exc)
+                return 0
 
     def check_integrity(self) -> None:
         """Index tables consistent with each other and with the segment accounting."""

@@ -26,13 +26,20 @@ class PendingTouch:
     now_s: float
 
 
-Pending = PendingWrite | PendingTouch
+@dataclass(frozen=True)
+class PendingHeal:
+    """Wakes the writer to repair the index (and lets `wait_idle` wait for the repair)."""
+
+
+Pending = PendingWrite | PendingTouch | PendingHeal
 
 
 def _size(item: Pending) -> int:
     if isinstance(item, PendingWrite):
         return len(item.payload)
-    return 32 * len(item.block_hashes)
+    if isinstance(item, PendingTouch):
+        return 32 * len(item.block_hashes)
+    return 0
 
 
 class WriteQueue:
@@ -43,6 +50,7 @@ class WriteQueue:
         self._pending_bytes = 0
         self._num_busy = 0
         self._closed = False
+        self._woken = False
 
     @property
     def pending_bytes(self) -> int:
@@ -67,8 +75,9 @@ class WriteQueue:
         """Up to `max_items` items, waiting at most `timeout_s` for the first. The caller must
         call `done` after handling a non-empty batch."""
         with self._cond:
-            if not self._items and not self._closed:
+            if not self._items and not self._closed and not self._woken:
                 self._cond.wait(timeout_s)
+            self._woken = False
             batch: list[Pending] = []
             while self._items and len(batch) < max_items:
                 batch.append(self._items.popleft())
@@ -91,6 +100,13 @@ class WriteQueue:
                     return False
                 self._cond.wait(left)
         return True
+
+    def wake(self) -> None:
+        """Make the writer's current or next `take` return at once (an empty batch, unless
+        items wait), so it looks at its state again."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Refuse new items and wake the writer (items already queued are still handed out)."""
