@@ -36,6 +36,44 @@ class FinishReason(enum.StrEnum):
     """A step holding the request failed; its stream ends with an error, never this reason."""
 
 
+class StructuredKind(enum.StrEnum):
+    """What a `StructuredSpec.source` holds."""
+
+    JSON_SCHEMA = "json_schema"
+    """A JSON schema (JSON text); the output is one instance of it."""
+    JSON_OBJECT = "json_object"
+    """Any JSON object (`source` is empty)."""
+    REGEX = "regex"
+    """A regular expression (Rust `regex` syntax) the whole output matches."""
+    CHOICE = "choice"
+    """A JSON array of strings; the output is one of them."""
+    GRAMMAR = "grammar"
+    """A Lark grammar (llguidance's dialect): fixed text around JSON schemas (`%json {...}`),
+    regexes and rules, e.g. a tool call's wrapper around its arguments' schema."""
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the whole output: every sampled token keeps it inside this grammar."""
+
+    kind: StructuredKind
+    source: str = ""
+    param: str = "structured"
+    """The request field it came from, named by errors (e.g. `response_format`)."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.kind, StructuredKind), self.param, "has an unknown kind")
+        _check(
+            bool(self.source) or self.kind is StructuredKind.JSON_OBJECT,
+            self.param,
+            f"needs a non-empty {self.kind.value}",
+        )
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""OpenAI's range for a `logit_bias` entry."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -69,6 +107,10 @@ class SamplingParams:
     """End-of-turn and stop tokens are suppressed until this many tokens are generated."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before anything else."""
+    structured: StructuredSpec | None = None
+    """Keep the output inside this grammar (structured output); None: unconstrained."""
 
     def __post_init__(self) -> None:
         _check_sampling(self)
@@ -139,6 +181,22 @@ def _check_sampling(p: SamplingParams) -> None:
         "stop_token_ids",
         f"entries must be in [0, {MAX_TOKEN_ID}]",
     )
+    _check_logit_bias(p.logit_bias)
+
+
+def _check_logit_bias(entries: tuple[tuple[int, float], ...]) -> None:
+    low, high = LOGIT_BIAS_RANGE
+    for token_id, bias in entries:
+        _check(
+            0 <= token_id <= MAX_TOKEN_ID,
+            "logit_bias",
+            f"token ids must be in [0, {MAX_TOKEN_ID}], got {token_id}",
+        )
+        _check(
+            math.isfinite(bias) and low <= bias <= high,
+            "logit_bias",
+            f"biases must be in [{low:g}, {high:g}], got {bias} for token {token_id}",
+        )
 
 
 @dataclass

@@ -212,6 +212,7 @@ class AsyncEngine:
         check_retention(cache_retention)
         ids = await self.encode_prompt(prompt, reasoning_effort)
         self._check_admissible(ids, params)
+        await self._check_sampling_inputs(params)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
         request = Request(
             request_id=rid,
@@ -247,6 +248,19 @@ class AsyncEngine:
             raise ContextLengthError(len(ids), params.max_tokens, limit)
         if self.core.scheduler.num_waiting >= self.config.scheduler.max_waiting:
             raise OverloadedError("too many requests are waiting; retry shortly", retry_after_s=1)
+
+    async def _check_sampling_inputs(self, params: SamplingParams) -> None:
+        """logit_bias ids inside the vocabulary; the structured-output grammar compiled (and
+        cached for the runners) off the loop, or refused with what the library rejected."""
+        vocab_size = self.tokenizer.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})",
+                    param="logit_bias",
+                )
+        if params.structured is not None:
+            await asyncio.to_thread(self.core.constraints.compile, params.structured)
 
     async def generate(
         self,

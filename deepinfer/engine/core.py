@@ -36,6 +36,8 @@ from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.kv_transfer import read_blocks, write_blocks
 from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.sampling.constraints import ConstraintCompiler
+from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
 from deepinfer.scheduler.lanes import StepLane
@@ -77,6 +79,15 @@ def _build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
     if loaded.gguf_reader is not None:
         return Tokenizer.from_gguf(loaded.gguf_reader)
     return Tokenizer.from_dir(path)
+
+
+def _grammar_vocabulary(tokenizer: Tokenizer, recipe: ChatRecipe) -> GrammarVocabulary:
+    """The vocabulary grammars see; their end token is the recipe's end of turn."""
+    ends = recipe.end_of_turn_ids
+    eos = tokenizer.eos_token_id
+    if eos is None or (ends and eos not in ends):
+        eos = min(ends) if ends else 0
+    return vocabulary_from(tokenizer, eos)
 
 
 def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None:
@@ -249,11 +260,20 @@ class EngineCore:
         self.lanes: tuple[StepLane, ...] = self.scheduler.lanes()
         """One lane (colocated) or two (prefill, decode); each is run by one worker."""
         seed = config.runtime.seed
+        self.constraints = ConstraintCompiler(
+            lambda: _grammar_vocabulary(self.tokenizer, self.recipe)
+        )
+        """Structured-output grammars: compiled at submit, shared by both runners."""
         self.runner = ModelRunner(
-            prefill.model, block_size, prefill.device, seed, None if groups.split else graphs
+            prefill.model,
+            block_size,
+            prefill.device,
+            seed,
+            None if groups.split else graphs,
+            self.constraints,
         )
         self.decode_runner = (
-            ModelRunner(decode.model, block_size, decode.device, seed, graphs)
+            ModelRunner(decode.model, block_size, decode.device, seed, graphs, self.constraints)
             if groups.split
             else self.runner
         )
@@ -344,6 +364,7 @@ class EngineCore:
         assert isinstance(self.scheduler, DisaggScheduler)
         rid = handoff.request_id
         self.decode_runner.adopt_generator(rid, self.runner.take_generator(rid))
+        self.decode_runner.adopt_matcher(rid, self.runner.take_matcher(rid))
         if not self.scheduler.complete_handoff(rid):
             self._release([rid])
 

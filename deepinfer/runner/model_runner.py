@@ -12,13 +12,16 @@ from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
 from deepinfer.runner.cuda_graphs import DecodeGraphs
+from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
+from deepinfer.sampling.matchers import MatcherTable
 from deepinfer.sampling.sampler import Sampler, SamplingRow
 from deepinfer.scheduler.output import ScheduleOutput
 
 
 class ModelRunner:
-    """Owns the model, its KV tensors and per-request sampling state (seeded generators).
+    """Owns the model, its KV tensors and per-request sampling state: seeded generators and
+    grammar matchers (structured output), both moved with a request between runners.
 
     Each worker's thread calls `execute` (the two workers' steps may overlap); `release` is
     called between steps.
@@ -31,6 +34,7 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         graphs: DecodeGraphs | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -40,6 +44,8 @@ class ModelRunner:
         """Captured decode forwards (CUDA), replayed for the decode-only steps that fit them."""
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
+        self.matchers = MatcherTable(constraints)
+        """Grammar matchers of constrained requests, advanced right after each sampling."""
 
     @torch.inference_mode()
     def execute(self, so: ScheduleOutput) -> RunnerOutput:
@@ -50,9 +56,12 @@ class ModelRunner:
         sampled: dict[str, SampledToken] = {}
         if sampled_ids:
             logits = self._forward(batch)  # [B_sample, V]
-            requests = {c.request_id: c.request for c in so.chunks if c.sample}
-            rows = [self._row(requests[rid]) for rid in sampled_ids]
-            tokens = self.sampler.sample(logits, rows)
+            by_id = {c.request_id: c.request for c in so.chunks if c.sample}
+            requests = [by_id[rid] for rid in sampled_ids]
+            rows = [self._row(r) for r in requests]
+            bitmask = self.matchers.bitmask(requests, logits.shape[1])  # [B, W] or None
+            tokens = self.sampler.sample(logits, rows, bitmask)
+            self.matchers.advance(requests, tokens)
             sampled = dict(zip(sampled_ids, tokens, strict=True))
         else:
             self._forward(batch)
@@ -102,7 +111,16 @@ class ModelRunner:
             generator = moved
         self._generators[request_id] = generator
 
+    def take_matcher(self, request_id: str) -> ConstraintMatcher | None:
+        """Hand a request's grammar state over to another runner (with its random stream)."""
+        return self.matchers.take(request_id)
+
+    def adopt_matcher(self, request_id: str, matcher: ConstraintMatcher | None) -> None:
+        """Continue a request's grammar state here (it is plain host state: nothing moves)."""
+        self.matchers.adopt(request_id, matcher)
+
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' sampling state."""
         for rid in request_ids:
             self._generators.pop(rid, None)
+        self.matchers.release(request_ids)

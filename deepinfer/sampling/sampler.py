@@ -2,6 +2,8 @@
 
 The pipeline, per row (vLLM / HF semantics):
 
+0. `logit_bias` added, then the row's allowed-token bitmask (structured output) as one batched
+   masked fill (`masking.py`);
 1. suppression, repetition penalty, presence/frequency penalties (`penalties.py`): the
    *processed logits*, which decide greedy picks and logprobs;
 2. rows with temperature 0 (below `GREEDY_TEMPERATURE`): argmax of the processed logits;
@@ -27,8 +29,9 @@ unsound row is repaired and chosen again (sampled rows draw again from their own
 - NaN logits become -inf (never chosen while any other token can be), +inf logits the largest
   float32 (chosen first: greedy takes the first of them, logprob 0);
 - a row left with no token above -inf (every token suppressed, or all -inf after penalties)
-  ignores suppression and penalties: its raw logits, repaired alike, decide;
-- a row whose raw logits have no token above -inf either is uniform (greedy: token 0);
+  ignores suppression and penalties: its biased and masked logits, repaired alike, decide (a
+  constrained row's mask always allows its stop tokens when nothing else: it ends);
+- a row whose biased and masked logits have no token above -inf either is uniform (greedy: token 0);
 - a repaired row whose distribution is still unsound (the temperature overflowed its +inf
   stand-ins) takes the argmax of its repaired logits.
 
@@ -44,6 +47,7 @@ import torch
 from deepinfer.outputs import SampledToken
 from deepinfer.sampling.filters import warp
 from deepinfer.sampling.generators import inverse_cdf_pick, uniform_draws
+from deepinfer.sampling.masking import bias_and_mask
 from deepinfer.sampling.penalties import apply_penalties, apply_suppression
 from deepinfer.sampling.row import SamplingRow
 
@@ -58,12 +62,20 @@ class Sampler:
         self._shared = torch.Generator(device=self.device)
         self._shared.manual_seed(seed % (1 << 64))
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-        """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified)."""
-        processed = self.process_logits(logits, rows)  # [B, V]
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> list[SampledToken]:
+        """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified).
+        `token_bitmask` (`[B, W]` packed int32, see `masking.py`): the tokens each row may
+        take; None allows every token."""
+        base = bias_and_mask(logits, rows, token_bitmask)  # [B, V] float32
+        processed = self.process_logits(base, rows)  # [B, V]
         token_ids = self.choose(processed, rows)  # [B], -1 where unsound
         if not bool((token_ids >= 0).all()):  # the ids are read back right after anyway
-            processed, token_ids = self._repair(logits, processed, token_ids, rows)
+            processed, token_ids = self._repair(base, processed, token_ids, rows)
         return _package(processed, token_ids, rows)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -102,7 +114,7 @@ class Sampler:
 
     def _repair(
         self,
-        logits: torch.Tensor,  # [B, V] as given
+        logits: torch.Tensor,  # [B, V] biased and masked
         processed: torch.Tensor,  # [B, V]
         token_ids: torch.Tensor,  # [B], -1 where unsound
         rows: Sequence[SamplingRow],
