@@ -21,6 +21,9 @@ KNOWN_ENDPOINTS = frozenset(
         "/v1/models",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
         "/health",
         "/metrics",
     }

@@ -14,7 +14,9 @@ from deepinfer.api.anthropic_schemas import (
     MessagesRequest,
     UsageOut,
 )
+from deepinfer.api.anthropic_tools import block_turns
 from deepinfer.api.errors import ApiError, ErrorKind
+from deepinfer.api.structured import anthropic_spec
 from deepinfer.engine.types import Usage
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import FinishReason, SamplingParams
@@ -54,7 +56,11 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
             raise invalid(
                 f"messages.{i}.role", f"unsupported role {m.role!r}; use 'user' or 'assistant'"
             )
-        out.append(ChatMessage(m.role, _text(m.content, f"messages.{i}.content")))
+        param = f"messages.{i}.content"
+        if isinstance(m.content, str) or all(b.type == "text" for b in m.content):
+            out.append(ChatMessage(m.role, _text(m.content, param)))
+        else:
+            out += block_turns(m.role, m.content, param)
     return out
 
 
@@ -68,15 +74,18 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
             stop=tuple(req.stop_sequences or ()),
+            structured=anthropic_spec(req.output_format),
         )
     except InvalidRequestError as exc:
         raise ApiError(ErrorKind.INVALID_REQUEST, exc.message, param=exc.param) from None
 
 
 def stop_reason(
-    reason: FinishReason, stop: str | int | None, stops: list[str] | None
+    reason: FinishReason, stop: str | int | None, stops: list[str] | None, num_calls: int = 0
 ) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) for a finished request."""
+    """(stop_reason, stop_sequence) for a finished request (`tool_use` after calls)."""
+    if reason is FinishReason.STOP and num_calls:
+        return "tool_use", None
     if reason is FinishReason.LENGTH:
         return "max_tokens", None
     if isinstance(stop, str) and stops and stop in stops:

@@ -16,10 +16,8 @@ from deepinfer.api.anthropic_convert import (
     stop_reason,
     usage_out,
 )
+from deepinfer.api.anthropic_refused import check_refused
 from deepinfer.api.anthropic_schemas import (
-    ContentBlockDelta,
-    ContentBlockStart,
-    ContentBlockStop,
     CountTokensRequest,
     Message,
     MessageDelta,
@@ -28,9 +26,14 @@ from deepinfer.api.anthropic_schemas import (
     MessageStop,
     Ping,
     StopDelta,
-    TextBlock,
-    TextDelta,
     TokenCount,
+)
+from deepinfer.api.anthropic_tools import (
+    TOOL_ID_PREFIX,
+    BlockEvents,
+    answer_blocks,
+    anthropic_plan,
+    event_name,
 )
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, new_id
@@ -39,6 +42,7 @@ from deepinfer.api.limits import check_anthropic
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.sse import EventStreamResponse, event_frame, unless_disconnected
 from deepinfer.api.streams import collect
+from deepinfer.api.tool_plan import ToolPlan, ToolStream
 from deepinfer.engine.types import Usage
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -63,7 +67,9 @@ def _count_handler(ctx: ApiContext) -> Handler:
             ctx.check_running()
             req = await ctx.read_json(request, CountTokensRequest)
             check_anthropic(req, ctx.limits)
-            ids = await ctx.encode_chat(chat_messages(req), None, within_context=False)
+            specs = anthropic_plan(req).specs
+            messages = chat_messages(req)
+            ids = await ctx.encode_chat(messages, None, within_context=False, tools=specs)
         except Exception as exc:
             return anthropic_error_response(exc)
         return _json(TokenCount(len(ids)))
@@ -76,8 +82,10 @@ def _messages_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, MessagesRequest)
+            check_refused(req, req.metadata)
             check_anthropic(req, ctx.limits)
-            ids = await ctx.encode_chat(chat_messages(req), None)
+            plan = anthropic_plan(req)
+            ids = await ctx.encode_chat(chat_messages(req), None, tools=plan.specs)
             params = sampling_params(req)
             mid = new_id("msg_")
             cache = cache_options(request, req.cache_salt, req.cache_retention)
@@ -85,7 +93,8 @@ def _messages_handler(ctx: ApiContext) -> Handler:
         except Exception as exc:
             return anthropic_error_response(exc)
         if req.stream:
-            return EventStreamResponse(_events(ctx, mid, stream, req), stream.aclose)
+            events = _events(ctx, mid, stream, req, plan)
+            return EventStreamResponse(events, stream.aclose)
         try:
             done, result = await unless_disconnected(request.receive, collect(stream))
         except Exception as exc:
@@ -93,11 +102,16 @@ def _messages_handler(ctx: ApiContext) -> Handler:
         if not done or result is None:
             await stream.aclose()
             return Response(status_code=CLIENT_CLOSED)
-        reason, sequence = stop_reason(result.finish_reason, result.stop_reason, req.stop_sequences)
+        tools = ToolStream(plan, TOOL_ID_PREFIX) if plan.parses_calls else None
+        content = answer_blocks(result.text, tools)
+        num_calls = 0 if tools is None else tools.num_calls
+        reason, sequence = stop_reason(
+            result.finish_reason, result.stop_reason, req.stop_sequences, num_calls
+        )
         message = Message(
             id=mid,
             model=ctx.model_name,
-            content=[TextBlock(result.text)],
+            content=content,
             stop_reason=reason,
             stop_sequence=sequence,
             usage=usage_out(result.usage),
@@ -108,28 +122,33 @@ def _messages_handler(ctx: ApiContext) -> Handler:
 
 
 async def _events(
-    ctx: ApiContext, mid: str, stream: OutputStream, req: MessagesRequest
+    ctx: ApiContext, mid: str, stream: OutputStream, req: MessagesRequest, plan: ToolPlan
 ) -> AsyncIterator[bytes]:
     """message_start, content_block_start, ping, content_block_delta*, content_block_stop,
-    message_delta (stop reason and final usage), message_stop.
+    message_delta (stop reason and final usage), message_stop. With tools, blocks open as the
+    answer needs them (`BlockEvents`): text, then a tool_use block per call.
 
     message_start is sent at once, before the prefix-cache lookup is known; message_delta carries
     the final cumulative usage, cache reads included."""
     usage = Usage(stream.num_prompt_tokens, 0, 0)
     start = Message(mid, ctx.model_name, [], None, None, usage_out(usage))
     yield event_frame("message_start", MessageStart(start))
-    yield event_frame("content_block_start", ContentBlockStart(0, TextBlock("")))
+    tools = ToolStream(plan, TOOL_ID_PREFIX) if plan.parses_calls else None
+    blocks = BlockEvents(tools)
+    if tools is None:
+        for event in blocks.open_text():
+            yield event_frame(event_name(event), event)
     yield event_frame("ping", Ping())
     try:
         async for out in stream:
             usage = out.usage
-            if out.text:
-                yield event_frame("content_block_delta", ContentBlockDelta(0, TextDelta(out.text)))
+            for event in blocks.events(out.text, out.finish_reason is not None):
+                yield event_frame(event_name(event), event)
             if out.finish_reason is not None:
+                num_calls = 0 if tools is None else tools.num_calls
                 reason, sequence = stop_reason(
-                    out.finish_reason, out.stop_reason, req.stop_sequences
+                    out.finish_reason, out.stop_reason, req.stop_sequences, num_calls
                 )
-                yield event_frame("content_block_stop", ContentBlockStop(0))
                 yield event_frame(
                     "message_delta", MessageDelta(StopDelta(reason, sequence), delta_usage(usage))
                 )

@@ -6,12 +6,35 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.api.anthropic_refused import AnthropicRefusedFields
+
 # ---- requests
 
 
 class ContentBlockIn(msgspec.Struct):
+    """A text, tool_use (assistant) or tool_result (user) block."""
+
     type: str
     text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlockIn] | None = None
+    is_error: bool | None = None
+
+
+class ToolIn(msgspec.Struct):
+    name: str
+    input_schema: dict[str, Any] | None = None
+    description: str | None = None
+    type: str | None = None
+
+
+class ToolChoiceIn(msgspec.Struct):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class MessageIn(msgspec.Struct):
@@ -19,12 +42,13 @@ class MessageIn(msgspec.Struct):
     content: str | list[ContentBlockIn]
 
 
-class CountTokensRequest(msgspec.Struct, kw_only=True):
+class CountTokensRequest(AnthropicRefusedFields, kw_only=True):
     messages: list[MessageIn]
     model: str | None = None
     system: str | list[ContentBlockIn] | None = None
     tools: list[msgspec.Raw] | None = None
-    """Counted and sized against `max_tools` and `max_schema_bytes`; not interpreted."""
+    """Counted and sized against `max_tools` and `max_schema_bytes`, then decoded as `ToolIn`."""
+    tool_choice: ToolChoiceIn | None = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -37,6 +61,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     metadata: dict[str, Any] | None = None
     cache_salt: str | None = None
     cache_retention: str | None = None
+    output_format: msgspec.Raw = msgspec.Raw()
+    """{"type": "json_schema", "schema": ...}: structured output (api/structured.py)."""
 
 
 # ---- responses
@@ -60,10 +86,16 @@ class TextBlock(msgspec.Struct, tag_field="type", tag="text"):
     text: str
 
 
+class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class Message(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     model: str
-    content: list[TextBlock]
+    content: list[TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None
     usage: UsageOut
@@ -80,7 +112,7 @@ class MessageStart(msgspec.Struct, tag_field="type", tag="message_start"):
 
 class ContentBlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
     index: int
-    content_block: TextBlock
+    content_block: TextBlock | ToolUseBlock
 
 
 class Ping(msgspec.Struct, tag_field="type", tag="ping"):
@@ -91,9 +123,13 @@ class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta"):
     text: str
 
 
+class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta"):
+    partial_json: str
+
+
 class ContentBlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta
+    delta: TextDelta | InputJsonDelta
 
 
 class ContentBlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):

@@ -31,6 +31,8 @@ from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.api.openai_routes import openai_routes
 from deepinfer.api.protocol import EngineClient
+from deepinfer.api.responses_routes import responses_routes
+from deepinfer.api.token_routes import token_routes
 from deepinfer.config import ServerConfig
 
 log = logging.getLogger("deepinfer.api")
@@ -90,6 +92,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
             Route("/metrics", prometheus, methods=["GET"]),
             *openai_routes(ctx),
             *anthropic_routes(ctx),
+            *responses_routes(ctx),
+            *token_routes(ctx),
         ],
         middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},

@@ -20,7 +20,7 @@ from deepinfer.api.streams import close_all
 from deepinfer.config import RequestLimits
 from deepinfer.engine.prompts import check_prompt_fits
 from deepinfer.request import SamplingParams
-from deepinfer.text.recipe import ChatMessage
+from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 T = TypeVar("T")
 
@@ -64,16 +64,19 @@ class ApiContext:
         reasoning_effort: str | None,
         *,
         within_context: bool = True,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        """Ids of a conversation; with `within_context`, one that cannot fit the context is
-        refused untokenized (token counting passes False: it counts whatever the length)."""
+        """Ids of a conversation (and the tools it may call); with `within_context`, one that
+        cannot fit the context is refused untokenized (token counting passes False)."""
         texts = [m.content for m in messages] + [m.name for m in messages if m.name]
+        texts += [c.arguments for m in messages for c in m.tool_calls]
+        texts += [t.definition for t in tools]
         if within_context:
             self._check_fits(texts, "messages")
         recipe = self.engine.recipe
         return await _maybe_offload(
             sum(len(t) for t in texts),
-            lambda: recipe.encode(messages, reasoning_effort=reasoning_effort),
+            lambda: recipe.encode(messages, reasoning_effort=reasoning_effort, tools=tools),
         )
 
     def _check_fits(self, texts: Sequence[str], param: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.openai_schemas import (
     CachedTokensDetails,
@@ -16,14 +18,22 @@ from deepinfer.api.openai_schemas import (
     UsageOut,
     _SamplingFields,
 )
+from deepinfer.api.openai_tools import history_calls
 from deepinfer.api.protocol import TokenizerLike
+from deepinfer.api.structured import logit_bias_pairs, openai_spec
 from deepinfer.engine.types import Usage
 from deepinfer.errors import InvalidRequestError
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.text.recipe import ChatMessage
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 _FINISH = {
     FinishReason.STOP: "stop",
@@ -38,7 +48,7 @@ def invalid(param: str, message: str) -> ApiError:
 
 
 def chat_messages(messages: Sequence[ChatMessageIn]) -> list[ChatMessage]:
-    """Validate roles and content (text only for now); 400 naming the first bad field."""
+    """Validate roles, content (text only) and tool calls; 400 naming the first bad field."""
     if not messages:
         raise invalid("messages", "must hold at least one message")
     out: list[ChatMessage] = []
@@ -49,7 +59,12 @@ def chat_messages(messages: Sequence[ChatMessageIn]) -> list[ChatMessage]:
                 f"messages[{i}].role",
                 f"unsupported role {m.role!r}; use one of {sorted(_ROLES)}",
             )
-        out.append(ChatMessage(role, _content_text(m, f"messages[{i}].content"), m.name))
+        if role == "tool" and m.tool_call_id is None:
+            raise invalid(f"messages[{i}].tool_call_id", "a tool message needs tool_call_id")
+        content = _content_text(m, f"messages[{i}].content")
+        calls = history_calls(m, i) if role == "assistant" else ()
+        call_id = m.tool_call_id if role == "tool" else None
+        out.append(ChatMessage(role, content, m.name, calls, call_id))
     return out
 
 
@@ -99,6 +114,14 @@ def sampling_params(
             ignore_eos=bool(req.ignore_eos),
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
+            logit_bias=logit_bias_pairs(req.logit_bias),
+            structured=openai_spec(
+                response_format=getattr(req, "response_format", msgspec.Raw()),
+                guided_json=req.guided_json,
+                guided_regex=req.guided_regex,
+                guided_choice=req.guided_choice,
+                structured_outputs=req.structured_outputs,
+            ),
         )
     except InvalidRequestError as exc:
         raise ApiError(ErrorKind.INVALID_REQUEST, exc.message, param=exc.param) from None

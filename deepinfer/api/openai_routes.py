@@ -23,11 +23,12 @@ from deepinfer.api.openai_convert import (
     sampling_params,
     usage_out,
 )
+from deepinfer.api.openai_refused import check_refused
 from deepinfer.api.openai_schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -35,9 +36,11 @@ from deepinfer.api.openai_schemas import (
     ModelList,
 )
 from deepinfer.api.openai_streams import chat_frames, completion_frames
+from deepinfer.api.openai_tools import CALL_ID_PREFIX, answer_message, openai_plan
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
+from deepinfer.api.tool_plan import ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -81,10 +84,12 @@ def _chat_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, ChatCompletionRequest)
+            check_refused(req)
             check_openai_chat(req, ctx.limits)
             messages = chat_messages(req.messages)
+            plan = openai_plan(req)
             n = check_choices(req.n)
-            ids = await ctx.encode_chat(messages, req.reasoning_effort)
+            ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs)
             max_tokens = req.max_completion_tokens
             if max_tokens is None:
                 max_tokens = req.max_tokens
@@ -105,7 +110,11 @@ def _chat_handler(ctx: ApiContext) -> Handler:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            frames = chat_frames(ctx, rid, created, streams, include_usage, top is not None)
+            every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            frames = chat_frames(
+                ctx, rid, created, streams, include_usage, top is not None,
+                usage_every_chunk=every, plan=plan,
+            )  # fmt: skip
             return EventStreamResponse(frames, lambda: close_all(streams))
         try:
             results = await _finish(request, streams)
@@ -115,18 +124,25 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             return Response(status_code=CLIENT_CLOSED)
         tok = ctx.engine.tokenizer
         choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=r.text),
-                finish_reason=finish_reason(r.finish_reason) or "stop",
-                logprobs=chat_logprobs(tok, r.logprobs) if top is not None else None,
-            )
+            _chat_choice(i, r, plan, chat_logprobs(tok, r.logprobs) if top is not None else None)
             for i, r in enumerate(results)
         ]
         usage = usage_out(total_usage([r.usage for r in results], 1))
         return json_response(ChatCompletion(rid, created, ctx.model_name, choices, usage))
 
     return chat_completions
+
+
+def _chat_choice(
+    index: int, result: Collected, plan: ToolPlan, logprobs: ChoiceLogprobs | None
+) -> ChatChoice:
+    """A whole answer as a choice: calls parsed when the request has tools."""
+    stream = ToolStream(plan, CALL_ID_PREFIX) if plan.parses_calls else None
+    message = answer_message(result.text, stream)
+    reason = finish_reason(result.finish_reason) or "stop"
+    if stream is not None and called(result.finish_reason, stream.num_calls):
+        reason = "tool_calls"
+    return ChatChoice(index, message, reason, logprobs)
 
 
 def _completion_prompts(
@@ -160,6 +176,7 @@ def _completion_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, CompletionRequest)
+            check_refused(req)
             check_openai_sampling(req, ctx.limits)
             if req.echo:
                 raise invalid("echo", "echo is not supported")
@@ -186,9 +203,11 @@ def _completion_handler(ctx: ApiContext) -> Handler:
         want_lp = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             frames = completion_frames(
-                ctx, rid, created, streams, len(prompts), include_usage, want_lp
-            )
+                ctx, rid, created, streams, len(prompts), include_usage, want_lp,
+                usage_every_chunk=every,
+            )  # fmt: skip
             return EventStreamResponse(frames, lambda: close_all(streams))
         try:
             results = await _finish(request, streams)

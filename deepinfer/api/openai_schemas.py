@@ -2,13 +2,18 @@
 
 Requests ignore unknown fields (clients send many); the vLLM extras that benchmark tools send
 (ignore_eos, min_tokens, top_k, min_p, repetition_penalty, stop_token_ids) are honoured.
-`tools`, `response_format` and `logit_bias` are read only so that the server's request limits
-apply to them (kept raw, not interpreted); they do not change what is generated.
+`response_format`, vLLM's guided fields and `logit_bias` constrain sampling
+(`structured.py`); the raw ones are kept raw for the request limits first. `tools` are kept raw for
+the limits, then decoded as `FunctionTool`s (`tool_plan.py`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+from deepinfer.api.openai_refused import OpenAIRefusedFields
 
 # ---- requests
 
@@ -18,10 +23,44 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct):
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(msgspec.Struct):
+    type: str
+    function: FunctionDef | None = None
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: str
+    function: FunctionName
 
 
 class StreamOptions(msgspec.Struct):
@@ -29,7 +68,7 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool | None = None
 
 
-class _SamplingFields(msgspec.Struct):
+class _SamplingFields(OpenAIRefusedFields):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -48,9 +87,14 @@ class _SamplingFields(msgspec.Struct):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
-    """Counted against `max_logit_bias`; not applied to sampling."""
+    """Counted against `max_logit_bias`; added to the logits (api/structured.py)."""
     cache_salt: str | None = None
     cache_retention: str | None = None
+    guided_json: msgspec.Raw = msgspec.Raw()
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: msgspec.Raw = msgspec.Raw()
+    """vLLM's constraints (api/structured.py), sized against `max_schema_bytes`."""
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -61,10 +105,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
     tools: list[msgspec.Raw] | None = None
-    """Counted and sized against `max_tools` and `max_schema_bytes`; not interpreted."""
+    """Counted and sized against `max_tools` and `max_schema_bytes`, then decoded."""
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: msgspec.Raw = msgspec.Raw()
-    """Sized against `max_schema_bytes` (empty when absent; msgspec takes no `Raw | None`); not
-    interpreted."""
+    """Sized against `max_schema_bytes` (empty when absent; msgspec takes no `Raw | None`);
+    decoded by api/structured.py."""
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -116,10 +162,22 @@ class ChoiceLogprobs(msgspec.Struct):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -139,9 +197,24 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionChunk(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """A call's first chunk has id, type and function.name; later ones argument fragments."""
+
+    index: int
+    function: FunctionChunk
+    id: str | None = None
+    type: str | None = None
+
+
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChunkChoice(msgspec.Struct):

@@ -13,7 +13,7 @@ from deepinfer.engine.types import EngineStats, GenerationOutput
 from deepinfer.request import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer.text.recipe import ChatMessage
+    from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 
 class TokenizerLike(Protocol):
@@ -34,8 +34,10 @@ class RecipeLike(Protocol):
         *,
         add_generation_prompt: bool = True,
         reasoning_effort: Any = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        """Prompt ids for chat messages (injection-safe); raises InvalidRequestError."""
+        """Prompt ids for chat messages and the tools they may call (injection-safe); raises
+        InvalidRequestError."""
         ...
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -19,6 +19,9 @@ Rendering rules (ChatML):
 - Reasoning effort: the line `Reasoning effort: {effort}.` is appended to the system prompt (the
   given one, else the default one) after a blank line (`"\\n\\n"`); with neither, it is the whole
   system prompt.
+- Tools: a conversation with tool definitions, calls or results is rendered in the model's tool
+  format (`tools.py`, read from the template once): the same turns, with the markers it writes
+  as ids where the vocabulary has them, and no text able to spell one.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from deepinfer.errors import InvalidRequestError, ModelLoadError
+from deepinfer.text.messages import ChatMessage, ToolCall, ToolSpec
 from deepinfer.text.tokenizer import Tokenizer
+from deepinfer.text.tools import MARKERS, Piece, ToolFormat, join_pieces, uses_tools
+
+__all__ = ["ChatMessage", "ChatRecipe", "ToolCall", "ToolSpec"]
 
 ReasoningEffort = Literal["low", "medium", "high"]
 ROLES = ("system", "user", "assistant", "tool")
@@ -39,15 +45,6 @@ IM_END = "<|im_end|>"
 
 _STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
 _DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n(.+?)<\|im_end\|>", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    """One turn of a conversation, as the API hands it over (text only)."""
-
-    role: str
-    content: str
-    name: str | None = None
 
 
 def reasoning_effort_line(effort: ReasoningEffort) -> str:
@@ -100,8 +97,10 @@ class ChatRecipe:
         *,
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        """Prompt ids for `messages`, ending with the assistant header when asked."""
+        """Prompt ids for `messages` (and the tools the model may call), ending with the
+        assistant header when asked."""
         raise NotImplementedError
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -155,6 +154,14 @@ class ChatMLRecipe(ChatRecipe):
         self.default_system_prompt = find_default_system_prompt(tokenizer.chat_template or "")
         stops = {end, *self.end_of_turn_ids, tokenizer.token_to_id("<|endoftext|>")}
         self.end_of_turn_ids = frozenset(i for i in stops if i is not None)
+        marker_ids = {m: tokenizer.token_to_id(m) for m in MARKERS}
+        self.tool_format = ToolFormat.from_template(tokenizer.chat_template).with_marker_ids(
+            {
+                m: i
+                for m, i in marker_ids.items()
+                if i is not None and i in tokenizer.added_token_ids
+            }
+        )
 
     def encode(
         self,
@@ -162,22 +169,36 @@ class ChatMLRecipe(ChatRecipe):
         *,
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         turns = self._validated(messages)
         system: str | None = None
         if turns and turns[0].role == "system":
             system = self._body(turns.pop(0))
-        elif turns:  # the templates insert their default only ahead of a first message
+        elif turns or tools:  # the templates insert their default only ahead of a first message
             system = self.default_system_prompt
         system = self._with_effort(system, reasoning_effort)
-        texts = [] if system is None else [f"system\n{system}"]
-        texts += [f"{m.role}\n{self._body(m)}" for m in turns]
+        rendered: list[list[Piece]]
+        if uses_tools(turns, tools):
+            rendered = self.tool_format.render(system, turns, tools)
+        else:  # the plain path, unchanged by the tool format
+            rendered = [] if system is None else [[f"system\n{system}"]]
+            rendered += [[f"{m.role}\n{self._body(m)}"] for m in turns]
         ids = self._bos()
-        for encoded in self.tokenizer.encode_batch(texts):
+        for encoded in self._encode_turns(rendered):
             ids += [self.im_start_id, *encoded, self.im_end_id, *self.newline_ids]
         if add_generation_prompt:
             ids += [self.im_start_id, *self.tokenizer.encode("assistant\n")]
         return ids
+
+    def _encode_turns(self, turns: Sequence[Sequence[Piece]]) -> list[list[int]]:
+        """Each turn's ids: its texts encoded in one batch, its marker ids kept as they are."""
+        joined = [join_pieces(t) for t in turns]
+        texts = [p for t in joined for p in t if isinstance(p, str)]
+        encoded = iter(self.tokenizer.encode_batch(texts))
+        return [
+            [i for p in t for i in (next(encoded) if isinstance(p, str) else [p])] for t in joined
+        ]
 
 
 class PlainRecipe(ChatRecipe):
@@ -198,8 +219,13 @@ class PlainRecipe(ChatRecipe):
         *,
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         turns = self._validated(messages)
+        if uses_tools(turns, tools):
+            raise InvalidRequestError(
+                "tools: this model has no chat template, so no tool format", param="tools"
+            )
         system = self._body(turns.pop(0)) if turns and turns[0].role == "system" else None
         system = self._with_effort(system, reasoning_effort)
         parts = [] if system is None else [f"System: {system}"]

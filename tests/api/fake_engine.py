@@ -1,7 +1,8 @@
 """A small engine implementing the `AsyncEngine` contract, for fast API tests.
 
 Character-level tokenizer (control tokens 0-2 never produced by `encode`), a ChatML-like recipe,
-a reply of fixed text generated one token per step, a block pool whose use is checked, and a
+a reply of fixed text (or `reply`, set by a test: e.g. a scripted tool call) generated one token
+per step, a block pool whose use is checked, and a
 prefix cache of whole blocks.
 """
 
@@ -22,7 +23,7 @@ from deepinfer.errors import (
 )
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason, SamplingParams
-from deepinfer.text.recipe import ChatMessage
+from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 REPLY = "Hello there! I am a fake model, replying one character per step. "
@@ -48,14 +49,20 @@ class FakeRecipe:
         *,
         add_generation_prompt: bool = True,
         reasoning_effort: Any = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         ids: list[int] = []
+        if tools:
+            defs = "\n".join(t.definition for t in tools)
+            ids += [1, *self.tok.encode(f"tools\n{defs}"), 2, *self.tok.encode("\n")]
         for i, m in enumerate(messages):
-            if m.role not in ("system", "user", "assistant"):
+            if m.role not in ("system", "user", "assistant", "tool"):
                 raise InvalidRequestError(
                     f"messages[{i}].role is {m.role!r}", f"messages[{i}].role"
                 )
-            ids += [1, *self.tok.encode(f"{m.role}\n{m.content}"), 2, *self.tok.encode("\n")]
+            calls = "".join(f"\n{c.name}({c.arguments})" for c in m.tool_calls)
+            body = f"{m.role}\n{m.content}{calls}"
+            ids += [1, *self.tok.encode(body), 2, *self.tok.encode("\n")]
         if add_generation_prompt:
             ids += [1, *self.tok.encode("assistant\n")]
         return ids
@@ -135,6 +142,7 @@ class FakeEngine:
         self.step_observers: list[Any] = []
         self.num_merges = 0
         self.num_aborted = 0
+        self.reply = REPLY
         self._reqs: dict[str, _Req] = {}
         self._seen_prefixes: set[tuple[int, ...]] = set()
         self._used_blocks = 0
@@ -192,7 +200,7 @@ class FakeEngine:
             raise OverloadedError("too many requests", retry_after_s=2)
         self._counter += 1
         rid = request_id or f"fake-{self._counter}"
-        reply, stop_reason = REPLY, None
+        reply, stop_reason = self.reply, None
         for s in params.stop:
             if s in reply:
                 reply, stop_reason = reply[: reply.index(s)], s

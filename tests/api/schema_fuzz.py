@@ -13,6 +13,7 @@ absent optional fields and plausible values, so a minimal failing body shows onl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable
@@ -121,26 +122,34 @@ def field_names(request_type: type) -> set[str]:
     return names
 
 
-def _collect_names(t: mi.Type, names: set[str]) -> None:
+def _collect_names(t: mi.Type, names: set[str], seen: frozenset[type] = frozenset()) -> None:
     if isinstance(t, mi.StructType):
+        if t.cls in seen:  # a recursive type: its fields are collected already
+            return
         for f in t.fields:
             names.add(f.encode_name)
-            _collect_names(f.type, names)
+            _collect_names(f.type, names, seen | {t.cls})
     elif isinstance(t, mi.UnionType):
         for member in t.types:
-            _collect_names(member, names)
+            _collect_names(member, names, seen)
     elif isinstance(t, mi.ListType | mi.DictType):
-        _collect_names(t.item_type if isinstance(t, mi.ListType) else t.value_type, names)
+        item = t.item_type if isinstance(t, mi.ListType) else t.value_type
+        _collect_names(item, names, seen)
 
 
 @dataclass(frozen=True)
 class _Walker:
     rate: int
     limits: Limits
+    outer: frozenset[type] = frozenset()
+    """Struct types being walked: a recursive type nests once, then as an empty object."""
 
     def struct(self, t: mi.StructType, presence_pct: int = 80) -> Strategy:
         """Objects of `t`: each optional field present in `presence_pct` percent of them."""
-        fields = [(f, self.field(f.type, f.encode_name)) for f in t.fields]
+        if t.cls in self.outer:
+            return st.just({})
+        inner = dataclasses.replace(self, outer=self.outer | {t.cls})
+        fields = [(f, inner.field(f.type, f.encode_name)) for f in t.fields]
         known = {f.encode_name for f in t.fields}
         extra_keys = st.sampled_from(_UNKNOWN_KEYS) | st.text(max_size=8)
         unknown = st.dictionaries(
@@ -315,23 +324,27 @@ def sweep_cases(
     info = msgspec.inspect.type_info(request_type)
     assert isinstance(info, mi.StructType)
     cases: list[tuple[str, Json]] = []
-    for path, t, name in _field_paths(info, ()):
+    for path, t, name in _field_paths(info, (), frozenset()):
         for value in _sweep_values(t, name, limits):
             cases.append((_path_text(path), _with_value(base, path, value)))
     return cases
 
 
-def _field_paths(t: mi.StructType, prefix: Path) -> list[tuple[Path, mi.Type, str]]:
-    """Every field below `t`, with its path: list items are reached through index 0."""
+def _field_paths(
+    t: mi.StructType, prefix: Path, outer: frozenset[type]
+) -> list[tuple[Path, mi.Type, str]]:
+    """Every field below `t`, with its path: list items are reached through index 0; a
+    recursive type is walked once."""
     out: list[tuple[Path, mi.Type, str]] = []
+    inner = outer | {t.cls}
     for f in t.fields:
         path = (*prefix, f.encode_name)
         out.append((path, f.type, f.encode_name))
         for member in f.type.types if isinstance(f.type, mi.UnionType) else (f.type,):
-            if isinstance(member, mi.StructType):
-                out += _field_paths(member, path)
-            elif isinstance(member, mi.ListType) and isinstance(member.item_type, mi.StructType):
-                out += _field_paths(member.item_type, (*path, 0))
+            item = member.item_type if isinstance(member, mi.ListType) else member
+            if not isinstance(item, mi.StructType) or item.cls in inner:
+                continue
+            out += _field_paths(item, (*path, 0) if item is not member else path, inner)
     return out
 
 

@@ -77,6 +77,12 @@ def tool(name: str, size: int = 0) -> Body:
     return {"name": name, "description": "d" * size, "input_schema": {"type": "object"}}
 
 
+def function_tool(name: str, size: int = 0) -> Body:
+    """An OpenAI function tool."""
+    function = {"name": name, "description": "d" * size, "parameters": {"type": "object"}}
+    return {"type": "function", "function": function}
+
+
 def chat(**fields: Any) -> tuple[str, Body]:
     return "/v1/chat/completions", {"messages": user(), "max_tokens": 3, **fields}
 
@@ -110,7 +116,7 @@ def post(client: httpx.Client, path: str, body: Body) -> httpx.Response:
     return client.post(path, content=compact(body), headers={"content-type": "application/json"})
 
 
-def fitting_tools() -> list[Body]:
+def fitting_tools(tool: Callable[..., Body] = tool) -> list[Body]:
     """Two tools whose JSON is exactly max_schema_bytes together."""
     room = LIMITS.max_schema_bytes - schema_size(tool("a")) - schema_size(tool("b"))
     tools = [tool("a"), tool("b", room)]
@@ -145,15 +151,15 @@ CASES: list[tuple[Case, Body, Body, str, str]] = [
     ),
     (
         chat,
-        {"tools": [tool("a"), tool("b")]},
-        {"tools": [tool(c) for c in "abc"]},
+        {"tools": [function_tool("a"), function_tool("b")]},
+        {"tools": [function_tool(c) for c in "abc"]},
         "tools",
         "max_tools",
     ),
     (
         chat,
-        {"tools": fitting_tools()},
-        {"tools": [tool("a"), tool("bb", LIMITS.max_schema_bytes - 100)]},
+        {"tools": fitting_tools(function_tool)},
+        {"tools": [function_tool("a"), function_tool("bb", LIMITS.max_schema_bytes - 100)]},
         "tools",
         "max_schema_bytes",
     ),

@@ -1,0 +1,97 @@
+"""Responses input items -> chat messages, and engine results -> Responses output pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.api.errors import ApiError, ErrorKind
+from deepinfer.api.responses_schemas import (
+    IncompleteDetails,
+    InputItem,
+    InputPart,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseUsage,
+)
+from deepinfer.api.unsupported import unsupported
+from deepinfer.engine.types import Usage
+from deepinfer.request import FinishReason
+from deepinfer.text.recipe import ChatMessage
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(ErrorKind.INVALID_REQUEST, f"{param}: {message}", param=param)
+
+
+def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
+    """The turns an `input` adds: a string is one user message; items are messages (text parts
+    only). Tool items are refused: this server does not call tools."""
+    if isinstance(items, str):
+        return [ChatMessage("user", items)]
+    out: list[ChatMessage] = []
+    for i, item in enumerate(items):
+        kind = item.type or ("message" if item.role is not None else None)
+        if kind in ("function_call", "function_call_output"):
+            raise unsupported(f"input[{i}].type", f"{kind!r} items need tool calling")
+        if kind != "message":
+            raise invalid(f"input[{i}].type", f"unsupported item type {kind!r}; use 'message'")
+        out.append(_message(item, f"input[{i}]"))
+    return out
+
+
+def _message(item: InputItem, param: str) -> ChatMessage:
+    role = _ROLES.get(item.role or "")
+    if role is None:
+        raise invalid(
+            f"{param}.role", f"unsupported role {item.role!r}; use one of {sorted(_ROLES)}"
+        )
+    if item.content is None:
+        raise invalid(f"{param}.content", "a message needs content")
+    return ChatMessage(role, _text(item.content, f"{param}.content"))
+
+
+def _text(content: str | list[InputPart], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS:
+            raise invalid(
+                f"{param}[{j}].type",
+                f"unsupported content part {part.type!r}; use 'input_text' or 'output_text'",
+            )
+        if part.text is None:
+            raise invalid(f"{param}[{j}].text", "a text part needs text")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def prompt_messages(
+    instructions: str | None, history: Sequence[ChatMessage], turn: Sequence[ChatMessage]
+) -> list[ChatMessage]:
+    """Instructions (not carried over from a previous response) as the system message, then
+    the stored conversation, then this request's turns."""
+    system = [] if instructions is None else [ChatMessage("system", instructions)]
+    return [*system, *history, *turn]
+
+
+def response_usage(usage: Usage) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(),
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+    )
+
+
+def status_of(reason: FinishReason) -> tuple[str, IncompleteDetails | None]:
+    """(response status, incomplete details) of a finished generation."""
+    if reason is FinishReason.LENGTH:
+        return "incomplete", IncompleteDetails("max_output_tokens")
+    if reason in (FinishReason.ABORT, FinishReason.ERROR):
+        return "failed", None
+    return "completed", None

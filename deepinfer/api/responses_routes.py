@@ -1,0 +1,137 @@
+"""OpenAI Responses API: POST /v1/responses (streaming and not), with `previous_response_id`
+continuing a stored conversation. Errors use OpenAI's envelope (the Responses API's own)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from deepinfer.api.cache_options import cache_options
+from deepinfer.api.context import ApiContext, default_max_tokens, new_id
+from deepinfer.api.errors import ApiError, ErrorKind, openai_error_response
+from deepinfer.api.limits import over_limit
+from deepinfer.api.responses_convert import input_messages, invalid, prompt_messages
+from deepinfer.api.responses_fields import check_fields, reasoning_effort
+from deepinfer.api.responses_schemas import ResponsesRequest
+from deepinfer.api.responses_store import ResponseStore
+from deepinfer.api.responses_stream import Pending, response_events
+from deepinfer.api.sse import EventStreamResponse, unless_disconnected
+from deepinfer.api.streams import collect
+from deepinfer.config import Config, DiskCacheConfig, RequestLimits
+from deepinfer.errors import InvalidRequestError
+from deepinfer.request import SamplingParams
+from deepinfer.text.recipe import ChatMessage
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+CLIENT_CLOSED = 499
+DAY_S = 86_400.0
+
+
+def responses_routes(ctx: ApiContext) -> list[Route]:
+    store = new_store(ctx.engine)
+    return [Route("/v1/responses", _create_handler(ctx, store), methods=["POST"])]
+
+
+def new_store(engine: Any) -> ResponseStore:
+    """A store whose retention lifetimes are the engine's disk-tier classes (defaults when the
+    engine carries no `Config`)."""
+    config = getattr(engine, "config", None)
+    disk = config.disk_cache if isinstance(config, Config) else DiskCacheConfig()
+    lifetimes_s = {"agent": disk.agent_days * DAY_S, "chat": disk.chat_days * DAY_S}
+    return ResponseStore(lifetimes_s, disk.default_retention)
+
+
+def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
+    async def create_response(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = await ctx.read_json(request, ResponsesRequest)
+            pending = await _prepare(ctx, store, request, req)
+            params = _sampling_params(ctx, req, pending.num_prompt_ids)
+            cache = pending.cache
+            (stream,) = await ctx.submit_all(
+                [pending.prompt_ids], [params], request_id=pending.response_id, cache=cache
+            )
+        except Exception as exc:
+            return openai_error_response(exc)
+        if req.stream:
+            return EventStreamResponse(response_events(pending, stream, store), stream.aclose)
+        try:
+            done, result = await unless_disconnected(request.receive, collect(stream))
+        except Exception as exc:
+            return openai_error_response(exc)
+        if not done or result is None:
+            await stream.aclose()
+            return Response(status_code=CLIENT_CLOSED)
+        body = pending.finish(result.text, result.finish_reason, result.usage, store)
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    return create_response
+
+
+async def _prepare(
+    ctx: ApiContext, store: ResponseStore, request: Request, req: ResponsesRequest
+) -> Pending:
+    """Check the fields, rebuild the conversation and encode the prompt."""
+    check_fields(req)
+    _check_num_items(req, ctx.limits)
+    cache = cache_options(request, req.cache_salt, req.cache_retention)
+    history = _history(store, req.previous_response_id, cache.salt)
+    conversation = (*history, *input_messages(req.input))
+    messages = prompt_messages(req.instructions, (), conversation)
+    ids = await ctx.encode_chat(messages, reasoning_effort(req))
+    return Pending(
+        response_id=new_id("resp_"),
+        message_id=new_id("msg_"),
+        created_at=int(time.time()),
+        model=ctx.model_name,
+        req=req,
+        conversation=conversation,
+        cache=cache,
+        prompt_ids=ids,
+    )
+
+
+def _history(
+    store: ResponseStore, response_id: str | None, salt: str | None
+) -> tuple[ChatMessage, ...]:
+    if response_id is None:
+        return ()
+    stored = store.get(response_id, salt)
+    if stored is None:
+        raise ApiError(
+            ErrorKind.NOT_FOUND,
+            f"previous_response_id: no stored response with id {response_id!r}",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return stored.messages
+
+
+def _check_num_items(req: ResponsesRequest, limits: RequestLimits) -> None:
+    n = limits.max_messages
+    if isinstance(req.input, list) and len(req.input) > n:
+        raise over_limit("input", f"{n} items", "max_messages", len(req.input))
+
+
+def _sampling_params(ctx: ApiContext, req: ResponsesRequest, num_prompt_ids: int) -> SamplingParams:
+    max_tokens = req.max_output_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid("max_output_tokens", f"must be at least 1, got {max_tokens}")
+    if max_tokens is None:
+        max_tokens = default_max_tokens(ctx.engine.max_model_len, num_prompt_ids)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+        )
+    except InvalidRequestError as exc:
+        raise ApiError(ErrorKind.INVALID_REQUEST, exc.message, param=exc.param) from None

@@ -1,0 +1,101 @@
+"""The incremental tool-call parser: any split of an answer parses as the whole does."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from deepinfer.text.tool_parser import (
+    ParsedAnswer,
+    ParsedCall,
+    ToolCallParser,
+    collect_events,
+    parse_answer,
+)
+
+
+def call(name: str, args: object, sep: str = "\n") -> str:
+    body = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+    return f"<tool_call>{sep}{body}{sep}</tool_call>"
+
+
+ANSWERS = [
+    "Let me check." + call("get_weather", {"city": "Paris", "units": ["c", {"x": "}]"}]}),
+    call("a", {}) + "\n" + call("b", {"q": 'say "hi" \\ <b> {'}) + "\n",
+    "plain text with < and <tool and </tool_call> and {json}",
+    call("f", {"n": 1}, sep="") + " after",
+    "<tool_call>not json</tool_call> then " + call("g", {"k": "é 日本"}),
+    '<tool_call>\n{"name": "cut", "arguments": {"a": "unfinished',
+    '<tool_call>\n{"name": "h"',
+    "text <tool_",
+]
+
+
+def split_parse(text: str, rng: random.Random, max_calls: int | None = None) -> ParsedAnswer:
+    parser = ToolCallParser(max_calls)
+    events = []
+    k = 0
+    while k < len(text):
+        n = rng.randint(1, 7)
+        events += parser.feed(text[k : k + n])
+        k += n
+    return collect_events([*events, *parser.finish()])
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_random_splits_parse_as_one_piece(text: str) -> None:
+    whole = parse_answer(text)
+    rng = random.Random(text)
+    for _ in range(200):
+        assert split_parse(text, rng) == whole
+    parser = ToolCallParser()
+    one_char = collect_events([e for c in text for e in parser.feed(c)] + parser.finish())
+    assert one_char == whole
+
+
+def test_calls_content_and_arguments() -> None:
+    answer = parse_answer(ANSWERS[0])
+    args = {"city": "Paris", "units": ["c", {"x": "}]"}]}
+    assert answer == ParsedAnswer("Let me check.", [ParsedCall("get_weather", json.dumps(args))])
+    two = parse_answer(ANSWERS[1])
+    assert two.content == "" and [c.name for c in two.calls] == ["a", "b"]
+    assert json.loads(two.calls[1].arguments) == {"q": 'say "hi" \\ <b> {'}
+    assert parse_answer(ANSWERS[3]).content == "after"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>not json</tool_call>",
+        '<tool_call>\n{"nam": "f", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+        '<tool_call>\n{"name": "h"',
+        "<tool_call>",
+        "<tool_call><tool_call>",
+    ],
+)
+def test_malformed_calls_are_text(text: str) -> None:
+    assert parse_answer(text) == ParsedAnswer(text, [])
+
+
+def test_arguments_stream_before_the_call_closes() -> None:
+    parser = ToolCallParser()
+    assert parser.feed('<tool_call>\n{"name": "f", "arguments": {"a"') != []
+    events = parser.feed(': "partial')
+    assert [e.arguments for e in events if hasattr(e, "arguments")] == [': "partial']
+
+
+def test_cut_off_call_keeps_its_arguments() -> None:
+    answer = parse_answer(ANSWERS[5])
+    assert answer.calls == [ParsedCall("cut", '{"a": "unfinished')]
+
+
+def test_max_calls_drops_later_calls() -> None:
+    text = call("a", {}) + call("b", {}) + "tail"
+    answer = parse_answer(text, max_calls=1)
+    assert [c.name for c in answer.calls] == ["a"] and answer.content == "tail"
+    assert split_parse(text, random.Random(1), max_calls=1) == answer
