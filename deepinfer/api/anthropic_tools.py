@@ -17,16 +17,19 @@ from deepinfer.api.anthropic_schemas import (
     InputJsonDelta,
     TextBlock,
     TextDelta,
+    ToolChoiceIn,
     ToolIn,
     ToolUseBlock,
 )
 from deepinfer.api.tool_plan import (
-    NO_CONSTRAINED_CHOICE,
-    NO_TOOLS,
+    EMPTY_PARAMETERS,
+    ToolChoice,
     ToolPlan,
+    ToolSchema,
     ToolStream,
     call_arguments,
     invalid,
+    tool_plan,
 )
 from deepinfer.text.messages import ChatMessage, ToolCall, ToolSpec
 from deepinfer.text.tool_parser import CallDelta, ContentDelta, ParseEvent
@@ -39,20 +42,33 @@ Event = ContentBlockStart | ContentBlockDelta | ContentBlockStop
 
 
 def anthropic_plan(req: CountTokensRequest) -> ToolPlan:
-    """`tools` (custom tools) and `tool_choice` (auto, none); 400 naming the field."""
+    """`tools` (custom tools) and `tool_choice` (auto, none, any, tool); 400 naming the field.
+    `any` and `tool` are forced by constrained decoding."""
+    declared = [_spec(raw, i) for i, raw in enumerate(req.tools or ())]
+    specs = tuple(spec for spec, _ in declared)
+    schemas = tuple(schema for _, schema in declared)
     choice = req.tool_choice
-    if choice is not None and choice.type not in ("auto", "none"):
-        if choice.type in ("any", "tool"):
-            raise invalid("tool_choice.type", NO_CONSTRAINED_CHOICE)
-        raise invalid("tool_choice.type", f"unknown value {choice.type!r}; use auto or none")
-    specs = tuple(_spec(raw, i) for i, raw in enumerate(req.tools or ()))
-    if not specs or (choice is not None and choice.type == "none"):
-        return NO_TOOLS
     one = choice is not None and bool(choice.disable_parallel_tool_use)
-    return ToolPlan(specs, 1 if one else None)
+    return tool_plan(specs, schemas, _choice(choice), 1 if one else None)
 
 
-def _spec(raw: msgspec.Raw, i: int) -> ToolSpec:
+_MODES = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}
+
+
+def _choice(choice: ToolChoiceIn | None) -> ToolChoice:
+    if choice is None:
+        return ToolChoice()
+    mode = _MODES.get(choice.type)
+    if mode is None:
+        raise invalid(
+            "tool_choice.type", f"unknown value {choice.type!r}; use auto, any, tool or none"
+        )
+    if mode == "named" and choice.name is None:
+        raise invalid("tool_choice.name", "a 'tool' choice needs the tool's name")
+    return ToolChoice(mode, choice.name, "tool_choice.name")
+
+
+def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     try:
         tool = msgspec.json.decode(raw, type=ToolIn)
     except msgspec.ValidationError as exc:
@@ -63,7 +79,12 @@ def _spec(raw: msgspec.Raw, i: int) -> ToolSpec:
     if tool.description is not None:
         function["description"] = tool.description
     function["parameters"] = tool.input_schema or {"type": "object", "properties": {}}
-    return ToolSpec.from_definition(tool.name, {"type": "function", "function": function})
+    parameters = EMPTY_PARAMETERS
+    if tool.input_schema is not None:
+        parameters = json.dumps(tool.input_schema, ensure_ascii=False)
+    schema = ToolSchema(tool.name, parameters, f"tools.{i}.input_schema")
+    spec = ToolSpec.from_definition(tool.name, {"type": "function", "function": function})
+    return spec, schema
 
 
 def block_turns(role: str, blocks: list[ContentBlockIn], param: str) -> list[ChatMessage]:

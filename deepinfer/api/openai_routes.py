@@ -40,6 +40,7 @@ from deepinfer.api.openai_tools import CALL_ID_PREFIX, answer_message, openai_pl
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
+from deepinfer.api.tool_grammar import forced_calls, recipe_format
 from deepinfer.api.tool_plan import ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
 
@@ -98,8 +99,11 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             top = (req.top_logprobs or 0) if req.logprobs else None
             if req.top_logprobs is not None and not req.logprobs:
                 raise invalid("top_logprobs", "needs logprobs: true")
+            fmt = recipe_format(ctx.engine.recipe)
             params = [
-                sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i)
+                forced_calls(
+                    sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i), plan, fmt
+                )
                 for i in range(n)
             ]
             rid = new_id("chatcmpl-")

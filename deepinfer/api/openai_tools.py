@@ -1,6 +1,12 @@
-"""OpenAI function tools: request fields -> `ToolPlan` and history calls; answers -> wire calls."""
+"""OpenAI function tools: request fields -> `ToolPlan` and history calls; answers -> wire calls.
+
+`strict: true` changes nothing under `auto` (see `tool_grammar.py`); a forced choice always
+constrains the arguments to their schema.
+"""
 
 from __future__ import annotations
+
+import json
 
 import msgspec
 
@@ -12,16 +18,19 @@ from deepinfer.api.openai_schemas import (
     FunctionCallOut,
     FunctionChunk,
     FunctionTool,
+    NamedToolChoice,
     ToolCallChunk,
     ToolCallOut,
 )
 from deepinfer.api.tool_plan import (
-    NO_CONSTRAINED_CHOICE,
-    NO_TOOLS,
+    EMPTY_PARAMETERS,
+    ToolChoice,
     ToolPlan,
+    ToolSchema,
     ToolStream,
     call_arguments,
     invalid,
+    tool_plan,
 )
 from deepinfer.text.messages import ToolCall, ToolSpec
 from deepinfer.text.tool_parser import CallDelta, ContentDelta, ParseEvent
@@ -30,19 +39,29 @@ CALL_ID_PREFIX = "call_"
 
 
 def openai_plan(req: ChatCompletionRequest) -> ToolPlan:
-    """`tools`, `tool_choice` (none, auto) and `parallel_tool_calls`; 400 naming the field."""
-    choice = req.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        if choice == "required" or not isinstance(choice, str):
-            raise invalid("tool_choice", NO_CONSTRAINED_CHOICE)
-        raise invalid("tool_choice", f"unknown value {choice!r}; use 'none' or 'auto'")
-    specs = tuple(_spec(raw, i) for i, raw in enumerate(req.tools or ()))
-    if choice == "none" or not specs:
-        return NO_TOOLS
-    return ToolPlan(specs, None if req.parallel_tool_calls in (None, True) else 1)
+    """`tools`, `tool_choice` (none, auto, required, named) and `parallel_tool_calls`; 400
+    naming the field. `required` and a named function are forced by constrained decoding."""
+    declared = [_spec(raw, i) for i, raw in enumerate(req.tools or ())]
+    specs = tuple(spec for spec, _ in declared)
+    schemas = tuple(schema for _, schema in declared)
+    max_calls = None if req.parallel_tool_calls in (None, True) else 1
+    return tool_plan(specs, schemas, _choice(req.tool_choice), max_calls)
 
 
-def _spec(raw: msgspec.Raw, i: int) -> ToolSpec:
+def _choice(choice: str | NamedToolChoice | None) -> ToolChoice:
+    if choice is None or isinstance(choice, str):
+        mode = choice or "auto"
+        if mode not in ("none", "auto", "required"):
+            raise invalid(
+                "tool_choice", f"unknown value {mode!r}; use 'none', 'auto' or 'required'"
+            )
+        return ToolChoice(mode)
+    if choice.type != "function":
+        raise invalid("tool_choice.type", f"unsupported type {choice.type!r}; use 'function'")
+    return ToolChoice("named", choice.function.name, "tool_choice.function.name")
+
+
+def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     try:
         tool = msgspec.json.decode(raw, type=FunctionTool)
         definition = msgspec.json.decode(raw)
@@ -50,7 +69,12 @@ def _spec(raw: msgspec.Raw, i: int) -> ToolSpec:
         raise invalid(f"tools[{i}]", str(exc)) from None
     if tool.type != "function" or tool.function is None:
         raise invalid(f"tools[{i}].type", f"unsupported tool type {tool.type!r}; use 'function'")
-    return ToolSpec.from_definition(tool.function.name, definition)
+    function = tool.function
+    parameters = EMPTY_PARAMETERS
+    if function.parameters is not None:
+        parameters = json.dumps(function.parameters, ensure_ascii=False)
+    schema = ToolSchema(function.name, parameters, f"tools[{i}].function.parameters")
+    return ToolSpec.from_definition(function.name, definition), schema
 
 
 def history_calls(m: ChatMessageIn, i: int) -> tuple[ToolCall, ...]:

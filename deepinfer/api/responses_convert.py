@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.responses_schemas import (
@@ -13,9 +14,10 @@ from deepinfer.api.responses_schemas import (
     OutputTokensDetails,
     ResponseUsage,
 )
-from deepinfer.api.unsupported import unsupported
+from deepinfer.api.tool_plan import call_arguments
 from deepinfer.engine.types import Usage
 from deepinfer.request import FinishReason
+from deepinfer.text.messages import ToolCall
 from deepinfer.text.recipe import ChatMessage
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -28,18 +30,51 @@ def invalid(param: str, message: str) -> ApiError:
 
 def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
     """The turns an `input` adds: a string is one user message; items are messages (text parts
-    only). Tool items are refused: this server does not call tools."""
+    only), `function_call` items (joined to the assistant turn they follow) and
+    `function_call_output` items (tool turns)."""
     if isinstance(items, str):
         return [ChatMessage("user", items)]
     out: list[ChatMessage] = []
     for i, item in enumerate(items):
         kind = item.type or ("message" if item.role is not None else None)
-        if kind in ("function_call", "function_call_output"):
-            raise unsupported(f"input[{i}].type", f"{kind!r} items need tool calling")
-        if kind != "message":
-            raise invalid(f"input[{i}].type", f"unsupported item type {kind!r}; use 'message'")
-        out.append(_message(item, f"input[{i}]"))
+        if kind == "function_call":
+            _append_call(out, _call(item, f"input[{i}]"))
+        elif kind == "function_call_output":
+            out.append(_call_output(item, f"input[{i}]"))
+        elif kind == "message":
+            out.append(_message(item, f"input[{i}]"))
+        else:
+            raise invalid(
+                f"input[{i}].type",
+                f"unsupported item type {kind!r}; use 'message', 'function_call' or "
+                "'function_call_output'",
+            )
     return out
+
+
+def _call(item: InputItem, param: str) -> ToolCall:
+    if item.call_id is None or item.name is None:
+        raise invalid(param, "a function_call item needs call_id and name")
+    if item.arguments is None:
+        raise invalid(f"{param}.arguments", "a function_call item needs arguments")
+    return ToolCall(item.name, call_arguments(item.arguments, f"{param}.arguments"), item.call_id)
+
+
+def _append_call(out: list[ChatMessage], call: ToolCall) -> None:
+    """A call joins the assistant turn just before it (its text or earlier calls)."""
+    last = out[-1] if out else None
+    if last is not None and last.role == "assistant":
+        out[-1] = replace(last, tool_calls=(*last.tool_calls, call))
+    else:
+        out.append(ChatMessage("assistant", "", tool_calls=(call,)))
+
+
+def _call_output(item: InputItem, param: str) -> ChatMessage:
+    if item.call_id is None:
+        raise invalid(f"{param}.call_id", "a function_call_output item needs call_id")
+    if item.output is None:
+        raise invalid(f"{param}.output", "a function_call_output item needs output")
+    return ChatMessage("tool", _text(item.output, f"{param}.output"), tool_call_id=item.call_id)
 
 
 def _message(item: InputItem, param: str) -> ChatMessage:

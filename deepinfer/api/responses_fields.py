@@ -1,7 +1,9 @@
 """Which Responses request fields are honoured, and the 400 for each one set but not honoured.
 
-Honoured: input, instructions, max_output_tokens, temperature, top_p, metadata, store, stream,
-previous_response_id, reasoning.effort (low/medium/high), text.format `text`, truncation
+Honoured: input (messages, function_call and function_call_output items), instructions,
+max_output_tokens, temperature, top_p, metadata, store, stream, previous_response_id,
+reasoning.effort (low/medium/high), tools (function tools), tool_choice, parallel_tool_calls,
+text.format (`text`, `json_schema`, `json_object`; checked in `responses_tools.py`), truncation
 `disabled`, service_tier auto/default, stream_options.include_obfuscation false (no obfuscation
 is ever added), and the deepinfer extensions cache_salt and cache_retention. Accepted as
 informational: model (one model is served), user, safety_identifier, prompt_cache_key (caching
@@ -22,7 +24,6 @@ _EFFORTS = ("low", "medium", "high")
 
 def check_fields(req: ResponsesRequest) -> None:
     """400 naming the first field set to a value the server would have to honour but does not."""
-    _check_tools(req)
     refuse_set(
         {
             "background": bool(req.background),
@@ -52,24 +53,9 @@ def check_fields(req: ResponsesRequest) -> None:
     _check_metadata(req.metadata)
 
 
-def _check_tools(req: ResponsesRequest) -> None:
-    refuse_set(
-        {
-            "tools": bool(req.tools),
-            "tool_choice": is_set(req.tool_choice) and bytes(req.tool_choice).strip() != b'"auto"',
-            "parallel_tool_calls": req.parallel_tool_calls is False,
-        },
-        "tool calling is not supported by this server",
-    )
-
-
 def _check_text(req: ResponsesRequest) -> None:
     if req.text is None:
         return
-    if req.text.format is not None and req.text.format.type != "text":
-        raise unsupported(
-            "text.format", f"format {req.text.format.type!r} is not supported; use 'text'"
-        )
     if req.text.verbosity not in (None, "medium"):
         raise unsupported("text.verbosity", "only 'medium' is supported")
 

@@ -9,17 +9,23 @@ from dataclasses import dataclass
 from deepinfer.api.cache_options import CacheOptions
 from deepinfer.api.responses_convert import response_usage, status_of
 from deepinfer.api.responses_schemas import (
+    FormatJsonObject,
+    FormatJsonSchema,
+    FunctionCall,
     IncompleteDetails,
     OutputItem,
     OutputMessage,
-    OutputText,
     ResponseErrorOut,
     ResponseObject,
     ResponsesRequest,
+    TextConfigOut,
 )
 from deepinfer.api.responses_store import ResponseStore
+from deepinfer.api.tool_plan import ToolPlan
+from deepinfer.api.unsupported import is_set
 from deepinfer.engine.types import Usage
 from deepinfer.request import FinishReason
+from deepinfer.text.messages import ToolCall
 from deepinfer.text.recipe import ChatMessage
 
 
@@ -34,6 +40,8 @@ class Pending:
     """The stored history, then this request's turns (instructions are not part of it)."""
     cache: CacheOptions
     prompt_ids: list[int]
+    plan: ToolPlan
+    """The request's tools: rendered into the prompt, parsed back from the answer."""
 
     @property
     def num_prompt_ids(self) -> int:
@@ -69,29 +77,48 @@ class Pending:
             completed_at=int(time.time()) if done else None,
             incomplete_details=incomplete,
             error=error,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            tool_choice=req.tool_choice if is_set(req.tool_choice) else "auto",
+            tools=list(req.tools or ()),
+            text=_text_config(req),
         )
 
-    def message(self, text: str, status: str) -> OutputMessage:
-        content = [] if status == "in_progress" else [OutputText(text)]
-        return OutputMessage(self.message_id, status, content)
-
     def finish(
-        self, text: str, reason: FinishReason, usage: Usage, store: ResponseStore
+        self, output: list[OutputItem], reason: FinishReason, usage: Usage, store: ResponseStore
     ) -> ResponseObject:
-        """The final response object; the conversation, reply included, is stored when asked."""
+        """The final response object holding `output` (its items closed by the caller with
+        `status_of(reason)`); the conversation, reply included, is stored when asked."""
         status, incomplete = status_of(reason)
         if status == "failed":
             error = ResponseErrorOut("server_error", "generation was aborted")
             return self.response(status, [], usage, error=error)
-        item_status = "completed" if status == "completed" else "incomplete"
         if self.req.store is not False:
-            reply = ChatMessage("assistant", text)
             store.put(
                 self.response_id,
-                (*self.conversation, reply),
+                (*self.conversation, reply_message(output)),
                 salt=self.cache.salt,
                 retention=self.cache.retention,
             )
-        return self.response(
-            status, [self.message(text, item_status)], usage, incomplete=incomplete
-        )
+        return self.response(status, output, usage, incomplete=incomplete)
+
+
+def reply_message(output: list[OutputItem]) -> ChatMessage:
+    """The assistant turn an answer's items make (its texts, then its calls)."""
+    text = "".join(
+        t.text for item in output if isinstance(item, OutputMessage) for t in item.content
+    )
+    calls = tuple(
+        ToolCall(item.name, item.arguments, item.call_id)
+        for item in output
+        if isinstance(item, FunctionCall)
+    )
+    return ChatMessage("assistant", text, tool_calls=calls)
+
+
+def _text_config(req: ResponsesRequest) -> TextConfigOut:
+    fmt = None if req.text is None else req.text.format
+    if fmt is None or fmt.type == "text":
+        return TextConfigOut()
+    if fmt.type == "json_object":
+        return TextConfigOut(FormatJsonObject())
+    return TextConfigOut(FormatJsonSchema(fmt.name or "", fmt.schema_, fmt.strict, fmt.description))

@@ -16,13 +16,16 @@ from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, default_max_tokens, new_id
 from deepinfer.api.errors import ApiError, ErrorKind, openai_error_response
 from deepinfer.api.limits import over_limit
-from deepinfer.api.responses_convert import input_messages, invalid, prompt_messages
+from deepinfer.api.responses_convert import input_messages, invalid, prompt_messages, status_of
 from deepinfer.api.responses_fields import check_fields, reasoning_effort
+from deepinfer.api.responses_items import whole_answer
 from deepinfer.api.responses_schemas import ResponsesRequest
 from deepinfer.api.responses_store import ResponseStore
 from deepinfer.api.responses_stream import Pending, response_events
+from deepinfer.api.responses_tools import responses_plan, text_format_spec
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import collect
+from deepinfer.api.tool_grammar import forced_calls, recipe_format
 from deepinfer.config import Config, DiskCacheConfig, RequestLimits
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import SamplingParams
@@ -55,6 +58,7 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
             req = await ctx.read_json(request, ResponsesRequest)
             pending = await _prepare(ctx, store, request, req)
             params = _sampling_params(ctx, req, pending.num_prompt_ids)
+            params = forced_calls(params, pending.plan, recipe_format(ctx.engine.recipe))
             cache = pending.cache
             (stream,) = await ctx.submit_all(
                 [pending.prompt_ids], [params], request_id=pending.response_id, cache=cache
@@ -70,7 +74,9 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
         if not done or result is None:
             await stream.aclose()
             return Response(status_code=CLIENT_CLOSED)
-        body = pending.finish(result.text, result.finish_reason, result.usage, store)
+        status, _ = status_of(result.finish_reason)
+        output = whole_answer(pending.plan, pending.message_id, result.text, status)
+        body = pending.finish(output, result.finish_reason, result.usage, store)
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     return create_response
@@ -86,7 +92,8 @@ async def _prepare(
     history = _history(store, req.previous_response_id, cache.salt)
     conversation = (*history, *input_messages(req.input))
     messages = prompt_messages(req.instructions, (), conversation)
-    ids = await ctx.encode_chat(messages, reasoning_effort(req))
+    plan = responses_plan(req)
+    ids = await ctx.encode_chat(messages, reasoning_effort(req), tools=plan.specs)
     return Pending(
         response_id=new_id("resp_"),
         message_id=new_id("msg_"),
@@ -96,6 +103,7 @@ async def _prepare(
         conversation=conversation,
         cache=cache,
         prompt_ids=ids,
+        plan=plan,
     )
 
 
@@ -132,6 +140,7 @@ def _sampling_params(ctx: ApiContext, req: ResponsesRequest, num_prompt_ids: int
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            structured=text_format_spec(req),
         )
     except InvalidRequestError as exc:
         raise ApiError(ErrorKind.INVALID_REQUEST, exc.message, param=exc.param) from None

@@ -36,6 +36,7 @@ class TextFormat(msgspec.Struct):
     name: str | None = None
     schema_: msgspec.Raw = msgspec.field(name="schema", default=msgspec.Raw())
     strict: bool | None = None
+    description: str | None = None
 
 
 class TextConfig(msgspec.Struct):
@@ -149,8 +150,22 @@ class FormatText(msgspec.Struct, tag_field="type", tag="text"):
     pass
 
 
+class FormatJsonObject(msgspec.Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class FormatJsonSchema(msgspec.Struct, tag_field="type", tag="json_schema"):
+    name: str
+    schema_: msgspec.Raw = msgspec.field(name="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+FormatOut = FormatText | FormatJsonObject | FormatJsonSchema
+
+
 class TextConfigOut(msgspec.Struct):
-    format: FormatText = msgspec.field(default_factory=FormatText)
+    format: FormatOut = msgspec.field(default_factory=FormatText)
 
 
 class ResponseObject(msgspec.Struct, kw_only=True):
@@ -175,8 +190,10 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     object: str = "response"
     background: bool = False
     parallel_tool_calls: bool = True
-    tool_choice: str = "auto"
-    tools: list[Any] = msgspec.field(default_factory=list)
+    tool_choice: str | msgspec.Raw = "auto"
+    """The request's choice as sent (a string, or a named function object)."""
+    tools: list[msgspec.Raw] = msgspec.field(default_factory=list)
+    """The request's tools as sent."""
     text: TextConfigOut = msgspec.field(default_factory=TextConfigOut)
     truncation: str = "disabled"
     service_tier: str = "default"
@@ -261,3 +278,21 @@ class StreamError(msgspec.Struct, tag_field="type", tag="error"):
     message: str
     code: str | None
     param: str | None
+
+
+class FunctionCallArgumentsDelta(
+    msgspec.Struct, tag_field="type", tag="response.function_call_arguments.delta"
+):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(
+    msgspec.Struct, tag_field="type", tag="response.function_call_arguments.done"
+):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    arguments: str

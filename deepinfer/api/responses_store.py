@@ -30,7 +30,8 @@ class StoredResponse:
 
     @property
     def num_chars(self) -> int:
-        return sum(len(m.content) + len(m.name or "") for m in self.messages)
+        calls = sum(len(c.name) + len(c.arguments) for m in self.messages for c in m.tool_calls)
+        return calls + sum(len(m.content) + len(m.name or "") for m in self.messages)
 
 
 class ResponseStore:

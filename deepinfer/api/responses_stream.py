@@ -1,8 +1,8 @@
 """Responses streaming: the event sequence the OpenAI SDK accumulates, each event numbered.
 
-response.created, response.in_progress, response.output_item.added,
-response.content_part.added, response.output_text.delta*, response.output_text.done,
-response.content_part.done, response.output_item.done, then response.completed (or
+response.created, response.in_progress, then each output item's events (`responses_items.py`:
+a message's output_item.added, content_part.added, output_text.delta*, ...; a function call's
+output_item.added, function_call_arguments.delta*, ...), then response.completed (or
 response.incomplete when max_output_tokens ended it). A failure mid-stream sends an `error`
 event, then response.failed.
 """
@@ -15,15 +15,10 @@ from typing import Any
 
 from deepinfer.api.errors import to_api_error
 from deepinfer.api.protocol import OutputStream
+from deepinfer.api.responses_convert import status_of
+from deepinfer.api.responses_items import OutputItems
 from deepinfer.api.responses_pending import Pending
 from deepinfer.api.responses_schemas import (
-    ContentPartAdded,
-    ContentPartDone,
-    OutputItemAdded,
-    OutputItemDone,
-    OutputText,
-    OutputTextDelta,
-    OutputTextDone,
     ResponseCompleted,
     ResponseCreated,
     ResponseErrorOut,
@@ -47,17 +42,15 @@ async def response_events(
     pending: Pending, stream: OutputStream, store: ResponseStore
 ) -> AsyncIterator[bytes]:
     seq = itertools.count()
-    texts: list[str] = []
-    for event in _opening(pending, seq):
+    items = OutputItems(pending.plan, pending.message_id, seq)
+    for event in _opening(pending, items, seq):
         yield _frame(event)
     last: GenerationOutput | None = None
     try:
         async for out in stream:
             last = out
-            if out.text:
-                texts.append(out.text)
-                delta = OutputTextDelta(next(seq), pending.message_id, 0, 0, out.text)
-                yield _frame(delta)
+            for event in items.feed(out.text, out.finished):
+                yield _frame(event)
     except Exception as exc:
         err = to_api_error(exc)
         yield _frame(StreamError(next(seq), err.message, err.code, err.param))
@@ -65,28 +58,19 @@ async def response_events(
         yield _frame(ResponseFailed(next(seq), failed))
         return
     assert last is not None and last.finish_reason is not None, "stream ended without finishing"
-    final = pending.finish("".join(texts), last.finish_reason, last.usage, store)
-    for event in _closing(pending, final.status, "".join(texts), seq):
-        yield _frame(event)
+    status, _ = status_of(last.finish_reason)
+    if status != "failed":
+        for event in items.finish(status):
+            yield _frame(event)
+    final = pending.finish(items.items, last.finish_reason, last.usage, store)
     if final.status == "failed":
         yield _frame(ResponseFailed(next(seq), final))
     else:
         yield _frame(_FINAL[final.status](next(seq), final))
 
 
-def _opening(pending: Pending, seq: Iterator[int]) -> Iterator[Any]:
+def _opening(pending: Pending, items: OutputItems, seq: Iterator[int]) -> Iterator[Any]:
     started = pending.response("in_progress", [])
     yield ResponseCreated(next(seq), started)
     yield ResponseInProgress(next(seq), started)
-    yield OutputItemAdded(next(seq), 0, pending.message("", "in_progress"))
-    yield ContentPartAdded(next(seq), pending.message_id, 0, 0, OutputText(""))
-
-
-def _closing(pending: Pending, status: str, text: str, seq: Iterator[int]) -> Iterator[Any]:
-    if status == "failed":
-        return
-    mid = pending.message_id
-    yield OutputTextDone(next(seq), mid, 0, 0, text)
-    yield ContentPartDone(next(seq), mid, 0, 0, OutputText(text))
-    item_status = "completed" if status == "completed" else "incomplete"
-    yield OutputItemDone(next(seq), 0, pending.message(text, item_status))
+    yield from items.start()

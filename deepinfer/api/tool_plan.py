@@ -21,7 +21,8 @@ from deepinfer.text.tool_parser import (
     collect_events,
 )
 
-NO_CONSTRAINED_CHOICE = "needs constrained decoding, which this server does not apply to tools"
+EMPTY_PARAMETERS = '{"type": "object", "properties": {}, "additionalProperties": false}'
+"""The schema of a function declared without parameters: its arguments are `{}`."""
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -29,12 +30,27 @@ def invalid(param: str, message: str) -> ApiError:
 
 
 @dataclass(frozen=True)
+class ToolSchema:
+    """A tool's name and its arguments' JSON schema, for a forced call's grammar."""
+
+    name: str
+    parameters: str
+    """The JSON schema (JSON text) the arguments validate against."""
+    param: str
+    """The request field holding the schema, named when the schema cannot be compiled."""
+
+
+@dataclass(frozen=True)
 class ToolPlan:
-    """The tools rendered into the prompt, and whether (and how many) calls are parsed back."""
+    """The tools rendered into the prompt, whether (and how many) calls are parsed back, and
+    which tools a forced choice must call."""
 
     specs: tuple[ToolSpec, ...] = ()
     max_calls: int | None = None
     """At most this many calls are reported (1 without parallel calls); None: any number."""
+    forced: tuple[ToolSchema, ...] = ()
+    """Non-empty: the answer is only calls of these tools, by constrained decoding (`required`,
+    `any`, or one named tool); empty: the model chooses freely (`auto`)."""
 
     @property
     def parses_calls(self) -> bool:
@@ -42,6 +58,40 @@ class ToolPlan:
 
 
 NO_TOOLS = ToolPlan()
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's tool choice, wire-neutral: `mode` is none, auto, required or named."""
+
+    mode: str = "auto"
+    name: str | None = None
+    """The tool a `named` choice calls."""
+    name_param: str = "tool_choice"
+    """The field naming it (400 when no tool has that name)."""
+
+
+def tool_plan(
+    specs: tuple[ToolSpec, ...],
+    schemas: tuple[ToolSchema, ...],
+    choice: ToolChoice,
+    max_calls: int | None,
+) -> ToolPlan:
+    """The plan of declared tools (specs and schemas in the same order) under `choice`."""
+    if choice.mode in ("required", "named") and not specs:
+        raise invalid(choice.name_param, f"{choice.mode!r} needs at least one tool in tools")
+    if choice.mode == "none" or not specs:
+        return NO_TOOLS
+    forced: tuple[ToolSchema, ...] = ()
+    if choice.mode == "required":
+        forced = schemas
+    elif choice.mode == "named":
+        forced = tuple(s for s in schemas if s.name == choice.name)
+        if not forced:
+            names = ", ".join(repr(s.name) for s in schemas)
+            raise invalid(choice.name_param, f"no tool is named {choice.name!r} (tools: {names})")
+        return ToolPlan(specs, 1, forced[:1])  # a named tool is called exactly once
+    return ToolPlan(specs, max_calls, forced)
 
 
 def call_arguments(arguments: Any, param: str) -> str:

@@ -46,6 +46,11 @@ DEFAULT_TAIL = (
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
 
+CALL_TAIL = "}\n"
+"""A call's text between its arguments and `</tool_call>`."""
+CALL_SEPARATOR = "\n"
+"""Written before each `<tool_call>` after an assistant turn's header, and between calls."""
+
 _MARKER_LT = re.compile(r"<(?=/?(?:tool_call|tool_response|tools)>)")
 _STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
 _TURN_END = "<|im_end|>\n"
@@ -145,10 +150,8 @@ class ToolFormat:
             return [f"{m.role}\n{neutralize_text(body)}"]
         pieces: list[Piece] = [m.role + (f"\n{neutralize_text(body)}" if body else "")]
         for call in m.tool_calls:
-            name = neutralize_json(json.dumps(call.name, ensure_ascii=False)[1:-1])
-            args = neutralize_json(call.arguments)
-            pieces += ["\n", *self._pieces(CALL_OPEN)]
-            pieces += [f'\n{{"name": "{name}", "arguments": {args}}}\n', *self._pieces(CALL_CLOSE)]
+            body = call_head(call.name) + neutralize_json(call.arguments) + CALL_TAIL
+            pieces += [CALL_SEPARATOR, *self._pieces(CALL_OPEN), body, *self._pieces(CALL_CLOSE)]
         return pieces
 
     def _results(self, run: Sequence[ChatMessage]) -> list[Piece]:
@@ -157,6 +160,14 @@ class ToolFormat:
             pieces += ["\n", *self._pieces(RESPONSE_OPEN)]
             pieces += [f"\n{neutralize_text(m.content)}\n", *self._pieces(RESPONSE_CLOSE)]
         return pieces
+
+
+def call_head(name: str) -> str:
+    """A call's text between `<tool_call>` and its arguments (the name JSON-escaped, no marker
+    spelled). With `CALL_TAIL` and `CALL_SEPARATOR`, the one definition of a call's text: the
+    renderer writes it, the parser reads it back, the forced-call grammar spells it."""
+    name_json = neutralize_json(json.dumps(name, ensure_ascii=False)[1:-1])
+    return f'\n{{"name": "{name_json}", "arguments": '
 
 
 def uses_tools(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> bool:

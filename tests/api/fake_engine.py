@@ -143,6 +143,8 @@ class FakeEngine:
         self.num_merges = 0
         self.num_aborted = 0
         self.reply = REPLY
+        self.last_params: SamplingParams | None = None
+        """The sampling parameters of the latest request submitted."""
         self._reqs: dict[str, _Req] = {}
         self._seen_prefixes: set[tuple[int, ...]] = set()
         self._used_blocks = 0
@@ -199,6 +201,7 @@ class FakeEngine:
         if len(self._reqs) >= self.max_active:
             raise OverloadedError("too many requests", retry_after_s=2)
         self._counter += 1
+        self.last_params = params
         rid = request_id or f"fake-{self._counter}"
         reply, stop_reason = self.reply, None
         for s in params.stop:

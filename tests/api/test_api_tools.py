@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import anthropic
@@ -11,6 +12,8 @@ import openai
 import pytest
 from fake_engine import REPLY, FakeEngine
 from live_server import LiveServer
+
+from deepinfer.request import StructuredKind
 
 WEATHER = {
     "type": "function",
@@ -24,6 +27,13 @@ ANTHROPIC_WEATHER = {
     "name": "get_weather",
     "description": "Weather in a city.",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
+    },
 }
 USER: list[Any] = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
 
@@ -126,12 +136,48 @@ def test_openai_tool_history_and_choices(oai: openai.OpenAI, reply: FakeEngine) 
         model="m", messages=USER, tools=[WEATHER], tool_choice="none"
     )
     assert none.choices[0].message.content == reply.reply and not none.choices[0].message.tool_calls
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError) as info:
-            oai.chat.completions.create(
-                model="m", messages=USER, tools=[WEATHER], tool_choice=choice
-            )  # type: ignore[arg-type]
-        assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def forced_grammar(engine: FakeEngine) -> str:
+    spec = engine.last_params.structured if engine.last_params else None
+    assert spec is not None and spec.kind is StructuredKind.GRAMMAR
+    assert spec.param == "tool_choice"
+    return spec.source
+
+
+def test_openai_forced_choice_is_a_grammar(oai: openai.OpenAI, reply: FakeEngine) -> None:
+    reply.reply = call("get_weather", {"city": "Paris"})
+    r = oai.chat.completions.create(
+        model="m", messages=USER, tools=[WEATHER, TIME], tool_choice="required"
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    grammar = forced_grammar(reply)
+    assert "call_0 | call_1" in grammar and '("\\n" call)*' in grammar
+    named: Any = {"type": "function", "function": {"name": "get_time"}}
+    oai.chat.completions.create(model="m", messages=USER, tools=[WEATHER, TIME], tool_choice=named)
+    grammar = forced_grammar(reply)
+    assert "get_time" in grammar and "get_weather" not in grammar and "start: call\n" in grammar
+    oai.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="auto")
+    assert reply.last_params is not None and reply.last_params.structured is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "frobnicate"}}}]}, "tools[0].function.parameters"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_openai_forced_choice_refusals(oai: openai.OpenAI, kwargs: Any, param: str) -> None:
+    kwargs = {"tools": [WEATHER], **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="m", messages=USER, **kwargs)
+    assert info.value.body["param"] == param  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
@@ -209,16 +255,23 @@ def test_anthropic_choices_and_count(claude: anthropic.Anthropic, reply: FakeEng
         tool_choice={"type": "none"},  # type: ignore[list-item]
     )
     assert m.stop_reason == "end_turn" and m.content[0].type == "text"
-    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
-        with pytest.raises(anthropic.BadRequestError) as info:
-            claude.messages.create(
+    for choice, needle in (({"type": "any"}, "call_0"), ({"type": "tool", "name": "x"}, "")):
+        with pytest.raises(anthropic.BadRequestError) if not needle else nullcontext():
+            m = claude.messages.create(
                 model="m",
-                max_tokens=5,
+                max_tokens=500,
                 messages=USER,
                 tools=[ANTHROPIC_WEATHER],
                 tool_choice=choice,  # type: ignore[arg-type,list-item]
             )
-        assert "tool_choice" in str(info.value)
+            assert m.stop_reason == "tool_use" and needle in forced_grammar(reply)
+    bad_schema: Any = {**ANTHROPIC_WEATHER, "input_schema": {"type": "frobnicate"}}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(
+            model="m", max_tokens=5, messages=USER, tools=[bad_schema],
+            tool_choice={"type": "tool", "name": "get_weather"},
+        )  # fmt: skip
+    assert "tools.0.input_schema" in str(info.value)
     plain = claude.messages.count_tokens(model="m", messages=USER)
     tools = claude.messages.count_tokens(model="m", messages=USER, tools=[ANTHROPIC_WEATHER])  # type: ignore[list-item]
     assert tools.input_tokens > plain.input_tokens + len("get_weather")
