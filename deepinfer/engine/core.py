@@ -392,7 +392,11 @@ class EngineCore:
                 self.disk.offer(block_hash, payload, self.info.block_size, retention)
 
     def close(self) -> None:
-        """Write what the disk tier has queued and stop its writer (blocking)."""
+        """Stop the runners' threads, write what the disk tier has queued and stop its writer
+        (blocking)."""
+        self.runner.close()
+        if self.decode_runner is not self.runner:
+            self.decode_runner.close()
         if self.disk is not None:
             self.disk.close()
 

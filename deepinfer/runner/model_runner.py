@@ -1,4 +1,8 @@
-"""Runs one `ScheduleOutput` through the model and the sampler. Called from the worker thread."""
+"""Runs one `ScheduleOutput` through the model and the sampler. Called from the worker thread.
+
+A step that samples constrained requests starts filling their allowed-token masks before its
+forward pass, on the runner's fill pool, and the sampler waits for them only once the logits
+are ready (`deepinfer/sampling/mask_fill.py` holds the design and its invariants)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from deepinfer.runner.batch_builder import schedule_to_batch
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
+from deepinfer.sampling.mask_fill import MaskFiller
 from deepinfer.sampling.matchers import MatcherTable
 from deepinfer.sampling.sampler import Sampler, SamplingRow
 from deepinfer.scheduler.output import ScheduleOutput
@@ -45,7 +50,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
         self.matchers = MatcherTable(constraints)
-        """Grammar matchers of constrained requests, advanced right after each sampling."""
+        """Grammar matchers of constrained requests, advanced by their steps' mask fills."""
+        self.masks = MaskFiller(self.matchers, device)
+        """Fills a step's masks while its forward pass runs."""
 
     @torch.inference_mode()
     def execute(self, so: ScheduleOutput) -> RunnerOutput:
@@ -55,13 +62,12 @@ class ModelRunner:
         batch, sampled_ids = schedule_to_batch(so, self.block_size, self.device)
         sampled: dict[str, SampledToken] = {}
         if sampled_ids:
-            logits = self._forward(batch)  # [B_sample, V]
             by_id = {c.request_id: c.request for c in so.chunks if c.sample}
             requests = [by_id[rid] for rid in sampled_ids]
-            rows = [self._row(r) for r in requests]
-            bitmask = self.matchers.bitmask(requests, logits.shape[1])  # [B, W] or None
-            tokens = self.sampler.sample(logits, rows, bitmask)
-            self.matchers.advance(requests, tokens)
+            with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
+                logits = self._forward(batch)  # [B_sample, V]
+                rows = [self._row(r) for r in requests]
+                tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
             sampled = dict(zip(sampled_ids, tokens, strict=True))
         else:
             self._forward(batch)
@@ -118,6 +124,10 @@ class ModelRunner:
     def adopt_matcher(self, request_id: str, matcher: ConstraintMatcher | None) -> None:
         """Continue a request's grammar state here (it is plain host state: nothing moves)."""
         self.matchers.adopt(request_id, matcher)
+
+    def close(self) -> None:
+        """Stop the threads the runner owns (blocking: after the last step)."""
+        self.masks.close()
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' sampling state."""

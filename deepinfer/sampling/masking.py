@@ -1,36 +1,52 @@
-"""The first step of sampling: each row's `logit_bias` added, then its allowed-token bitmask.
+"""The first step of sampling: each row's `logit_bias` added, then its allowed-token mask.
 
-A bitmask is packed int32 `[B, W]` (W >= V / 32): bit t % 32 of word t // 32 of row i is set
-when row i may sample token t (the layout of llguidance and xgrammar). Unconstrained rows are
-all ones. The mask is applied to the whole batch as one masked fill; a masked token is -inf
-before suppression, penalties, the greedy pick, filters and logprobs, so every sampling mode
-sees the same constraint.
+A mask comes in one of two forms, both `[B, ...]` over the whole batch:
+
+- packed int32 `[B, W]` (W >= V / 32): bit t % 32 of word t // 32 of row i is set when row i may
+  sample token t (the layout of llguidance and xgrammar); unconstrained rows are all ones. It is
+  unpacked and applied as one masked fill (on the logits' device: 32x fewer bytes to move);
+- additive float32 `[B, V]`: 0 where a token is allowed, -inf where not (`additive_mask`, made
+  off the sampling path on CPU): the copy of the logits and the mask are then one add.
+
+Either way a masked token is -inf before suppression, penalties, the greedy pick, filters and
+logprobs, so every sampling mode sees the same constraint (a NaN or +inf logit at a masked
+token becomes NaN under the add, which the sampler's guards turn into -inf).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from deepinfer.sampling.row import SamplingRow
+
+_NEG_INF_BITS = np.uint32(0xFF800000)
+"""The bits of float32 -inf (0 is all zero bits)."""
 
 
 def bias_and_mask(
     logits: torch.Tensor,  # [B, V]
     rows: Sequence[SamplingRow],
-    token_bitmask: torch.Tensor | None,  # [B, W] int32
+    token_mask: torch.Tensor | None,  # [B, W] int32 packed or [B, V] float32 additive
 ) -> torch.Tensor:
     """float32 `[B, V]`: a copy with biases and the mask applied when there are any, else
     `logits` as float32 (never written)."""
     biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
-    if not biased and token_bitmask is None:
+    if not biased and token_mask is None:
         return logits.to(torch.float32)
-    out = logits.to(torch.float32, copy=True)
+    additive = token_mask is not None and token_mask.dtype == torch.float32
+    if additive:
+        assert token_mask is not None and token_mask.shape == logits.shape, "one mask per logit"
+        out = torch.add(logits.to(torch.float32), token_mask.to(logits.device))
+    else:
+        out = logits.to(torch.float32, copy=True)
     if biased:
         _add_bias(out, [rows[i] for i in biased], biased)
-    if token_bitmask is not None:
-        allowed = unpack_bitmask(token_bitmask.to(out.device), out.shape[1])  # [B, V]
+    if token_mask is not None and not additive:
+        allowed = unpack_bitmask(token_mask.to(out.device), out.shape[1])  # [B, V]
         out.masked_fill_(~allowed, float("-inf"))
     return out
 
@@ -62,3 +78,21 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
     return allowed[:, :vocab_size]
+
+
+def additive_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed int32 `[B, W]` -> float32 `[B, V]`: 0 where a token is allowed, -inf where not
+    (tokens past the mask's width are not allowed). Plain numpy, a few ms for 32 x 49k."""
+    assert words.dtype == np.int32 and words.ndim == 2, "packed int32 [B, W]"
+    assert sys.byteorder == "little", "bit t of a word is bit t % 8 of its byte t // 8"
+    width = min(vocab_size, words.shape[1] * 32)
+    out = np.empty((words.shape[0], vocab_size), dtype=np.uint32)  # [B, V]
+    out[:, width:] = _NEG_INF_BITS
+    refused = np.unpackbits(  # [B, V'] uint8: 1 where not allowed
+        np.ascontiguousarray(np.invert(words)).view(np.uint8),
+        axis=1,
+        count=width,
+        bitorder="little",
+    )
+    np.multiply(refused, _NEG_INF_BITS, out=out[:, :width], casting="unsafe")
+    return out.view(np.float32)

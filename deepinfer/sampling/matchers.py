@@ -1,21 +1,21 @@
 """`MatcherTable`: one runner's grammar matchers, one per constrained request.
 
-A request's matcher is made on its first sampled step, advanced once per sampled token right
-after sampling (on the worker thread), moved with the request between runners (`take`/`adopt`,
-like its random stream) and dropped when the request is released. Before each fill it catches
-up with the request's kept outputs (`ConstraintMatcher.sync`), so a request preempted by
-recompute, or re-prefilled on another runner, continues where its outputs left it: the tokens
-already accepted are never accepted twice.
+A request's matcher is made on its first sampled step, moved with the request between runners
+(`take`/`adopt`, like its random stream) and dropped when the request is released. It is
+advanced only by the fill of a step that samples its request (`fill_rows`, see `mask_fill.py`):
+first it catches up with the request's kept outputs (`ConstraintMatcher.sync`: the token
+sampled by the step before is accepted there), then it writes the row. So a request preempted
+by recompute, or re-prefilled on another runner, continues where its outputs left it: the
+tokens already accepted are never accepted twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from deepinfer.outputs import SampledToken
 from deepinfer.request import Request
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 
@@ -25,31 +25,42 @@ def end_token_ids(request: Request) -> frozenset[int]:
     return request.eos_token_ids | frozenset(request.sampling.stop_token_ids)
 
 
+@dataclass(frozen=True, eq=False)
+class MaskRow:
+    """One constrained row of a step's mask: where it goes and what its matcher needs. The
+    output list is the request's own, read only while its step runs (nothing appends then)."""
+
+    index: int
+    matcher: ConstraintMatcher
+    output_token_ids: Sequence[int]
+    end_token_ids: frozenset[int]
+
+
+def fill_rows(words: np.ndarray, rows: Sequence[MaskRow]) -> None:
+    """Catch each row's matcher up with its outputs, then write its row of `words` (packed int32
+    `[B, W]`, all ones beforehand; the rows not named stay unconstrained)."""
+    for row in rows:
+        row.matcher.sync(row.output_token_ids, row.end_token_ids)
+        row.matcher.fill(words[row.index], row.end_token_ids)
+
+
 class MatcherTable:
     def __init__(self, compiler: ConstraintCompiler | None) -> None:
         self.compiler = compiler
         self._matchers: dict[str, ConstraintMatcher] = {}
 
-    def bitmask(self, requests: Sequence[Request], vocab_size: int) -> torch.Tensor | None:
-        """`[B, ceil(V / 32)]` int32 allowed tokens of `requests` (rows in order; all ones for
-        unconstrained rows), or None when none is constrained."""
+    def mask_rows(self, requests: Sequence[Request]) -> list[MaskRow]:
+        """The constrained rows of a step's sampled `requests` (in order), their matchers made
+        on first use; empty when none is constrained."""
         if self.compiler is None or all(r.sampling.structured is None for r in requests):
-            return None
-        words = np.full((len(requests), -(-vocab_size // 32)), -1, dtype=np.int32)
+            return []
+        rows: list[MaskRow] = []
         for i, request in enumerate(requests):
             matcher = self._matcher(request)
             if matcher is not None:
                 ends = end_token_ids(request)
-                matcher.sync(request.output_token_ids, ends)
-                matcher.fill(words[i], ends)
-        return torch.from_numpy(words)
-
-    def advance(self, requests: Sequence[Request], tokens: Sequence[SampledToken]) -> None:
-        """Accept each constrained request's sampled token (once, right after sampling)."""
-        for request, token in zip(requests, tokens, strict=True):
-            matcher = self._matchers.get(request.request_id)
-            if matcher is not None:
-                matcher.accept(token.token_id, end_token_ids(request))
+                rows.append(MaskRow(i, matcher, request.output_token_ids, ends))
+        return rows
 
     def _matcher(self, request: Request) -> ConstraintMatcher | None:
         spec = request.sampling.structured

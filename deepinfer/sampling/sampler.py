@@ -2,8 +2,8 @@
 
 The pipeline, per row (vLLM / HF semantics):
 
-0. `logit_bias` added, then the row's allowed-token bitmask (structured output) as one batched
-   masked fill (`masking.py`);
+0. `logit_bias` added and the row's allowed-token mask applied (structured output), batched:
+   one masked fill, or one add of an additive mask (`masking.py`);
 1. suppression, repetition penalty, presence/frequency penalties (`penalties.py`): the
    *processed logits*, which decide greedy picks and logprobs;
 2. rows with temperature 0 (below `GREEDY_TEMPERATURE`): argmax of the processed logits;
@@ -66,12 +66,12 @@ class Sampler:
         self,
         logits: torch.Tensor,
         rows: Sequence[SamplingRow],
-        token_bitmask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> list[SampledToken]:
         """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified).
-        `token_bitmask` (`[B, W]` packed int32, see `masking.py`): the tokens each row may
-        take; None allows every token."""
-        base = bias_and_mask(logits, rows, token_bitmask)  # [B, V] float32
+        `token_mask` (packed int32 `[B, W]` or additive float32 `[B, V]`, see `masking.py`):
+        the tokens each row may take; None allows every token."""
+        base = bias_and_mask(logits, rows, token_mask)  # [B, V] float32
         processed = self.process_logits(base, rows)  # [B, V]
         token_ids = self.choose(processed, rows)  # [B], -1 where unsound
         if not bool((token_ids >= 0).all()):  # the ids are read back right after anyway

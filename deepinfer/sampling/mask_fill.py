@@ -1,0 +1,135 @@
+"""Allowed-token masks filled while the forward pass runs (structured output at full speed).
+
+A step's mask is started as soon as the runner has the step (`MaskFiller.fill`, entered before
+the forward pass) and waited for only when the sampler needs it (`PendingMask.wait`):
+
+1. On the worker's thread, the step's constrained rows and their matchers are looked up
+   (`MatcherTable.mask_rows`; a matcher is made on its request's first step). When no row is
+   constrained nothing else happens: no job, no buffer, no thread (the pool is made on the first
+   constrained step). Unconstrained traffic pays one scan of the step's parameters.
+2. A job on the runner's fill pool (one thread per worker lane) catches each row's matcher up
+   with its request's kept outputs (the token sampled by the step before is accepted here, off
+   the sampling path), writes its row of the packed bitmask (llguidance computes it with the
+   GIL released), then makes the mask the sampler applies: on CPU an additive float32 `[B, V]`
+   (0 or -inf: the sampler's copy of the logits and the mask become one add), elsewhere the
+   packed words (32x fewer bytes to the device, unpacked there).
+3. The sampler's input is `wait()`: the job's mask, or its exception raised on the worker.
+
+Invariants:
+
+- A matcher is advanced only inside the job of a step that samples its request, and `fill`
+  never exits while its job runs, even when the forward pass raises: the step's release,
+  a handoff to another runner (`take`/`adopt`) and the request's next step all come after its
+  job ended. The scheduler puts a request in one step at a time, so the jobs of two workers'
+  overlapping steps touch disjoint matchers.
+- The mask does not depend on the overlap: with `overlap` off (the A/B switch of tests and
+  benchmarks) the same job runs on the worker's thread when the sampler asks for the mask,
+  after the forward pass, as a synchronous fill would.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+
+import numpy as np
+import torch
+
+from deepinfer.request import Request
+from deepinfer.sampling.masking import additive_mask
+from deepinfer.sampling.matchers import MaskRow, MatcherTable, fill_rows
+
+NUM_FILL_THREADS = 2
+"""One per worker lane (prefill and decode share a runner on one device group)."""
+
+
+class PendingMask:
+    """One step's mask: being filled on the pool, or (overlap off) filled when first asked."""
+
+    def __init__(self, job: Future[torch.Tensor] | None, run: MaskJob) -> None:
+        self._future = job
+        self._run = run
+        self._mask: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The step's mask (see `masking.py` for its two forms); the job's error if it failed."""
+        if self._mask is None:
+            self._mask = self._future.result() if self._future is not None else self._run()
+        return self._mask
+
+    def settle(self) -> None:
+        """Wait for the job to end, whatever it returns (the step failed: its error wins)."""
+        if self._future is not None:
+            with suppress(Exception):
+                self._future.result()
+
+
+class MaskJob:
+    """Filling one step's mask: the rows, then the sampler's form of it."""
+
+    def __init__(self, rows: Sequence[MaskRow], num_rows: int, vocab_size: int, additive: bool):
+        self.rows = rows
+        self.num_rows = num_rows
+        self.vocab_size = vocab_size
+        self.additive = additive
+
+    def __call__(self) -> torch.Tensor:
+        words = np.full((self.num_rows, -(-self.vocab_size // 32)), -1, dtype=np.int32)  # [B, W]
+        fill_rows(words, self.rows)
+        if self.additive:
+            return torch.from_numpy(additive_mask(words, self.vocab_size))  # [B, V] float32
+        return torch.from_numpy(words)
+
+
+class MaskFiller:
+    """A runner's step masks, filled on its own small pool while the forward pass runs."""
+
+    def __init__(self, matchers: MatcherTable, device: torch.device) -> None:
+        self.matchers = matchers
+        self.additive = device.type == "cpu"
+        """CPU: the additive form (the add replaces the sampler's copy); elsewhere packed."""
+        self.overlap = True
+        """Fill while the forward pass runs; False fills after it, on the worker's thread."""
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def fill(self, requests: Sequence[Request], vocab_size: int) -> Iterator[PendingMask | None]:
+        """The mask of a step sampling `requests` (in order), started now; None when none of
+        them is constrained. On exit the job has ended, whatever the body did."""
+        pending = self.start(requests, vocab_size)
+        try:
+            yield pending
+        finally:
+            if pending is not None:
+                pending.settle()
+
+    def start(self, requests: Sequence[Request], vocab_size: int) -> PendingMask | None:
+        """Start filling (see `fill`, which also waits for the job on the way out)."""
+        rows = self.matchers.mask_rows(requests)
+        if not rows:
+            return None
+        job = MaskJob(rows, len(requests), vocab_size, self.additive)
+        return PendingMask(self._executor().submit(job) if self.overlap else None, job)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    NUM_FILL_THREADS, thread_name_prefix="deepinfer-mask-fill"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the fill pool (blocking: waits for a job in flight; call off the loop)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether a constrained step has run here with the overlap on (the pool exists)."""
+        return self._pool is not None
