@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -9,12 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from live_server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bash_blocks(text: str) -> list[str]:
     return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -34,8 +41,7 @@ def test_readme_start_command_runs_server_py() -> None:
 
 @pytest.mark.slow
 def test_readme_embedding_example_runs(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    (example,) = [b for b in _python_blocks() if "AsyncEngine" in b]
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, env=env,
@@ -43,3 +49,19 @@ def test_readme_embedding_example_runs(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.strip()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_readme_tool_examples_run(sdk: str, real_server: LiveServer) -> None:
+    """The README's tool examples, pointed at the live server, print a forced call's arguments."""
+    (example,) = [b for b in _python_blocks() if f"from {sdk} import" in b]
+    base = "http://localhost:8000"
+    assert base in example
+    code = example.replace(base, real_server.url)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(compile(code, f"README-{sdk}", "exec"), {})
+    printed = output.getvalue()
+    assert "get_weather" in printed or "tool_use" in printed, printed
+    assert "city" in printed, printed
