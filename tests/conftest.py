@@ -1,9 +1,14 @@
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from live_server import LiveServer  # tests/api, on the path by pyproject's pythonpath
 
 # Triton kernels run on CPU tensors through its interpreter; it must be chosen before any kernel
 # module is imported (Triton decides per @jit function at import), hence the top-level conftest.
@@ -60,3 +65,27 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     Tokenizer.from_gguf(gguf.GGUFReader(default_model_path())).save_dir(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def real_server() -> Iterator["LiveServer"]:
+    """The real engine on SmolLM2 behind the API, started by the app's lifespan (slow tests);
+    one per session, shared by every folder."""
+    from live_server import LiveServer
+
+    from deepinfer.api.app import create_app
+    from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig, WorkersConfig
+    from deepinfer.engine.async_engine import AsyncEngine
+
+    config = Config(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(num_blocks=1024),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_waiting=256),
+        # disaggregated (the default), lending idle cores: a lone request uses both
+        workers=WorkersConfig(lend_idle_threads=True),
+    )
+    server = LiveServer(create_app(AsyncEngine(config), config.server)).start(timeout_s=300)
+    try:
+        yield server
+    finally:
+        server.stop()
