@@ -150,6 +150,23 @@ def test_parse_returns_a_pydantic_object(oai: openai.OpenAI) -> None:
 
 
 @pytest.mark.slow
+def test_n_choices_each_follow_the_schema(oai: openai.OpenAI) -> None:
+    """`n > 1`: every choice samples under its own copy of the grammar."""
+    completion = oai.chat.completions.parse(
+        model="m",
+        messages=[{"role": "user", "content": "Describe a city as JSON."}],
+        response_format=City,
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+        n=3,
+    )
+    assert len(completion.choices) == 3
+    for choice in completion.choices:
+        assert isinstance(choice.message.parsed, City) and choice.finish_reason == "stop"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_32_schemas_at_once(real_server: LiveServer, temperature: float) -> None:
     schemas = _corpus(32)
