@@ -24,7 +24,7 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 NO_TORCH = {"cache", "scheduler", "text"}
 NO_ASYNCIO = {"cache", "scheduler", "model", "sampling", "runner", "text", "kernels"}
-LEAVES = {"config", "errors", "request", "outputs"}
+LEAVES = {"config", "errors", "request", "outputs", "byte_alphabet"}
 
 
 def _modules() -> list[Path]:

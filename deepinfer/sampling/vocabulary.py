@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from deepinfer.byte_alphabet import unicode_to_bytes
+
 
 class TokenizerLike(Protocol):
     vocab_size: int
@@ -37,23 +39,10 @@ class GrammarVocabulary:
         return len(self.token_bytes)
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte alphabet reversed: printable stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 def vocabulary_from(tokenizer: TokenizerLike, eos_token_id: int) -> GrammarVocabulary:
     """The byte spelling of every id of a byte-level BPE `tokenizer`; `eos_token_id` is the
     token a finished grammar allows (the request's other stop tokens are added per row)."""
-    decoder = _byte_decoder()
+    decoder = unicode_to_bytes()
     pieces: list[bytes] = []
     for token_id in range(tokenizer.vocab_size):
         piece = tokenizer.id_to_token(token_id) or ""

@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from deepinfer.byte_alphabet import bytes_to_unicode
 from deepinfer.errors import ModelLoadError
 
 TOKEN_TYPE_CONTROL = 3
@@ -35,19 +36,6 @@ _QWEN2_SPLIT = (
 )
 _SPLIT_REGEXES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", *_SPLIT_REGEXES)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: every byte spelled as one printable character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -215,7 +203,7 @@ def _max_token_bytes(hf: HFTokenizer) -> int | None:
     matches its own text (control tokens are never produced by `encode`)."""
     if hf.normalizer is not None or not isinstance(hf.decoder, decoders.ByteLevel):
         return None
-    alphabet = frozenset(_bytes_to_unicode().values())
+    alphabet = frozenset(bytes_to_unicode().values())
     added = hf.get_added_tokens_decoder()
     control = {i for i, t in added.items() if t.special}
     spelled = (
@@ -241,7 +229,7 @@ def _byte_level_bpe(
     tokens: list[str], merges: list[str], types: list[int], pre: str
 ) -> HFTokenizer:
     """The BPE tokenizer a GGUF `gpt2` vocabulary describes (transformers' conversion rules)."""
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # A token spelled outside the byte alphabet is raw text: respell it byte by byte.
     vocab = {
