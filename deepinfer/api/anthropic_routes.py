@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -35,6 +34,7 @@ from deepinfer.api.anthropic_tools import (
     anthropic_plan,
     event_name,
 )
+from deepinfer.api.body import json_response
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, new_id
 from deepinfer.api.errors import anthropic_error_response, anthropic_payload, to_api_error
@@ -58,10 +58,6 @@ def anthropic_routes(ctx: ApiContext) -> list[Route]:
     ]
 
 
-def _json(payload: object) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")
-
-
 def _count_handler(ctx: ApiContext) -> Handler:
     async def count_tokens(request: Request) -> Response:
         try:
@@ -73,7 +69,7 @@ def _count_handler(ctx: ApiContext) -> Handler:
             ids = await ctx.encode_chat(messages, None, within_context=False, tools=specs)
         except Exception as exc:
             return anthropic_error_response(exc)
-        return _json(TokenCount(len(ids)))
+        return json_response(TokenCount(len(ids)))
 
     return count_tokens
 
@@ -117,7 +113,7 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             stop_sequence=sequence,
             usage=usage_out(result.usage),
         )
-        return _json(message)
+        return json_response(message)
 
     return messages
 

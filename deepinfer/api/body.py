@@ -9,6 +9,7 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 from starlette.requests import Request
+from starlette.responses import Response
 
 from deepinfer.api.errors import ApiError, ErrorKind
 
@@ -103,3 +104,8 @@ def decode_json(body: bytes, type_: type[T], *, max_json_depth: int) -> T:
         raise ApiError(ErrorKind.INVALID_REQUEST, message, param=param or None) from None
     except msgspec.DecodeError as exc:
         raise ApiError(ErrorKind.INVALID_REQUEST, f"malformed JSON body: {exc}") from None
+
+
+def json_response(payload: object) -> Response:
+    """A 200 whose body is `payload` encoded by msgspec (no intermediate dict)."""
+    return Response(msgspec.json.encode(payload), media_type="application/json")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from deepinfer.api.body import json_response
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, check_choices, default_max_tokens, new_id
 from deepinfer.api.errors import openai_error_response
@@ -48,10 +48,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 CLIENT_CLOSED = 499
 """Status logged (never sent) when the client went away before a non-streaming answer."""
-
-
-def json_response(payload: object) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")
 
 
 def openai_routes(ctx: ApiContext) -> list[Route]:

@@ -7,11 +7,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from deepinfer.api.body import json_response
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, default_max_tokens, new_id
 from deepinfer.api.errors import ApiError, ErrorKind, openai_error_response
@@ -77,7 +77,7 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
         status, _ = status_of(result.finish_reason)
         output = whole_answer(pending.plan, pending.message_id, result.text, status)
         body = pending.finish(output, result.finish_reason, result.usage, store)
-        return Response(msgspec.json.encode(body), media_type="application/json")
+        return json_response(body)
 
     return create_response
 

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from deepinfer.api.body import json_response
 from deepinfer.api.context import ApiContext
 from deepinfer.api.errors import ApiError, ErrorKind, openai_error_response
 from deepinfer.api.limits import over_limit
@@ -74,10 +75,6 @@ def token_routes(ctx: ApiContext) -> list[Route]:
     ]
 
 
-def _json(payload: object) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")
-
-
 async def _offload(size: int, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn) if size > _OFFLOAD_ITEMS else fn()
 
@@ -93,7 +90,7 @@ def _tokenize_handler(ctx: ApiContext) -> Handler:
             strs = [tok.decode([t]) for t in ids] if req.return_token_strs else None
         except Exception as exc:
             return openai_error_response(exc)
-        return _json(TokenizeResponse(len(ids), ctx.engine.max_model_len, ids, strs))
+        return json_response(TokenizeResponse(len(ids), ctx.engine.max_model_len, ids, strs))
 
     return tokenize
 
@@ -143,7 +140,7 @@ def _detokenize_handler(ctx: ApiContext) -> Handler:
             text = await _decode(ctx, req.tokens)
         except Exception as exc:
             return openai_error_response(exc)
-        return _json(DetokenizeResponse(text))
+        return json_response(DetokenizeResponse(text))
 
     return detokenize
 
@@ -176,6 +173,8 @@ def _model_handler(ctx: ApiContext) -> Handler:
                     code="model_not_found",
                 )
             )
-        return _json(ModelCard(ctx.model_name, created, max_model_len=ctx.engine.max_model_len))
+        return json_response(
+            ModelCard(ctx.model_name, created, max_model_len=ctx.engine.max_model_len)
+        )
 
     return model
