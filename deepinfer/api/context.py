@@ -80,8 +80,7 @@ class ApiContext:
         )
 
     def _check_fits(self, texts: Sequence[str], param: str) -> None:
-        # Only tokenizers that state their longest token (the real one does) bound a prompt.
-        max_token_bytes: int | None = getattr(self.engine.tokenizer, "max_token_bytes", None)
+        max_token_bytes = self.engine.tokenizer.max_token_bytes
         check_prompt_fits(texts, max_token_bytes, self.engine.max_model_len, param)
 
     async def submit_all(

@@ -26,6 +26,12 @@ class TokenizerLike(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def max_token_bytes(self) -> int | None:
+        """UTF-8 bytes of the longest token, bounding a text's token count from below; None
+        when the tokenizer cannot promise one (a prompt is then never refused untokenized)."""
+        ...
+
 
 class RecipeLike(Protocol):
     def encode(

@@ -31,6 +31,8 @@ REPLY = "Hello there! I am a fake model, replying one character per step. "
 
 class FakeTokenizer:
     vocab_size = len(SPECIALS) + 0x110000
+    max_token_bytes: int | None = None
+    """No untokenized refusals: API tests send prompts of any size through."""
 
     def encode(self, text: str) -> list[int]:
         return [len(SPECIALS) + ord(c) for c in text]
