@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
 from deepinfer.config import Config
+from deepinfer.engine.admission import check_admissible, check_sampling_inputs
 from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.prompts import Prompt, encode_prompt
 from deepinfer.engine.stream import RequestStream
@@ -39,11 +40,8 @@ from deepinfer.engine.tiers import check_retention, fill_from_lower_tiers, write
 from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
 from deepinfer.engine.workers import Worker, build_workers
 from deepinfer.errors import (
-    ContextLengthError,
     EngineDeadError,
     FatalEngineError,
-    InvalidRequestError,
-    OverloadedError,
     RequestFailedError,
 )
 from deepinfer.outputs import RunnerOutput, TokenDelta
@@ -211,8 +209,10 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running" + (f": {reason}" if reason else ""))
         check_retention(cache_retention)
         ids = await self.encode_prompt(prompt, reasoning_effort)
-        self._check_admissible(ids, params)
-        await self._check_sampling_inputs(params)
+        core = self.core
+        waiting, max_waiting = core.scheduler.num_waiting, self.config.scheduler.max_waiting
+        check_admissible(ids, params, self.max_model_len, waiting, max_waiting)
+        await check_sampling_inputs(params, self.tokenizer.vocab_size, core.constraints)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
         request = Request(
             request_id=rid,
@@ -239,28 +239,6 @@ class AsyncEngine:
         self._streams[rid] = stream
         self._wake_workers()
         return stream
-
-    def _check_admissible(self, ids: list[int], params: SamplingParams) -> None:
-        limit = self.max_model_len
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(ids) + params.max_tokens > limit:
-            raise ContextLengthError(len(ids), params.max_tokens, limit)
-        if self.core.scheduler.num_waiting >= self.config.scheduler.max_waiting:
-            raise OverloadedError("too many requests are waiting; retry shortly", retry_after_s=1)
-
-    async def _check_sampling_inputs(self, params: SamplingParams) -> None:
-        """logit_bias ids inside the vocabulary; the structured-output grammar compiled (and
-        cached for the runners) off the loop, or refused with what the library rejected."""
-        vocab_size = self.tokenizer.vocab_size
-        for token_id, _ in params.logit_bias:
-            if token_id >= vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})",
-                    param="logit_bias",
-                )
-        if params.structured is not None:
-            await asyncio.to_thread(self.core.constraints.compile, params.structured)
 
     async def generate(
         self,
@@ -356,7 +334,7 @@ class AsyncEngine:
     async def _step(self, worker: Worker, so: ScheduleOutput) -> None:
         """Run a step and apply it; if either raises, fail the step's requests only."""
         try:
-            out = await worker.run(so, self._threads_for(worker))
+            out = await worker.run(so, worker.threads(self.config.workers.lend_idle_threads))
         except FatalEngineError:
             raise
         except Exception as exc:
@@ -400,20 +378,6 @@ class AsyncEngine:
                     "the server serves on, retry it"
                 )
             )
-
-    def _threads_for(self, worker: Worker) -> int | None:
-        """The worker's own share, plus its idle peer's when lending is on."""
-        peer = worker.peer
-        if (
-            self.config.workers.lend_idle_threads
-            and peer is not None
-            and peer.idle
-            and worker.num_threads is not None
-            and peer.num_threads is not None
-        ):
-            worker.borrowing = True
-            return worker.num_threads + peer.num_threads
-        return worker.num_threads
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc

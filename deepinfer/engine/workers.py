@@ -144,6 +144,21 @@ class Worker:
         except Exception as exc:
             raise FatalEngineError(f"device {self.device} is lost: {exc}") from exc
 
+    def threads(self, lend_idle: bool) -> int | None:
+        """Threads for this worker's next step: its own share, plus its idle peer's when
+        lending is on (the peer then waits for the step: `borrowing`)."""
+        peer = self.peer
+        if (
+            lend_idle
+            and peer is not None
+            and peer.idle
+            and self.num_threads is not None
+            and peer.num_threads is not None
+        ):
+            self.borrowing = True
+            return self.num_threads + peer.num_threads
+        return self.num_threads
+
     @property
     def executor(self) -> ThreadPoolExecutor:
         """The worker's thread, for KV copies that must be ordered with its steps."""
