@@ -10,8 +10,10 @@ Lifecycle of a request's blocks, driven by the scheduler:
 3. `cache_blocks(req)` after the step that computed the tokens: register the hashes of the blocks
    that became full and computed. Registration waits for the computation on purpose: a block is
    never visible to other requests before its KV exists, whatever the runner does within a step
-   (separate prefill and decode passes, split batches, overlapped steps). The price: two identical
-   prompts admitted in the same step both compute the shared prefix; later ones hit.
+   (separate prefill and decode passes, split batches, overlapped steps).
+   Meanwhile the blocks are *claimed* (`claim_prompt_blocks` on admission): a request whose next
+   uncached block another request is computing (`computing_elsewhere`) waits for it and then
+   hits, so a shared prefix in flight is computed once.
 4. `free(req)` on finish, abort or preemption: blocks return to the LRU free queue with their
    content and hashes, so a preempted request's recompute and a follow-up turn hit them.
 """
@@ -64,6 +66,9 @@ class KVCacheManager:
         self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
         self._reserved: dict[int, list[Block]] = {}
         self._next_reservation = 0
+        self._claims: dict[BlockHash, str] = {}
+        """Hashes of prompt blocks being computed -> the request computing them."""
+        self._claimed: dict[str, list[BlockHash]] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -160,6 +165,46 @@ class KVCacheManager:
         table.extend(self.pool.allocate(needed))
         return True
 
+    def claim_prompt_blocks(self, request: Request) -> None:
+        """On admission: claim the request's full prompt blocks past its computed prefix that
+        nobody else computes or has cached, until `cache_blocks` registers them or `free`."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        first = request.num_computed_tokens // self.block_size
+        claimed = self._claimed.setdefault(rid, [])
+        for block_hash in self.block_hashes(request)[first:]:
+            if block_hash in self._claims or self.pool.get_cached_block(block_hash) is not None:
+                continue
+            self._claims[block_hash] = rid
+            claimed.append(block_hash)
+
+    def computing_elsewhere(self, request: Request, num_hit: int) -> bool:
+        """Whether the block after a `num_hit`-token prefix hit, one a hit could cover, is being
+        computed for another request right now (then wait for it and hit it instead)."""
+        index = num_hit // self.block_size
+        if not self._claims or index >= (request.num_tokens - 1) // self.block_size:
+            return False
+        owner = self._claims.get(self.block_hashes(request)[index])
+        return owner is not None and owner != request.request_id
+
+    def _release_claims(self, rid: str, registered: set[BlockHash] | None = None) -> None:
+        """Drop the request's claims: those in `registered`, or all of them."""
+        claimed = self._claimed.get(rid)
+        if not claimed:
+            self._claimed.pop(rid, None)
+            return
+        kept = []
+        for block_hash in claimed:
+            if registered is None or block_hash in registered:
+                self._claims.pop(block_hash, None)
+            else:
+                kept.append(block_hash)
+        if kept:
+            self._claimed[rid] = kept
+        else:
+            del self._claimed[rid]
+
     def cache_blocks(self, request: Request) -> None:
         """Register the hashes of the request's blocks that are full and fully computed
         (call after the step that advanced `num_computed_tokens` has run)."""
@@ -177,6 +222,8 @@ class KVCacheManager:
             if registered and self.track_new_blocks:
                 self._new_blocks.append((table[i].block_id, hashes[i], request.retention))
         self._num_registered[rid] = num_full
+        if rid in self._claimed:
+            self._release_claims(rid, set(hashes[start:num_full]))
 
     def drain_new_blocks(self) -> list[tuple[int, BlockHash, str | None]]:
         """(block id, hash, retention class) of blocks registered since the last drain, for the lower
@@ -242,6 +289,7 @@ class KVCacheManager:
             self.pool.free(table)
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
+        self._release_claims(rid)
 
     def reset_prefix_cache(self) -> int:
         """Forget every free block's cached content (in-use blocks keep theirs). Returns how many
@@ -290,3 +338,6 @@ class KVCacheManager:
         require(
             set(self._num_registered) <= set(self._blocks), "registration state of a freed request"
         )
+        require(set(self._claimed) <= set(self._blocks), "claims of a freed request")
+        owners = {h: rid for rid, hashes in self._claimed.items() for h in hashes}
+        require(owners == self._claims, "claim tables disagree")

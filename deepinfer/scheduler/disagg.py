@@ -2,10 +2,12 @@
 
 A request moves WAITING -> prefilling -> decoding -> finished:
 
-- Admission (on the prefill lane) takes the prefix-cache hit and allocates blocks for the whole
-  uncached prompt at once, then queues the request in the `PrefillPlanner` (length buckets, a
-  time budget per step, chunked prefill). Admission keeps one free block per decoding request in
-  reserve, and a prefilling request never needs another block: prefill never waits on decode.
+- Admission (on the prefill lane, `WaitingQueue`, shared with the colocated scheduler) takes the
+  prefix-cache hit and allocates blocks for the whole uncached prompt at once, then queues the
+  request in the `PrefillPlanner` (length buckets, a time budget per step, chunked prefill).
+  Admission keeps one free block per decoding request in reserve, and a prefilling request never
+  needs another block: prefill never waits on decode. A request whose shared prefix another
+  request is computing waits for it instead of computing it again.
 - The prefill lane's steps are the planner's plans. The chunk that completes a prompt samples
   the first token and hands the request to the decode lane. With one KV pool (both workers on
   one device) that is block ownership: the blocks it filled are now the decoder's, nothing is
@@ -26,11 +28,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from deepinfer.cache.free_queue import require
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.admission import check_new_request, finish_request, preempt_request
+from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
@@ -51,7 +54,6 @@ class DisaggScheduler:
         decode_kv: KVCacheManager | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
-        self.max_waiting = scheduler_config.max_waiting
         self.kv = kv
         """The prefill pool: admission, prefix hits, and (one pool) decoding too."""
         self.decode_kv = decode_kv if decode_kv is not None else kv
@@ -61,7 +63,7 @@ class DisaggScheduler:
             max_model_len, kv.capacity_tokens, self.decode_kv.capacity_tokens
         )
         self.planner = PrefillPlanner(planner_config, cost_model or StepCostModel())
-        self.waiting: deque[Request] = deque()
+        self.queue = WaitingQueue(kv, self.max_request_tokens, scheduler_config.max_waiting)
         self.prefilling: dict[str, Request] = {}
         self.decoding: list[Request] = []
         self.handoff_waiting: deque[Request] = deque()
@@ -69,7 +71,6 @@ class DisaggScheduler:
         self.handing_off: dict[str, Request] = {}
         """Requests whose KV copy is ordered and not yet complete."""
         self._handoffs: list[KVHandoff] = []
-        self._requests: dict[str, Request] = {}
         self._in_flight: dict[StepKind, tuple[ScheduleOutput, PrefillPlan | None]] = {}
         self._deferred_aborts: set[str] = set()
         self._steps = {StepKind.PREFILL: 0, StepKind.DECODE: 0}
@@ -80,6 +81,14 @@ class DisaggScheduler:
     def split_pools(self) -> bool:
         """Decode has its own pool (separate device groups): KV is copied on handoff."""
         return self.decode_kv is not self.kv
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queue.queue
+
+    @property
+    def _requests(self) -> dict[str, Request]:
+        return self.queue.requests
 
     @property
     def num_waiting(self) -> int:
@@ -104,15 +113,13 @@ class DisaggScheduler:
     def planner_stats(self) -> PlannerStats:
         return self.planner.stats()
 
+    def prefill_counts(self) -> PrefillCounts:
+        return self.queue.counts()
+
     # -- requests --
     def add_request(self, request: Request) -> None:
         """Queue a new request (raises like `Scheduler.add_request`)."""
-        check_new_request(
-            request, self._requests, self.max_request_tokens, len(self.waiting), self.max_waiting
-        )
-        request.status = RequestStatus.WAITING
-        self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self.queue.add(request)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request with ABORT and free its blocks: now, or at the end of the in-flight
@@ -147,20 +154,9 @@ class DisaggScheduler:
     def _admit(self) -> None:
         """Admit waiting requests in arrival order while their whole prompt fits, keeping a
         block per decoder in reserve (the head of the queue blocks those behind it)."""
-        while self.waiting and self.num_running < self.max_num_seqs:
-            request = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            reserve = 0 if self.split_pools else len(self.decoding)
-            if not self.kv.can_allocate(request, num_new, hits, reserve_blocks=reserve):
-                return
-            allocated = self.kv.allocate_slots(request, num_new, hits)
-            assert allocated, "can_allocate promised room"
-            self.waiting.popleft()
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
+        room = self.max_num_seqs - self.num_running
+        reserve = 0 if self.split_pools else len(self.decoding)
+        for request, _ in self.queue.admit(room, reserve_blocks=reserve):
             self.prefilling[request.request_id] = request
             self.planner.add(request)
 
@@ -189,6 +185,7 @@ class DisaggScheduler:
             request = chunk.request
             if request.request_id in self._deferred_aborts:
                 continue
+            self.queue.computed(chunk.num_new_tokens)
             request.num_computed_tokens = chunk.end_position
             self.kv.cache_blocks(request)
             if chunk.sample:
@@ -346,16 +343,16 @@ class DisaggScheduler:
         elif request.status is RequestStatus.RUNNING:
             self.decoding = [r for r in self.decoding if r is not request]
         else:
-            self.waiting = deque(r for r in self.waiting if r is not request)
+            self.queue.remove(request)
 
     def _preempt(self, request: Request) -> None:
-        preempt_request(self.decode_kv, request, self.waiting)
+        self.queue.preempt(self.decode_kv, request)
         self.num_preemptions += 1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if self.split_pools:
             self.decode_kv.free(request)
-        finish_request(self.kv, request, reason, self._requests)
+        self.queue.finish(self.kv, request, reason)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests; prefilling ones hold blocks for their whole
@@ -367,36 +364,40 @@ class DisaggScheduler:
         decoding = [r.request_id for r in self.decoding]
         ids = decoding + list(self.prefilling) + [r.request_id for r in self.waiting]
         ids += [r.request_id for r in self.handoff_waiting] + list(self.handing_off)
-        assert len(ids) == len(set(ids)), "a request is queued twice"
-        assert set(ids) == set(self._requests), "queues and the request table disagree"
-        assert self.num_running <= self.max_num_seqs, "more running requests than max_num_seqs"
-        assert set(self.prefilling) == self.planner.queued_ids() | self._in_flight_prefill_ids()
+        require(len(ids) == len(set(ids)), "a request is queued twice")
+        require(set(ids) == set(self._requests), "queues and the request table disagree")
+        require(self.num_running <= self.max_num_seqs, "more running requests than max_num_seqs")
+        planned = self.planner.queued_ids() | self._in_flight_prefill_ids()
+        require(set(self.prefilling) == planned, "prefilling requests and the planner disagree")
         bs = self.kv.block_size
         for r in self.prefilling.values():
-            assert r.status is RequestStatus.RUNNING
-            assert self.kv.num_blocks_of(r.request_id) >= -(-r.num_tokens // bs), "short"
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} prefills as {r.status}")
+            short = self.kv.num_blocks_of(r.request_id) < -(-r.num_tokens // bs)
+            require(not short, f"{r.request_id} holds too few blocks for its prompt")
         for r in self.decoding:
-            assert r.status is RequestStatus.RUNNING
-            assert r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step"
-            assert not self.split_pools or self.kv.num_blocks_of(r.request_id) == 0
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} decodes as {r.status}")
+            require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
+            stale = self.split_pools and self.kv.num_blocks_of(r.request_id) > 0
+            require(not stale, f"{r.request_id} decodes holding prefill blocks")
         self._check_handoffs()
+        self.queue.check_integrity()
         for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), "bad status"
-            assert r.num_computed_tokens == 0 and self.kv.num_blocks_of(r.request_id) == 0
-            assert self.decode_kv.num_blocks_of(r.request_id) == 0, "waiting with decode blocks"
+            require(self.decode_kv.num_blocks_of(r.request_id) == 0, "waiting with decode blocks")
 
     def _check_handoffs(self) -> None:
         """Requests between the pools hold their prompt's prefill blocks; those with a copy
         ordered also hold exactly as many decode blocks."""
         bs = self.kv.block_size
         for r in [*self.handoff_waiting, *self.handing_off.values()]:
-            assert r.status is RequestStatus.RUNNING
-            assert r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step"
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} hands off as {r.status}")
+            require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
             num_blocks = -(-r.num_computed_tokens // bs)
-            assert self.kv.num_blocks_of(r.request_id) >= num_blocks, "handoff source freed"
+            require(self.kv.num_blocks_of(r.request_id) >= num_blocks, "handoff source freed")
             ordered = r.request_id in self.handing_off
-            assert self.decode_kv.num_blocks_of(r.request_id) == (num_blocks if ordered else 0)
-        assert {h.request_id for h in self._handoffs} <= set(self.handing_off)
+            expected = num_blocks if ordered else 0
+            require(self.decode_kv.num_blocks_of(r.request_id) == expected, "handoff blocks")
+        ordered_ids = {h.request_id for h in self._handoffs}
+        require(ordered_ids <= set(self.handing_off), "a copy ordered for no handoff")
 
     def _in_flight_prefill_ids(self) -> set[str]:
         """Requests whose last prefill chunk is planned but not yet applied."""

@@ -42,6 +42,13 @@ class ScheduledChunk:
     def end_position(self) -> int:
         return self.start_position + self.num_new_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One token after the prompt's whole context was computed (else prompt work: a prefill
+        chunk, or recomputation after preemption)."""
+        request = self.request
+        return self.num_new_tokens == 1 and self.start_position >= request.num_prompt_tokens
+
     def token_ids(self) -> list[int]:
         return self.request.all_token_ids[self.start_position : self.end_position]
 

@@ -9,7 +9,8 @@ One rule drives everything: each request's `num_computed_tokens` catches up with
    rejoins the front of the waiting queue;
 2. then, if nobody was preempted, waiting requests in FCFS order up to `max_num_seqs` running,
    each starting after its prefix-cache hit, chunked to the budget left (chunked prefill).
-   The queue head blocks those behind it (no overtaking: FCFS is the fairness rule).
+   The queue head blocks those behind it (no overtaking: FCFS is the fairness rule), except a
+   request waiting for a shared prefix another request is computing (`WaitingQueue`).
 
 Steps are strictly sequential: `update(so, out)` applies the latest `schedule()` before the next.
 
@@ -27,7 +28,7 @@ from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.admission import check_new_request, finish_request, preempt_request
+from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.stop import check_finished
@@ -40,16 +41,22 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
-        self.max_waiting = scheduler_config.max_waiting
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_request_tokens = min(max_model_len, kv.capacity_tokens)
         """Prompt plus max_tokens must fit here: the context and the whole KV pool."""
-        self.waiting: deque[Request] = deque()
+        self.queue = WaitingQueue(kv, self.max_request_tokens, scheduler_config.max_waiting)
         self.running: list[Request] = []
-        self._requests: dict[str, Request] = {}
         self._step = 0
         self.num_preemptions = 0
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queue.queue
+
+    @property
+    def _requests(self) -> dict[str, Request]:
+        return self.queue.requests
 
     @property
     def num_waiting(self) -> int:
@@ -77,12 +84,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises `InvalidRequestError` (empty prompt, duplicate id),
         `ContextLengthError` (cannot fit), `OverloadedError` (queue full)."""
-        check_new_request(
-            request, self._requests, self.max_request_tokens, len(self.waiting), self.max_waiting
-        )
-        request.status = RequestStatus.WAITING
-        self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self.queue.add(request)
 
     def abort(self, request_id: str) -> bool:
         """Finish a waiting or running request with ABORT and free its blocks. False if unknown
@@ -93,7 +95,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running = [r for r in self.running if r is not request]
         else:
-            self.waiting = deque(r for r in self.waiting if r is not request)
+            self.queue.remove(request)
         self._finish(request, FinishReason.ABORT)
         return True
 
@@ -118,26 +120,15 @@ class Scheduler:
                 chunks.append(self._chunk(request, num_new))
                 budget -= num_new
                 i += 1
-        if not preempted:
-            budget = self._admit(budget, chunks)
+        if not preempted and budget > 0:
+            self._admit(budget, chunks)
         return ScheduleOutput(step=self._step, chunks=tuple(chunks), preempted_ids=tuple(preempted))
 
-    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, num_new, hit_blocks):
-                break
-            self.waiting.popleft()
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        room = self.max_num_seqs - len(self.running)
+        for request, num_new in self.queue.admit(room, token_budget=budget):
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
-            budget -= num_new
-        return budget
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -150,8 +141,11 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        preempt_request(self.kv, request, self.waiting)
+        self.queue.preempt(self.kv, request)
         self.num_preemptions += 1
+
+    def prefill_counts(self) -> PrefillCounts:
+        return self.queue.counts()
 
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         """Apply a step's results: advance computed prefixes, register newly computed blocks in
@@ -166,6 +160,8 @@ class Scheduler:
                 continue
             assert request.status is RequestStatus.RUNNING
             assert chunk.start_position == request.num_computed_tokens, "chunk out of order"
+            if not chunk.is_decode:
+                self.queue.computed(chunk.num_new_tokens)
             request.num_computed_tokens = chunk.end_position
             self.kv.cache_blocks(request)
             if not chunk.sample:
@@ -197,7 +193,7 @@ class Scheduler:
         return failed
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        finish_request(self.kv, request, reason, self._requests)
+        self.queue.finish(self.kv, request, reason)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests, statuses match queues, budgets hold, and the
@@ -212,9 +208,4 @@ class Scheduler:
             require(r.num_computed_tokens < r.num_tokens, f"{r.request_id} has nothing to compute")
             blocks_needed = -(-r.num_computed_tokens // self.kv.block_size)
             require(self.kv.num_blocks_of(r.request_id) >= blocks_needed, "computed KV lost")
-        for r in self.waiting:
-            require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), "bad status")
-            require(r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens")
-            require(
-                self.kv.num_blocks_of(r.request_id) == 0, f"waiting {r.request_id} holds blocks"
-            )
+        self.queue.check_integrity()

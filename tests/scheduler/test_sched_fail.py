@@ -134,6 +134,7 @@ def disagg_trial(
     in_flight: dict[StepKind, ScheduleOutput] = {}
     copies: list[KVHandoff] = []
     kinds = {StepKind.PREFILL: 0, StepKind.DECODE: 0}
+    busy = dict.fromkeys(kinds, 0)
     for _ in range(20000):
         while pending and rng.random() < 0.3:
             sched.add_request(pending.pop(0))
@@ -158,7 +159,9 @@ def disagg_trial(
             victim = rng.choice(sorted(sched._requests))
             assert sched.abort(victim)
             aborted.add(victim)
-        if so.chunks and rng.random() < 0.15:
+        busy[lane.kind] += bool(so.chunks)
+        first_failure_due = not kinds[lane.kind] and busy[lane.kind] == 3  # each lane fails
+        if so.chunks and (rng.random() < 0.15 or first_failure_due):
             failed.update(fail_step(rng, lane, so, runner.finish, runner.drop, aborted))
             kinds[lane.kind] += 1
         else:
