@@ -1,4 +1,5 @@
-"""Imports point down (shared/STYLE.md): an AST walk over every module enforces the layering."""
+"""Imports point down (docs/architecture.md, "Layers"): an AST walk over every module enforces the
+layering."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 # under one deadline. Each step logs to <step>.log and the run goes on when one fails; at the end
 # OUT_DIR holds summary.txt and gpu_run.tgz (every log, and bench/out).
 # Usage (repository root, packages importable, the default model installed):
-#   tests/gpu/run.sh OUT_DIR [SECONDS]     # tests/gpu/README.md says how the device run is made
+#   tests/gpu/run.sh OUT_DIR [SECONDS]     # tests/gpu/README.md says how a GPU run is made
 set -uo pipefail
 OUT=${1:?output folder}; BUDGET=${2:-540}
 mkdir -p "$OUT"
