@@ -1,10 +1,14 @@
 """Serving benchmark: a concurrency sweep of streaming chat clients against deepinfer and, in the
-same run, llama.cpp's llama-server on the same GGUF with as many parallel slots.
+same run, llama.cpp's llama-server (and ik_llama.cpp's, where built) on the same GGUF with as
+many parallel slots.
 
     python bench/serve.py --levels 1,2,4,8,16,32,64 --requests-per-client 2 --max-tokens 64
 
 Reports TTFT and inter-token latency p50/p99 and aggregate generated tokens/s per level, writes a
-markdown table (bench/out/serve.md) and a PNG plot (bench/out/serve.png).
+markdown table (bench/out/serve.md) and a PNG plot (bench/out/serve.png). For deepinfer it also
+reports where a token's time goes: the mean step time of each worker during the level (from
+/metrics: busy seconds over steps), beside the ITL the clients see; the rest is the path from the
+step to the socket (scheduling, detokenization, SSE) and waiting.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import itertools
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +27,7 @@ import httpx
 from common import (
     ROOT,
     deepinfer_cmd,
+    find_ik_llama_server,
     find_llama_server,
     free_port,
     llama_cmd,
@@ -48,6 +54,8 @@ class Level:
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    step_ms: dict[str, float] = field(default_factory=dict)
+    """deepinfer: each worker's mean step time during the level (busy seconds over steps)."""
 
     def row(self) -> dict[str, float | int | str]:
         itl = [x for s in self.samples for x in s.itl_s]
@@ -59,6 +67,7 @@ class Level:
             "tok_per_s": tokens / self.wall_s if self.wall_s else 0.0,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "step_ms": " ".join(f"{k} {v:.1f}" for k, v in sorted(self.step_ms.items())) or "-",
         }  # fmt: skip
 
 
@@ -98,6 +107,31 @@ async def one_request(
     return Sample(stamps[0] - start, itl, usage_tokens or len(stamps))
 
 
+def worker_counters(url: str) -> dict[str, tuple[float, float]]:
+    """deepinfer's per-worker (busy seconds, steps) counters from /metrics; {} for peers."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    found: dict[str, list[float]] = {}
+    pattern = r'^deepinfer_worker_(busy_seconds|steps)_total\{worker="(\w+)"\} (\S+)$'
+    for kind, worker, value in re.findall(pattern, text, re.M):
+        found.setdefault(worker, [0.0, 0.0])[kind == "steps"] = float(value)
+    return {w: (busy, steps) for w, (busy, steps) in found.items()}
+
+
+def step_times(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms a step of each worker that ran steps between the two readings."""
+    out = {}
+    for worker, (busy, steps) in after.items():
+        busy0, steps0 = before.get(worker, (0.0, 0.0))
+        if steps > steps0:
+            out[worker] = 1e3 * (busy - busy0) / (steps - steps0)
+    return out
+
+
 async def run_level(url: str, engine: str, c: int, per_client: int, max_tokens: int) -> Level:
     level = Level(engine, c)
     prompts = workload(c * per_client, seed=c)
@@ -114,21 +148,38 @@ async def run_level(url: str, engine: str, c: int, per_client: int, max_tokens: 
                     continue
                 level.samples.append(sample)
 
+        counters = await asyncio.to_thread(worker_counters, url)
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(i) for i in range(c)))
         level.wall_s = time.perf_counter() - start
+        level.step_ms = step_times(counters, await asyncio.to_thread(worker_counters, url))
     return level
 
 
 def table(rows: list[dict[str, float | int | str]]) -> str:
-    head = "| engine | conc | reqs | errors | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| engine | conc | reqs | errors | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | step ms |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['engine']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['tok_per_s']:.1f} | "
             f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
-            f"{r['itl_p99_ms']:.1f} |"
+            f"{r['itl_p99_ms']:.1f} | {r.get('step_ms', '-')} |"
         )
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict[str, float | int | str]]) -> str:
+    """deepinfer's tokens/s against llama-server's: at least 1.2x at one stream, 3x at 32."""
+    by = {(r["engine"], r["concurrency"]): float(r["tok_per_s"]) for r in rows}
+    lines = []
+    for c, target in ((1, 1.2), (32, 3.0)):
+        ours, peer = by.get(("deepinfer", c)), by.get(("llama-server", c))
+        if ours and peer:
+            ratio = ours / peer
+            verdict = "PASS" if ratio >= target else "FAIL"
+            lines.append(
+                f"- {verdict}: {c} stream(s) {ratio:.2f}x llama-server (target >= {target}x)"
+            )
     return "\n".join(lines)
 
 
@@ -180,24 +231,28 @@ def main() -> None:
                 ).row()
             )
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    binary = None if ns.skip_llama else find_llama_server()
-    if binary is None:
-        print("llama-server not found (set LLAMA_SERVER or build it under third_party/): skipped")
-    else:
+    peers = [] if ns.skip_llama else [("llama-server", find_llama_server())]
+    peers += [] if ns.skip_llama else [("ik_llama.cpp", find_ik_llama_server())]
+    for name, binary in peers:
+        if binary is None:
+            print(f"{name} not found (see bench/common.py for where it is looked for): skipped")
+            continue
         for c in levels:
             port = free_port()
-            with running(llama_cmd(binary, model, port, c, 1024), port, OUT / "llama.log") as url:
+            log = OUT / f"{name}.log"
+            with running(llama_cmd(binary, model, port, c, 1024), port, log) as url:
                 rows.append(
                     asyncio.run(
-                        run_level(url, "llama-server", c, ns.requests_per_client, ns.max_tokens)
+                        run_level(url, name, c, ns.requests_per_client, ns.max_tokens)
                     ).row()
                 )
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "serve.md").write_text(table(rows) + "\n")
+    text = f"{table(rows)}\n\n{verdicts(rows)}\n"
+    (OUT / "serve.md").write_text(text)
     (OUT / "serve.json").write_text(json.dumps(rows, indent=1))
     plot(rows, OUT / "serve.png")
-    print(table(rows))
+    print(text)
 
 
 if __name__ == "__main__":
