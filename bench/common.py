@@ -36,6 +36,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+IK_LLAMA_SERVER_CANDIDATES = (ROOT / "third_party/ik_llama.cpp/build/bin/llama-server",)
+
+
+def find_ik_llama_server() -> Path | None:
+    """ik_llama.cpp's server (a fork of llama.cpp with faster CPU kernels): $IK_LLAMA_SERVER or a
+    build under third_party/ik_llama.cpp."""
+    env = os.environ.get("IK_LLAMA_SERVER")
+    candidates = [Path(env)] if env else list(IK_LLAMA_SERVER_CANDIDATES)
+    return next((c for c in candidates if c.is_file()), None)
+
+
 def find_llama_server() -> Path | None:
     """llama.cpp's server: $LLAMA_SERVER, a build under third_party/, or one on PATH."""
     env = os.environ.get("LLAMA_SERVER")
@@ -44,6 +55,33 @@ def find_llama_server() -> Path | None:
     found = shutil.which("llama-server")
     candidates += [Path(found)] if found else []
     return next((c for c in candidates if c.is_file()), None)
+
+
+def find_llama_binary(name: str) -> Path | None:
+    """A llama.cpp tool (`llama-perplexity`...): $LLAMA_BIN_DIR/<name>, the build under
+    third_party/, or one on PATH."""
+    env = os.environ.get("LLAMA_BIN_DIR")
+    candidates = [Path(env) / name] if env else []
+    candidates += [c.with_name(name) for c in LLAMA_SERVER_CANDIDATES]
+    found = shutil.which(name)
+    candidates += [Path(found)] if found else []
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def provenance() -> str:
+    """`date, commit <short hash>, command`: the line a result carries."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    command = " ".join(["python", *sys.argv])
+    stamp = time.strftime("%Y-%m-%d")
+    return f"{stamp}, commit {commit or '?'}{' (tree modified)' if dirty else ''}: `{command}`"
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
