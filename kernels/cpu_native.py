@@ -2,9 +2,10 @@
 
 `DEEPINFER_NATIVE=0` turns them off (torch paths everywhere), e.g. for A/B measurements.
 
-The library is compiled once per source and flags into a cache directory (`DEEPINFER_NATIVE_DIR`,
-else `$XDG_CACHE_HOME/deepinfer/native`, else `~/.cache/deepinfer/native`), atomically: a
-temporary file renamed into place, so concurrent processes never load a half-written library.
+The library is compiled once per source, header and flags into a cache directory
+(`DEEPINFER_NATIVE_DIR`, else `$XDG_CACHE_HOME/deepinfer/native`, else
+`~/.cache/deepinfer/native`), atomically: a temporary file renamed into place, so concurrent
+processes never load a half-written library.
 It needs x86-64 with AVX2, FMA and F16C, and a C compiler with OpenMP (`$CC`, else `cc`);
 anything missing raises `NativeUnavailableError` with the reason, and callers fall back to
 torch. ctypes releases the GIL for the call, so two worker threads can run kernels at once.
@@ -22,11 +23,22 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..config import env_name, env_value
+from .cpu_abi import AttentionArgs, LlamaLayer, LlamaStep, RmsNormArgs, declare
+
 SOURCES = tuple(
     Path(__file__).parent / "cpu" / n
-    for n in ("quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c", "llama_layers.c")
-)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+    for n in (
+        "quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c", "llama_layers.c",
+        "abi.c",
+    )
+)  # fmt: skip
+HEADERS = tuple(Path(__file__).parent / "cpu" / n for n in ("deepinfer_kernels.h", "simd.h"))
+"""Included by the sources: part of the build's cache key."""
+FLAGS = (
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
+    "-Werror=missing-prototypes",
+)  # fmt: skip
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _COMPILE_TIMEOUT_S = 180
 
@@ -36,51 +48,12 @@ class NativeUnavailableError(RuntimeError):
 
 
 class NativeLibrary:
-    """The loaded library's entry points, with their C signatures declared."""
+    """The loaded library's entry points, with their C signatures declared (`cpu_abi`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        v, i = ctypes.c_void_p, ctypes.c_int
-        f, long_ = ctypes.c_float, ctypes.c_long
-        lib.di_quant_gemm.argtypes = [i, v, v, v, i, i, i, i]
-        lib.di_quant_gemm.restype = i
-        lib.di_dequantize.argtypes = [i, v, v, i, i, i]
-        lib.di_dequantize.restype = i
-        lib.di_int8_pack.argtypes = [i, v, v, i, i, i]
-        lib.di_int8_pack.restype = i
-        lib.di_int8_gemm.argtypes = [i, v, v, v, i, i, i, i]
-        lib.di_int8_gemm.restype = i
-        lib.di_rms_norm.argtypes = [v, long_, v, long_, v, v, long_, v, long_, i, i, f, i]
-        lib.di_rms_norm.restype = i
-        lib.di_rotary.argtypes = [v, long_, i, v, long_, i, v, v, long_, i, i, i]
-        lib.di_rotary.restype = i
-        lib.di_store_kv.argtypes = [v, long_, v, long_, v, v, long_, v, i, i, i]
-        lib.di_store_kv.restype = i
-        lib.di_silu_mul.argtypes = [v, long_, v, long_, i, i, i]
-        lib.di_silu_mul.restype = i
-        lib.di_paged_decode_attention.argtypes = [
-            v,
-            long_,
-            long_,
-            v,
-            v,
-            v,
-            i,
-            v,
-            v,
-            i,
-            i,
-            i,
-            i,
-            i,
-            f,
-            i,
-            i,  # kv_f16
-        ]
-        lib.di_paged_decode_attention.restype = i
-        lib.di_llama_layers.argtypes = [v, i, v, v, v, i]
-        lib.di_llama_layers.restype = i
+        declare(lib)
         self._lib = lib
 
     def gemm(
@@ -92,6 +65,13 @@ class NativeLibrary:
     def dequantize(self, fmt: int, w: int, out: int, n: int, k: int, num_threads: int) -> None:
         _check(self._lib.di_dequantize(fmt, w, out, n, k, num_threads))
 
+    def int8_packed_bytes(self, fmt: int, n: int, k: int) -> int:
+        """Bytes of an [n, k] weight repacked by `int8_pack`; ValueError for shapes it refuses."""
+        size = int(self._lib.di_int8_packed_bytes(fmt, n, k))
+        if size <= 0:
+            raise ValueError(f"no int8 packing of a {n}x{k} weight in format {fmt}")
+        return size
+
     def int8_pack(self, fmt: int, w: int, out: int, n: int, k: int, num_threads: int) -> None:
         """Repack GGUF blocks for `int8_gemm` (see cpu/int8_gemm.c for the layout)."""
         _check(self._lib.di_int8_pack(fmt, w, out, n, k, num_threads))
@@ -102,9 +82,9 @@ class NativeLibrary:
         """y[m, n] = x[m, k] @ W^T with x quantized to int8 blocks (pointers to contiguous memory)."""
         _check(self._lib.di_int8_gemm(fmt, packed, x, y, m, n, k, num_threads))
 
-    def rms_norm(self, *args: int | float) -> None:
-        """See `di_rms_norm` in cpu/elementwise.c (0 for the absent residual's pointers)."""
-        _check(self._lib.di_rms_norm(*args))
+    def rms_norm(self, args: RmsNormArgs) -> None:
+        """See `di_rms_norm_args` in cpu/deepinfer_kernels.h."""
+        _check(self._lib.di_rms_norm(ctypes.byref(args)))
 
     def rotary(self, *args: int) -> None:
         """See `di_rotary` in cpu/elementwise.c."""
@@ -118,13 +98,19 @@ class NativeLibrary:
         """See `di_silu_mul` in cpu/elementwise.c."""
         _check(self._lib.di_silu_mul(*args))
 
-    def paged_decode_attention(self, *args: int | float) -> None:
-        """See `di_paged_decode_attention` in cpu/paged_attention.c for the arguments."""
-        _check(self._lib.di_paged_decode_attention(*args))
+    def paged_decode_attention(self, args: AttentionArgs) -> None:
+        """See `di_attention_args` in cpu/deepinfer_kernels.h."""
+        _check(self._lib.di_paged_decode_attention(ctypes.byref(args)))
 
-    def llama_layers(self, *args: object) -> None:
+    def llama_layers(
+        self, layers: ctypes.Array[LlamaLayer], step: LlamaStep, h: int, residual: int
+    ) -> None:
         """See `di_llama_layers` in cpu/llama_layers.c (`llama_layers_cpu` builds the args)."""
-        _check(self._lib.di_llama_layers(*args))
+        _check(self._lib.di_llama_layers(layers, len(layers), ctypes.byref(step), h, residual, 0))
+
+    def struct_size(self, name: str) -> int:
+        """sizeof the header's struct `name` (e.g. "di_llama_step"), as the library has it."""
+        return int(getattr(self._lib, f"di_sizeof_{name.removeprefix('di_')}")())
 
 
 def _check(status: int) -> None:
@@ -147,7 +133,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def native_dir() -> Path:
-    override = os.environ.get("DEEPINFER_NATIVE_DIR")
+    override = env_value("native_dir")
     if override:
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -171,7 +157,7 @@ def build(directory: Path) -> Path:
         raise NativeUnavailableError(f"the CPU lacks {', '.join(sorted(missing))}")
     cc = _compiler()
     digest = hashlib.sha256(" ".join((cc, *FLAGS)).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     target = directory / f"deepinfer_cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -203,8 +189,8 @@ def build(directory: Path) -> Path:
 
 @functools.cache
 def _load() -> NativeLibrary | NativeUnavailableError:
-    if os.environ.get("DEEPINFER_NATIVE", "1") == "0":
-        return NativeUnavailableError("disabled by DEEPINFER_NATIVE=0")
+    if env_value("native") == "0":
+        return NativeUnavailableError(f"disabled by {env_name('native')}=0")
     try:
         path = build(native_dir())
         return NativeLibrary(path)

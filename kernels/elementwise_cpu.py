@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .activation import silu_mul_reference
+from .cpu_abi import RmsNormArgs
 from .cpu_native import native_available, native_library
 from .kv_store import store_kv_reference
 from .norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -42,14 +43,17 @@ def _native_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rms_norm(x (+ residual)) * weight, x + residual or None) through `di_rms_norm`."""
     out = torch.empty(x.shape, dtype=torch.float32)
-    summed = None if residual is None else torch.empty(x.shape, dtype=torch.float32)
-    native_library().rms_norm(
-        x.data_ptr(), x.stride(0),
-        0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-        weight.data_ptr(), out.data_ptr(), out.stride(0),
-        0 if summed is None else summed.data_ptr(), 0 if summed is None else summed.stride(0),
-        x.shape[0], x.shape[1], eps, torch.get_num_threads(),
+    args = RmsNormArgs(
+        x=x.data_ptr(), x_stride=x.stride(0), w=weight.data_ptr(), out=out.data_ptr(),
+        out_stride=out.stride(0), T=x.shape[0], D=x.shape[1], eps=eps,
+        num_threads=torch.get_num_threads(),
     )  # fmt: skip
+    summed = None
+    if residual is not None:
+        summed = torch.empty(x.shape, dtype=torch.float32)
+        args.residual, args.residual_stride = residual.data_ptr(), residual.stride(0)
+        args.summed, args.summed_stride = summed.data_ptr(), summed.stride(0)
+    native_library().rms_norm(args)
     return out, summed
 
 

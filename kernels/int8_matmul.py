@@ -28,9 +28,6 @@ from .quant_matmul import (
     quant_linear,
 )
 
-GROUP = 8
-"""Weight rows packed together: one lane of a 256-bit vector each."""
-
 
 @dataclass(frozen=True)
 class Int8PackedWeight:
@@ -47,9 +44,8 @@ class Int8PackedWeight:
 
 
 def packed_bytes(fmt: QuantFormat, out_features: int, in_features: int) -> int:
-    groups = -(-out_features // GROUP)
-    per_block = 192 if fmt is QuantFormat.Q4_1 else 288
-    return groups * (in_features // QK) * per_block
+    """Bytes of the repacked weight, as the kernel computes them (`di_int8_packed_bytes`)."""
+    return native_library().int8_packed_bytes(int(fmt), out_features, in_features)
 
 
 def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedWeight:

@@ -11,38 +11,16 @@ entirely native (every query one row of the decode kernel).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .cpu_abi import LlamaLayer, LlamaStep, Matrix
 from .cpu_native import native_library
 from .int8_matmul import BlockWeight, Int8PackedWeight
 from .paged_attention_cpu import MAX_GROUP, MAX_HEAD_DIM, NATIVE_KV_DTYPES
 from .paged_attention_torch import PagedAttentionPlan
-
-_p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-
-
-class _Matrix(ctypes.Structure):
-    _fields_ = [("data", _p), ("fmt", _i), ("int8", _i), ("N", _i), ("K", _i)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
-        ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p),
-    ]  # fmt: skip
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("T", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("head_dim", _i), ("intermediate", _i),
-        ("eps", _f), ("scale", _f), ("positions", _p), ("cos_sin", _p), ("num_positions", _l),
-        ("slots", _p), ("num_slots", _l), ("block_tables", _p), ("max_blocks", _i),
-        ("context_lens", _p), ("block_size", _i), ("kv_f16", _i), ("num_threads", _i),
-    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,14 +48,14 @@ class StackShape:
     scale: float
 
 
-def _matrix(w: BlockWeight, out_features: int, in_features: int) -> _Matrix:
+def _matrix(w: BlockWeight, out_features: int, in_features: int) -> Matrix:
     int8 = isinstance(w, Int8PackedWeight)
     data = w.packed if isinstance(w, Int8PackedWeight) else w.blocks
     if (w.out_features, w.in_features) != (out_features, in_features):
         raise ValueError(
             f"a {w.out_features}x{w.in_features} matrix where {out_features}x{in_features} belongs"
         )
-    return _Matrix(data.data_ptr(), int(w.fmt), int(int8), out_features, in_features)  # fmt: skip
+    return Matrix(data.data_ptr(), int(w.fmt), int(int8), out_features, in_features)  # fmt: skip
 
 
 def _check_shape(s: StackShape) -> None:
@@ -121,12 +99,11 @@ class NativeLayerStack:
                 _matrix(layer.down, s.hidden, s.intermediate),
             )
             tensors = (layer.input_norm, layer.post_norm, layer.k_cache, layer.v_cache)
-            structs.append(_Layer(*matrices, *(t.data_ptr() for t in tensors)))
+            structs.append(LlamaLayer(*matrices, *(t.data_ptr() for t in tensors)))
         if not structs:
             raise ValueError("a stack of no layers")
         self.shape = shape
-        self._layers = (_Layer * len(structs))(*structs)
-        self._num_layers = len(structs)
+        self._layers = (LlamaLayer * len(structs))(*structs)
         self._layers_kept = list(layers)  # with _cos_sin: the memory the pointers point into
         self._cos_sin = cos_sin
         k0 = layers[0].k_cache
@@ -156,17 +133,14 @@ class NativeLayerStack:
         residual = torch.empty_like(out)
         tables, lens = native.block_tables, native.context_lens
         s = self.shape
-        step = _Step(
+        step = LlamaStep(
             tokens, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             s.eps, s.scale, positions.data_ptr(), self._cos_sin.data_ptr(),
             self._cos_sin.shape[0], slot_mapping.data_ptr(), self._num_slots,
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), self._block_size,
             self._kv_f16, torch.get_num_threads(),
         )  # fmt: skip
-        self._lib.llama_layers(
-            self._layers, self._num_layers, ctypes.byref(step), out.data_ptr(),
-            residual.data_ptr(), 0,
-        )  # fmt: skip
+        self._lib.llama_layers(self._layers, step, out.data_ptr(), residual.data_ptr())
         return out, residual
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_abi import AttentionArgs
 from .cpu_native import native_available, native_library
 from .paged_attention_torch import (
     NativeDecodePlan,
@@ -22,9 +23,11 @@ from .paged_attention_torch import (
 )
 
 MAX_HEAD_DIM = 256
+"""DI_MAX_HEAD_DIM of cpu/deepinfer_kernels.h: the largest head size the kernel takes."""
 NATIVE_KV_DTYPES = (torch.float32, torch.float16)
 """Cache dtypes the kernel reads (float16 converted to float32 as it is loaded)."""
 MAX_GROUP = 16
+"""DI_MAX_GROUP of cpu/deepinfer_kernels.h: the most query heads per KV head."""
 NATIVE_MAX_CHUNK_PAIRS = 16384
 """Chunks of up to this many query-key pairs go through the kernel, one row per query."""
 
@@ -109,13 +112,15 @@ def _attend_native(
     out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
     if batch:
         tables = plan.block_tables
-        native_library().paged_decode_attention(
-            rows.data_ptr(), rows.stride(0), rows.stride(1), k_cache.data_ptr(),
-            v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-            plan.context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
-            head_dim, block_size, scale, torch.get_num_threads(),
-            int(k_cache.dtype == torch.float16),
+        args = AttentionArgs(
+            q=rows.data_ptr(), q_stride_b=rows.stride(0), q_stride_h=rows.stride(1),
+            k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+            block_tables=tables.data_ptr(), max_blocks=tables.shape[1],
+            context_lens=plan.context_lens.data_ptr(), out=out.data_ptr(), B=batch, H=num_heads,
+            Hkv=num_kv_heads, D=head_dim, S=block_size, scale=scale,
+            num_threads=torch.get_num_threads(), kv_f16=int(k_cache.dtype == torch.float16),
         )  # fmt: skip
+        native_library().paged_decode_attention(args)
     return out
 
 

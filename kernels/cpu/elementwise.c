@@ -8,19 +8,14 @@
    -ffp-contract=off: every product and sum rounds as torch's references round them, except the
    order of the RMSNorm's sum of squares (8 lanes, then a fixed reduction).
 */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define PARALLEL_MIN_ELEMENTS (1 << 16)
+#include "deepinfer_kernels.h"
+#include "simd.h"
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
 
 /* out = rms_norm(x (+ residual)) * weight; with a residual, summed = x + residual as well.
    D must be a multiple of 8. */
@@ -43,16 +38,18 @@ static void norm_row(const float *x, const float *residual, const float *w, floa
     }
 }
 
-/* Row strides in elements; residual/summed may be NULL (plain RMSNorm). Returns 0, or -1. */
-int di_rms_norm(const float *x, long x_stride, const float *residual, long r_stride,
-                const float *w, float *out, long out_stride, float *summed, long s_stride, int T,
-                int D, float eps, int num_threads) {
-    if (T < 0 || D <= 0 || D % 8 != 0 || (residual != NULL && summed == NULL)) return -1;
-    const int threads = (long)T * D >= PARALLEL_MIN_ELEMENTS && num_threads > 1 ? num_threads : 1;
+/* See di_rms_norm_args in deepinfer_kernels.h. */
+int di_rms_norm(const di_rms_norm_args *a) {
+    const int T = a->T, D = a->D;
+    if (T < 0 || D <= 0 || D % 8 != 0 || (a->residual != NULL && a->summed == NULL)) return -1;
+    const int threads =
+        (long)T * D >= PARALLEL_MIN_ELEMENTS && a->num_threads > 1 ? a->num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < T; t++) {
-        norm_row(x + t * x_stride, residual != NULL ? residual + t * r_stride : NULL, w,
-                 out + t * out_stride, summed != NULL ? summed + t * s_stride : NULL, D, eps);
+        norm_row(a->x + t * a->x_stride,
+                 a->residual != NULL ? a->residual + t * a->residual_stride : NULL, a->w,
+                 a->out + t * a->out_stride,
+                 a->summed != NULL ? a->summed + t * a->summed_stride : NULL, D, a->eps);
     }
     return 0;
 }
@@ -126,25 +123,6 @@ int di_store_kv(const float *k, long k_stride, const float *v, long v_stride, vo
     return 0;
 }
 
-/* exp(x) for float32 lanes: Cody-Waite range reduction by ln 2 and Cephes' degree-6 polynomial,
-   within 2 ulp of the correctly rounded result over [-87.3, 88.3] (inputs are clamped there). */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)): the MLP's gate and up
    halves of one fused projection (row stride given). I must be a multiple of 8. */
 int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
@@ -158,7 +136,7 @@ int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, in
         float *o = out + t * out_stride;
         for (int i = 0; i < I; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i);
-            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_xor_ps(x, sign))));
+            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, sign))));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
         }
     }

@@ -24,11 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
+#include "deepinfer_kernels.h"
+
+#define QK DI_QK
 #define GROUP 8
 #define MR 4
 
-enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
+enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
 
 static inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 

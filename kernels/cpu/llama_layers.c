@@ -13,55 +13,35 @@
 #include <stdlib.h>
 #include <string.h>
 
-int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
-                  int num_threads);
-int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
-                 int num_threads);
-int di_rms_norm(const float *x, long x_stride, const float *residual, long r_stride,
-                const float *w, float *out, long out_stride, float *summed, long s_stride, int T,
-                int D, float eps, int num_threads);
-int di_rotary(float *q, long q_stride, int H, float *k, long k_stride, int Hkv,
-              const int64_t *positions, const float *cos_sin, long P, int T, int D,
-              int num_threads);
-int di_store_kv(const float *k, long k_stride, const float *v, long v_stride, void *k_cache,
-                void *v_cache, long num_slots, const int64_t *slots, int T, int width,
-                int kv_f16);
-int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
-                int num_threads);
-int di_paged_decode_attention(const float *q, long q_stride_b, long q_stride_h,
-                              const void *k_cache, const void *v_cache,
-                              const int32_t *block_tables, int max_blocks,
-                              const int32_t *context_lens, float *out, int B, int H, int Hkv,
-                              int D, int S, float scale, int num_threads, int kv_f16);
-
-typedef struct {
-    const uint8_t *data; /* GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1) */
-    int fmt, int8, N, K;
-} di_matrix;
-
-typedef struct {
-    di_matrix qkv, o, gate_up, down;
-    const float *input_norm, *post_norm;
-    void *k_cache, *v_cache;
-} di_llama_layer;
-
-typedef struct {
-    int T, hidden, H, Hkv, head_dim, intermediate;
-    float eps, scale;
-    const int64_t *positions;
-    const float *cos_sin;
-    long num_positions;
-    const int64_t *slots;
-    long num_slots;
-    const int32_t *block_tables;
-    int max_blocks;
-    const int32_t *context_lens;
-    int block_size, kv_f16, num_threads;
-} di_llama_step;
+#include "deepinfer_kernels.h"
 
 static int linear(const di_matrix *w, const float *x, float *y, int M, int threads) {
     return w->int8 ? di_int8_gemm(w->fmt, w->data, x, y, M, w->N, w->K, threads)
                    : di_quant_gemm(w->fmt, w->data, x, y, M, w->N, w->K, threads);
+}
+
+/* out = rms_norm(h (+ residual)) * w over the step's rows; with a residual, the sum is written
+   back into it (the residual stream, updated in place). */
+static int rms_norm(const float *h, float *residual, const float *w, float *out,
+                    const di_llama_step *s) {
+    const long D = s->hidden, residual_stride = residual != NULL ? D : 0;
+    const di_rms_norm_args a = {
+        .x = h, .x_stride = D, .residual = residual, .residual_stride = residual_stride,
+        .w = w, .out = out, .out_stride = D, .summed = residual, .summed_stride = residual_stride,
+        .T = s->T, .D = s->hidden, .eps = s->eps, .num_threads = s->num_threads};
+    return di_rms_norm(&a);
+}
+
+/* out [T, H * head_dim] = attention of q (rows `q_stride` apart) over one layer's caches. */
+static int attention(const float *q, long q_stride, const di_llama_layer *y, float *out,
+                     const di_llama_step *s) {
+    const di_attention_args a = {
+        .q = q, .q_stride_b = q_stride, .q_stride_h = s->head_dim, .k_cache = y->k_cache,
+        .v_cache = y->v_cache, .block_tables = s->block_tables, .max_blocks = s->max_blocks,
+        .context_lens = s->context_lens, .out = out, .B = s->T, .H = s->H, .Hkv = s->Hkv,
+        .D = s->head_dim, .S = s->block_size, .scale = s->scale,
+        .num_threads = s->num_threads, .kv_f16 = s->kv_f16};
+    return di_paged_decode_attention(&a);
 }
 
 #define TRY(call)                   \
@@ -97,11 +77,10 @@ int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama
     for (int l = 0; l < num_layers; l++) {
         const di_llama_layer *y = &layers[l];
         if (l == 0 && !has_residual) {
-            TRY(di_rms_norm(h, D, NULL, 0, y->input_norm, hn, D, NULL, 0, T, D, s->eps, thr));
+            TRY(rms_norm(h, NULL, y->input_norm, hn, s));
             memcpy(residual, h, sizeof(float) * (size_t)T * D);
         } else {
-            TRY(di_rms_norm(h, D, residual, D, y->input_norm, hn, D, residual, D, T, D, s->eps,
-                            thr));
+            TRY(rms_norm(h, residual, y->input_norm, hn, s));
         }
         TRY(linear(&y->qkv, hn, qkv, T, thr));
         float *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
@@ -109,11 +88,9 @@ int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama
                       hd, thr));
         TRY(di_store_kv(k, W, v, W, y->k_cache, y->v_cache, s->num_slots, s->slots, T, kv_size,
                         s->kv_f16));
-        TRY(di_paged_decode_attention(q, W, hd, y->k_cache, y->v_cache, s->block_tables,
-                                      s->max_blocks, s->context_lens, attn, T, s->H, s->Hkv, hd,
-                                      s->block_size, s->scale, thr, s->kv_f16));
+        TRY(attention(q, W, y, attn, s));
         TRY(linear(&y->o, attn, h, T, thr));
-        TRY(di_rms_norm(h, D, residual, D, y->post_norm, hn, D, residual, D, T, D, s->eps, thr));
+        TRY(rms_norm(h, residual, y->post_norm, hn, s));
         TRY(linear(&y->gate_up, hn, gu, T, thr));
         TRY(di_silu_mul(gu, 2 * I, act, I, T, I, thr));
         TRY(linear(&y->down, act, h, T, thr));

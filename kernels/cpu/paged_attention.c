@@ -6,45 +6,18 @@
    block block_tables[b][p / block_size] at offset p % block_size. One task per (request, KV head)
    (OpenMP, dynamic: contexts differ): its G = H / Hkv query heads share every key and value
    row, each read once. Pass 1: scores of the G heads for every key, into a per-task buffer.
-   Softmax with a vectorized exp. Pass 2: the weighted sum of value rows.
+   Softmax with the vectorized exp of simd.h. Pass 2: the weighted sum of value rows.
    D must be a multiple of 16 and at most 256; G at most 16.
 */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_D 256
-#define MAX_G 16
+#include "deepinfer_kernels.h"
+#include "simd.h"
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* e^x for x <= 0 (softmax arguments), relative error ~2e-7: x = n ln2 + r, |r| <= ln2 / 2,
-   e^r by a degree-6 Taylor polynomial, 2^n through the exponent bits. Below -87: 0. */
-static inline __m256 exp_nonpos(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_andnot_ps(underflow, result);
-}
+#define MAX_D DI_MAX_HEAD_DIM
+#define MAX_G DI_MAX_GROUP
 
 /* Eight cache elements from index `i` as float32: F16 is a compile-time constant in every
    caller (always inlined), so each instantiation has one kind of load. */
@@ -126,7 +99,7 @@ static void softmax(float *s, int L) {
     __m256 vsum = _mm256_setzero_ps();
     int p = 0;
     for (; p + 8 <= L; p += 8) {
-        const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
         _mm256_storeu_ps(s + p, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -189,20 +162,24 @@ static void values_pass(const float *w, int G, const void *v_cache, const int32_
 #undef VALUES
 }
 
-/* q: [B, H, D] with strides (q_stride_b, q_stride_h, 1); out: [B, H, D] contiguous; caches
-   float16 when kv_f16, else float32. Returns 0, -1 on bad arguments, -2 when out of memory. */
-int di_paged_decode_attention(const float *q, long q_stride_b, long q_stride_h,
-                              const void *k_cache, const void *v_cache,
-                              const int32_t *block_tables, int max_blocks,
-                              const int32_t *context_lens, float *out, int B, int H, int Hkv,
-                              int D, int S, float scale, int num_threads, int kv_f16) {
+/* See di_attention_args in deepinfer_kernels.h. */
+int di_paged_decode_attention(const di_attention_args *a) {
+    const int B = a->B, H = a->H, Hkv = a->Hkv, D = a->D, S = a->S, max_blocks = a->max_blocks;
     if (B < 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || D % 16 != 0 || D > MAX_D ||
         D <= 0 || S <= 0) {
         return -1;
     }
+    const int32_t *context_lens = a->context_lens;
     for (int b = 0; b < B; b++) {
         if (context_lens[b] <= 0 || context_lens[b] > max_blocks * S) return -1;
     }
+    const float *q = a->q;
+    const float scale = a->scale;
+    const long q_stride_b = a->q_stride_b, q_stride_h = a->q_stride_h;
+    const void *k_cache = a->k_cache, *v_cache = a->v_cache;
+    const int32_t *block_tables = a->block_tables;
+    float *out = a->out;
+    const int num_threads = a->num_threads, kv_f16 = a->kv_f16;
     const int G = H / Hkv;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1)

@@ -14,12 +14,14 @@
    Each output is the same sum in the same order whatever M is (8 lanes over K, then a fixed
    horizontal reduction): results do not depend on the batch.
 */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
+#include "deepinfer_kernels.h"
+#include "simd.h"
+
+#define QK DI_QK
 #define NR 4
 
 typedef struct {
@@ -35,7 +37,7 @@ typedef struct {
 _Static_assert(sizeof(block_q4_1) == 20, "Q4_1 block is 20 bytes");
 _Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block is 34 bytes");
 
-enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
+enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
 
 static inline __m256 bytes_to_ps(__m128i bytes8_lo, int is_signed) {
     __m256i ints = is_signed ? _mm256_cvtepi8_epi32(bytes8_lo) : _mm256_cvtepu8_epi32(bytes8_lo);
@@ -83,15 +85,8 @@ static void dequant_row(int fmt, const uint8_t *row, int nb, float *out) {
     }
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* NR weight rows (w, stride K) times MR x rows (MR = 1..3), into y (row stride N). Each output
-   has its own accumulator, summed over K in ascending steps of 8 lanes, then reduced by hsum:
+   has its own accumulator, summed over K in ascending steps of 8 lanes, then reduced by hsum8:
    the same arithmetic for every MR, so results never depend on how rows were grouped. */
 #define TILE(MR)                                                                              \
     static inline void tile_x##MR(const float *w, const float *x, int K, float *y, int N) {   \
@@ -107,7 +102,7 @@ static inline float hsum(__m256 v) {
             }                                                                                 \
         }                                                                                     \
         for (int c = 0; c < MR; c++)                                                          \
-            for (int r = 0; r < NR; r++) y[(size_t)c * N + r] = hsum(acc[r][c]);              \
+            for (int r = 0; r < NR; r++) y[(size_t)c * N + r] = hsum8(acc[r][c]);             \
     }
 TILE(1)
 TILE(2)
@@ -119,7 +114,7 @@ static inline float dot_row(const float *w, const float *x, int K) {
     for (int k = 0; k < K; k += 8) {
         a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
     }
-    return hsum(a);
+    return hsum8(a);
 }
 
 static void tile_rows(const float *w, int nr, const float *x, int M, int K, float *y, int N) {

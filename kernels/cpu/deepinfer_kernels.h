@@ -1,0 +1,143 @@
+/* The native CPU kernels' ABI: every function the library exports and every struct they take.
+
+   Every C file here includes this header (the compiler then checks each definition against
+   its prototype, and -Werror=missing-prototypes refuses an exported function declared nowhere
+   else). `kernels/cpu_abi.py` mirrors it in ctypes, and tests/kernels/test_cpu_abi.py parses
+   this file to check that mirror: keep to the forms its parser reads (`typedef struct { ... }
+   name;` with one field per declaration, prototypes ending in `;`, `#define DI_...` integers).
+
+   Every function returns 0 on success, -1 on bad arguments, -2 when out of memory, unless it
+   says otherwise. Row strides are in elements. Calls that would take a dozen or more scalars
+   take a struct instead (one per call kind), so its fields are named at every call site.
+*/
+#ifndef DEEPINFER_KERNELS_H
+#define DEEPINFER_KERNELS_H
+
+#include <stdint.h>
+
+#define DI_QK 32           /* weights per GGUF block */
+#define DI_MAX_HEAD_DIM 256 /* the attention kernel's largest head size */
+#define DI_MAX_GROUP 16     /* the attention kernel's most query heads per KV head */
+
+/* GGUF block formats, numbered as `quant_matmul.QuantFormat` numbers them. */
+#define DI_FMT_Q4_1 0
+#define DI_FMT_Q8_0 1
+
+/* Matmuls, y[M, N] = x[M, K] @ W[N, K]^T (cpu/quant_gemm.c, cpu/int8_gemm.c). */
+int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
+                  int num_threads);
+int di_dequantize(int fmt, const uint8_t *w, float *out, int N, int K, int num_threads);
+long di_int8_packed_bytes(int fmt, int N, int K); /* 0 for bad arguments */
+int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_threads);
+int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
+                 int num_threads);
+
+/* out = rms_norm(x (+ residual)) * w; with a residual, summed = x + residual as well. residual
+   and summed are NULL for a plain RMSNorm. D a multiple of 8. */
+typedef struct {
+    const float *x;
+    long x_stride;
+    const float *residual;
+    long residual_stride;
+    const float *w;
+    float *out;
+    long out_stride;
+    float *summed;
+    long summed_stride;
+    int T;
+    int D;
+    float eps;
+    int num_threads;
+} di_rms_norm_args;
+
+/* Paged decode attention, one query row per request: q [B, H, D] with strides (q_stride_b,
+   q_stride_h, 1); out [B, H, D] contiguous; caches [num_blocks, S, Hkv, D] float32, or float16
+   when kv_f16. D a multiple of 16 up to DI_MAX_HEAD_DIM, H / Hkv at most DI_MAX_GROUP. */
+typedef struct {
+    const float *q;
+    long q_stride_b;
+    long q_stride_h;
+    const void *k_cache;
+    const void *v_cache;
+    const int32_t *block_tables;
+    int max_blocks;
+    const int32_t *context_lens;
+    float *out;
+    int B;
+    int H;
+    int Hkv;
+    int D;
+    int S;
+    float scale;
+    int num_threads;
+    int kv_f16;
+} di_attention_args;
+
+/* The per-layer ops (cpu/elementwise.c) and attention (cpu/paged_attention.c). */
+int di_rms_norm(const di_rms_norm_args *a);
+int di_rotary(float *q, long q_stride, int H, float *k, long k_stride, int Hkv,
+              const int64_t *positions, const float *cos_sin, long P, int T, int D,
+              int num_threads);
+int di_store_kv(const float *k, long k_stride, const float *v, long v_stride, void *k_cache,
+                void *v_cache, long num_slots, const int64_t *slots, int T, int width,
+                int kv_f16);
+int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
+                int num_threads);
+int di_paged_decode_attention(const di_attention_args *a);
+
+/* One weight of the decoder stack: GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1). */
+typedef struct {
+    const uint8_t *data;
+    int fmt;
+    int int8;
+    int N;
+    int K;
+} di_matrix;
+
+typedef struct {
+    di_matrix qkv;
+    di_matrix o;
+    di_matrix gate_up;
+    di_matrix down;
+    const float *input_norm;
+    const float *post_norm;
+    void *k_cache;
+    void *v_cache;
+} di_llama_layer;
+
+/* What one step of the stack shares across layers. */
+typedef struct {
+    int T;
+    int hidden;
+    int H;
+    int Hkv;
+    int head_dim;
+    int intermediate;
+    float eps;
+    float scale;
+    const int64_t *positions;
+    const float *cos_sin;
+    long num_positions;
+    const int64_t *slots;
+    long num_slots;
+    const int32_t *block_tables;
+    int max_blocks;
+    const int32_t *context_lens;
+    int block_size;
+    int kv_f16;
+    int num_threads;
+} di_llama_step;
+
+/* The decoder stack in one call (cpu/llama_layers.c). */
+int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama_step *s,
+                    float *h, float *residual, int has_residual);
+
+/* sizeof each struct, as this compiler lays it out: the ctypes mirror checks itself against
+   them (cpu/abi.c). */
+long di_sizeof_rms_norm_args(void);
+long di_sizeof_attention_args(void);
+long di_sizeof_matrix(void);
+long di_sizeof_llama_layer(void);
+long di_sizeof_llama_step(void);
+
+#endif
