@@ -6,7 +6,8 @@ parts are copied into reserved device blocks and registered, so admission hits t
 from disk are also kept in the host tier. After each step, newly registered blocks are offered to
 both tiers (write-behind).
 
-Nothing blocks the loop: LMDB and file reads run on worker threads; KV tensor copies (and the host
+Nothing blocks the loop: LMDB reads run on worker threads, segment files are read through
+aiofiles (`DiskTier.load_async`); KV tensor copies (and the host
 tier's payload copies) on the executor the engine passes in. Fills write only reserved blocks, which
 no step can see until they are committed; snapshots pin the blocks they read, so a step of the
 other worker cannot reuse them meanwhile. Host-tier lookups are dictionary probes under a lock, done on
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.tier import DiskTier
-from deepinfer.config import RETENTION_CLASSES
+from deepinfer.config import Retention
 from deepinfer.engine.core import EngineCore
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import Request
@@ -36,9 +37,9 @@ NewBlock = tuple[int, BlockHash, str | None]
 
 
 def check_retention(retention: str | None) -> None:
-    if retention is not None and retention not in RETENTION_CLASSES:
+    if retention is not None and retention not in tuple(Retention):
         raise InvalidRequestError(
-            f"cache_retention must be one of {', '.join(RETENTION_CLASSES)}, got {retention!r}",
+            f"cache_retention must be one of {', '.join(Retention)}, got {retention!r}",
             param="cache_retention",
         )
 
@@ -66,7 +67,7 @@ async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Re
     kv, host, disk = core.kv, core.host, core.disk
     if (host is None and disk is None) or not kv.enable_prefix_caching:
         return TierFill()
-    if request.retention == "none":
+    if request.retention == Retention.NONE:
         return TierFill()
     hashes = kv.prompt_hashes(request)
     num_device = kv.cached_prefix_len(hashes)
@@ -109,7 +110,7 @@ async def _disk_prefix(disk: DiskTier, hashes: list[BlockHash]) -> int:
 async def _disk_load(disk: DiskTier, hashes: list[BlockHash]) -> list[bytes | None]:
     """Verified payloads from the disk tier; all misses if it fails."""
     try:
-        return await asyncio.to_thread(disk.load, hashes)
+        return await disk.load_async(hashes)
     except Exception:
         log.exception("disk tier read failed; serving without it")
         return [None] * len(hashes)
@@ -167,7 +168,7 @@ async def write_behind(core: EngineCore, forward: Executor) -> None:
     """Offer blocks registered in the last step to the host and disk tiers: a snapshot copy (and
     the host tier's copy) on the forward thread now; the disk write happens on the disk tier's
     writer thread, or is dropped."""
-    new = [b for b in core.kv.drain_new_blocks() if b[2] != "none"]
+    new = [b for b in core.kv.drain_new_blocks() if b[2] != Retention.NONE]
     if not new or (core.disk is None and core.host is None):
         return
     loop = asyncio.get_running_loop()

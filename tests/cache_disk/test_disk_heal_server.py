@@ -1,7 +1,7 @@
-"""The real server on a damaged disk cache: index records of a cached prefix overwritten with
-garbage (through LMDB, from this process, while the server runs) are misses, not 500s. The same
-prompts through both APIs answer 200 with the same greedy text, and every damaged record is
-counted in /metrics."""
+"""The real server (on the tiny random Llama: the healing is the disk tier's, whatever the model)
+on a damaged disk cache: index records of a cached prefix overwritten with garbage (through LMDB,
+from this process, while the server runs) are misses, not 500s. The same prompts through both
+APIs answer 200 with the same greedy text, and every damaged record is counted in /metrics."""
 
 from __future__ import annotations
 
@@ -96,7 +96,9 @@ def settled_writes(base: str) -> float:
     return now
 
 
-def test_damaged_index_records_are_misses_in_both_apis(tmp_path: Path) -> None:
+def test_damaged_index_records_are_misses_in_both_apis(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
     """Each API in turn: its prompt's blocks pushed out of the small device pool (fillers), every
     disk record damaged, then the prompt again: 200, the same text, nothing from disk, and the
     damaged records counted (the prompt's lookup finds them; the writer then drops the rest)."""
@@ -104,8 +106,8 @@ def test_damaged_index_records_are_misses_in_both_apis(tmp_path: Path) -> None:
     procs = ServerProcs(tmp_path)
     corrupt = "deepinfer_disk_cache_corrupt_records_total"
     try:
-        base, _ = procs.start(["--cache-dir", str(cache_dir), "--num-blocks", "48",
-                               "--no-host-cache"])  # fmt: skip
+        base, _ = procs.start(["--model", str(tiny_llama_dir), "--cache-dir", str(cache_dir),
+                               "--num-blocks", "48", "--no-host-cache"])  # fmt: skip
         with httpx.Client(timeout=120) as client:
             reference = chat(client, base, PROMPT, MAX_TOKENS).text
             assert anthropic_text(client, base, PROMPT) == reference

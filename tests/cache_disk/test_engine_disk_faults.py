@@ -55,7 +55,7 @@ async def test_disk_failure_costs_the_hit_not_the_request(
     assert warm_tokens == reference and warm.disk_cached_tokens >= 64, "no disk hit to lose"
 
     for owner, method in [
-        (DiskTier, "contains_prefix"), (DiskTier, "load"), (EngineCore, "fill_blocks")
+        (DiskTier, "contains_prefix"), (DiskTier, "load_async"), (EngineCore, "fill_blocks")
     ]:  # fmt: skip
         with monkeypatch.context() as patch:
             patch.setattr(owner, method, _raise)

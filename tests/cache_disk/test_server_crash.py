@@ -1,5 +1,6 @@
-"""`kill -9` of the real server during heavy disk-cache writes, several times on one cache dir:
-the index stays consistent, no record fails verification, greedy outputs equal a server with no
+"""`kill -9` of the real server (server.py, on the tiny random Llama: the crash safety is the disk
+tier's, whatever the model) during heavy disk-cache writes, several times on one cache dir: the
+index stays consistent, no record fails verification, greedy outputs equal a server with no
 caching at all, and blocks written before the crashes are still served from disk afterwards."""
 
 from __future__ import annotations
@@ -120,13 +121,14 @@ def disk_cached_tokens_metric(base: str) -> float:
     return float(match.group(1))
 
 
-def test_kill_9_server_keeps_disk_cache_sound(tmp_path: Path) -> None:
+def test_kill_9_server_keeps_disk_cache_sound(tmp_path: Path, tiny_llama_dir: Path) -> None:
     rng = random.Random(20240601)
     cache_dir = tmp_path / "cache"
     procs = ServerProcs(tmp_path)
-    cached_args = ["--cache-dir", str(cache_dir), "--num-blocks", "64"]
+    model = ["--model", str(tiny_llama_dir), "--num-blocks", "64"]
+    cached_args = [*model, "--cache-dir", str(cache_dir)]
     try:
-        ref = procs.launch(["--no-disk-cache", "--no-prefix-caching"])
+        ref = procs.launch([*model, "--no-disk-cache", "--no-prefix-caching"])
         pending = procs.launch(cached_args)
         base, ref_index = procs.wait(*ref)
         reference = replies(base, [PROBE, *FIXED])

@@ -24,10 +24,36 @@ MAGIC = b"DKV1"
 HEADER = struct.Struct(f"<4sI{HASH_NUM_BYTES}s{CHECKSUM_NUM_BYTES}s")
 SUFFIX = ".seg"
 
+RawRecord = tuple[bytes, bytes]
+"""A record as read from its segment, (header bytes, payload bytes), not yet verified."""
+
 
 def record_bytes(payload_len: int) -> int:
     """Bytes a record takes in its segment (header included)."""
     return HEADER.size + payload_len
+
+
+def record_fits(offset: int, length: int, file_bytes: int) -> bool:
+    """Whether a record of `length` payload bytes at `offset` lies inside a file this long (an
+    index record saying otherwise is damaged: nothing is read or allocated for it)."""
+    return offset >= 0 and length >= 0 and offset + HEADER.size + length <= file_bytes
+
+
+def split_record(data: bytes) -> RawRecord:
+    """A record's bytes as read, cut into (header, payload): a short read leaves a short part."""
+    return data[: HEADER.size], data[HEADER.size :]
+
+
+def parse_record(raw: RawRecord, length: int, block_hash: BlockHash, digest: bytes) -> bytes | None:
+    """The payload if `raw` (a record as read) is intact and is `block_hash`'s: the lengths,
+    header and checksum all match the index record. Else None."""
+    header, payload = raw
+    if len(header) != HEADER.size or len(payload) != length:
+        return None
+    magic, n, h, d = HEADER.unpack(header)
+    if magic != MAGIC or n != length or h != block_hash or d != digest:
+        return None
+    return payload if checksum(block_hash, payload) == digest else None
 
 
 def segment_name(segment: int) -> str:
@@ -109,23 +135,23 @@ class SegmentStore:
     ) -> bytes | None:
         """The payload if the record at (segment, offset) is intact and is `block_hash`'s, else
         None. A missing or short file also reads as None."""
+        raw = self.read_raw(segment, offset, length)
+        return None if raw is None else parse_record(raw, length, block_hash, digest)
+
+    def read_raw(self, segment: int, offset: int, length: int) -> RawRecord | None:
+        """The record as read, unverified (see `parse_record`); None when the file is missing or
+        too short to hold it."""
         try:
             fd = os.open(self.path(segment), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            if offset < 0 or length < 0 or offset + HEADER.size + length > os.fstat(fd).st_size:
+            if not record_fits(offset, length, os.fstat(fd).st_size):
                 return None  # a damaged record, or a truncated file: never allocate for it
             data = os.pread(fd, HEADER.size + length, offset)
         finally:
             os.close(fd)
-        if len(data) != HEADER.size + length:
-            return None
-        magic, n, h, d = HEADER.unpack_from(data)
-        if magic != MAGIC or n != length or h != block_hash or d != digest:
-            return None
-        payload = data[HEADER.size :]
-        return payload if checksum(block_hash, payload) == digest else None
+        return split_record(data)
 
     def delete(self, segment: int) -> None:
         """Remove a segment file (its index entries must be gone already)."""

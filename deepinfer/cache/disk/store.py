@@ -25,7 +25,7 @@ from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.config import DiskTierConfig
 from deepinfer.cache.disk.index import CORRUPT, BlockIndex
 from deepinfer.cache.disk.records import BlockRecord, time_key
-from deepinfer.cache.disk.segments import SegmentStore, record_bytes
+from deepinfer.cache.disk.segments import RawRecord, SegmentStore, parse_record, record_bytes
 from deepinfer.cache.free_queue import IntegrityError
 
 SWEEP_BATCH = 256
@@ -111,19 +111,41 @@ class DiskStore:
 
     def load(self, hashes: Sequence[BlockHash]) -> LoadResult:
         """Payloads (None: absent, damaged or failed verification; a failed entry is dropped)."""
+        records = self.locate(hashes)
+        raws = [
+            None if r is None else self.segments.read_raw(r.segment, r.offset, r.length)
+            for r in records
+        ]
+        return self.verify(hashes, records, raws)
+
+    def locate(self, hashes: Sequence[BlockHash]) -> list[BlockRecord | None]:
+        """`load`'s first step: each block's index record (None: absent, or undecodable, which
+        is dropped, or only counted when read-only). Then read the records and `verify` them."""
         found = self.index.read_many(hashes)
         corrupt = [h for h, r in zip(hashes, found, strict=True) if r is CORRUPT]
         if corrupt and self.readonly:
             self.index.on_corrupt(len(corrupt))
         elif corrupt:
             self.index.drop_corrupt(corrupt)
+        return [r if isinstance(r, BlockRecord) else None for r in found]
+
+    def verify(
+        self,
+        hashes: Sequence[BlockHash],
+        records: Sequence[BlockRecord | None],
+        raws: Sequence[RawRecord | None],
+    ) -> LoadResult:
+        """`load`'s last step: check each record as read (`raws`, None where unreadable) against
+        its index record; an entry that fails, if still indexed, is dropped."""
         out: list[bytes | None] = []
         failures = 0
-        for block_hash, record in zip(hashes, found, strict=True):
-            if not isinstance(record, BlockRecord):
+        for block_hash, record, raw in zip(hashes, records, raws, strict=True):
+            if record is None:
                 out.append(None)
                 continue
-            payload = self._read(block_hash, record)
+            payload = None
+            if raw is not None:
+                payload = parse_record(raw, record.length, block_hash, record.checksum)
             if payload is None and self._still_indexed(block_hash, record):
                 failures += 1
                 if not self.readonly:

@@ -1,11 +1,12 @@
 """`DiskTier`: the persistent prefix-cache tier, keyed by block hash, dealing in `bytes` payloads.
 
-Threads, not coroutines (the cache layer stays free of asyncio): `offer` and `touch` only enqueue
+Threads, and one coroutine (the cache layer imports no asyncio): `offer` and `touch` only enqueue
 and return at once; one writer thread owned by the tier drains the queue in batches (append,
 fsync, index commit), runs the periodic sweep, and heals and reopens the store. `load` and
 `contains_prefix` run on the calling thread; `load` reads files and may take milliseconds, so an
-event loop calls it through `loop.run_in_executor`. `contains_prefix` is one LMDB read
-transaction (microseconds).
+event loop awaits `load_async` instead (the same steps: LMDB and checksums on the loop's
+executor, segment reads through aiofiles). `contains_prefix` is one LMDB read transaction
+(microseconds).
 
 Failures never escape: any exception inside the tier (an unwritable directory, a full disk, a
 damaged index, a bug) puts it in degraded mode (one warning, a counter, `stats().degraded`):
@@ -34,11 +35,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from deepinfer.cache.block_hash import BlockHash
+from deepinfer.cache.disk.async_reads import load_records
 from deepinfer.cache.disk.config import DiskTierConfig, fingerprint_dir
 from deepinfer.cache.disk.keeper import StoreKeeper
 from deepinfer.cache.disk.records import check_hash
 from deepinfer.cache.disk.stats import Counters, DiskTierStats, make_stats
-from deepinfer.cache.disk.store import DiskStore, PendingWrite, SweepResult
+from deepinfer.cache.disk.store import DiskStore, LoadResult, PendingWrite, SweepResult
 from deepinfer.cache.disk.write_queue import Pending, PendingHeal, PendingTouch, WriteQueue
 
 logger = logging.getLogger(__name__)
@@ -126,12 +128,29 @@ class DiskTier:
             except Exception as exc:
                 self._keeper.fail("disk cache read failed", exc)
                 return misses
+        return self._loaded(len(block_hashes), result, dirty)
+
+    async def load_async(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """`load` for an event loop, which it never blocks (async_reads.py): the same payloads,
+        checks and accounting."""
+        misses: list[bytes | None] = [None] * len(block_hashes)
+        with self._keeper.slot.use() as store:
+            if store is None:
+                self._counts.add(lookups=len(block_hashes))
+                return misses
+            try:
+                result = await load_records(store, block_hashes)
+                dirty = store.index.dirty and not store.readonly
+            except Exception as exc:
+                self._keeper.fail("disk cache read failed", exc)
+                return misses
+        return self._loaded(len(block_hashes), result, dirty)
+
+    def _loaded(self, num_lookups: int, result: LoadResult, dirty: bool) -> list[bytes | None]:
         if dirty:  # the writer rebuilds the index (and `flush` waits for it)
             self._queue.offer(PendingHeal())
         hits = sum(p is not None for p in result.payloads)
-        self._counts.add(
-            lookups=len(block_hashes), hits=hits, checksum=result.num_checksum_failures
-        )
+        self._counts.add(lookups=num_lookups, hits=hits, checksum=result.num_checksum_failures)
         return result.payloads
 
     # writes (non-blocking: enqueue only)
