@@ -2,7 +2,7 @@
 
 import sys
 
-from deepinfer.api.server import main
+from deepinfer.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["serve", *sys.argv[1:]]))

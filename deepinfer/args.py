@@ -1,266 +1,333 @@
-"""Command-line flags shared by `deepinfer generate|chat|serve` and server.py -> one `Config`."""
+"""Command-line flags derived from the `Config` dataclasses, and the `Config` they parse to.
+
+Every field of every section of `Config` is one flag (a nested record such as
+`ServerConfig.limits` adds its fields too). The flag is the field's name with dashes (`RENAMED`
+keeps the older names users rely on), its choices come from a `Literal` or enum type, a bool gets
+`--x/--no-x`, a tuple takes a comma list, and its help is the field's docstring in config.py.
+`CONVERSIONS` holds the flags whose text is not the field's value (`--kv-memory-gb` ->
+`kv_memory_bytes`). Every flag also reads `DEEPINFER_<FLAG>` (`config.env_name`; a bool also
+`DEEPINFER_NO_<FLAG>`): a flag beats the environment, which beats the field's default. A field
+set by neither is left out, so the dataclass default applies.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Any, Literal
 
-from deepinfer.config import (
-    CacheConfig,
-    Config,
-    DiskCacheConfig,
-    HostCacheConfig,
-    ModelConfig,
-    RequestLimits,
-    RuntimeConfig,
-    SchedulerConfig,
-    ServerConfig,
-    WorkersConfig,
-    env_overrides,
-)
+from deepinfer.config import Config, ConfigError, env_name, env_value
+
+GIB = 1 << 30
+Parse = Callable[[str], Any]
+Environ = Mapping[str, str] | None
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    env = env_overrides()
-    g = parser.add_argument_group("engine")
-    _add_model_args(g, env)
-    _add_kv_pool_args(g)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-waiting", type=int, default=1024)
-    g.add_argument("--seed", type=int, default=0)
-    _add_tier_args(parser, env)
-    add_worker_args(parser)
+@dataclass(frozen=True)
+class Conversion:
+    """A flag whose text is not its field's value: `parse` reads the text, `show` writes a field
+    value the way the flag takes it, `note` says how in the help."""
+
+    flag: str
+    parse: Parse
+    show: Callable[[Any], str]
+    note: str
 
 
-def _add_model_args(g: argparse._ArgumentGroup, env: dict[str, str]) -> None:
-    """The model, its dtype and device, and how its forward pass runs."""
-    g.add_argument(
-        "--model",
-        type=Path,
-        default=env.get("model"),
-        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default=env.get("dtype", "auto"),
-    )
-    g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
-    g.add_argument(
-        "--quantized-matmul",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="CPU: multiply by a GGUF file's Q4_1/Q8_0 blocks with the native kernel (auto: "
-        "when a C compiler and AVX2 are there; off: dequantize to the serving dtype)",
-    )
-    g.add_argument(
-        "--matmul-activations",
-        choices=["float32", "int8"],
-        default="float32",
-        help="with --quantized-matmul: float32 (default) keeps transformers' exact arithmetic; "
-        "int8 quantizes activations to int8 blocks and sums integer dot products, as llama.cpp "
-        "does (faster, slightly different logits)",
-    )
-    g.add_argument("--device", default=env.get("device", "auto"), help="auto, cpu, cuda, cuda:N")
-    g.add_argument(
-        "--attention-backend",
-        choices=["auto", "cpu", "torch", "triton"],
-        default=env.get("attention_backend", "auto"),
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="replay decode steps from CUDA graphs (auto: on CUDA with the Triton backend)",
-    )
-    g.add_argument("--threads", type=int, default=None, help="torch threads for forward passes")
-
-
-def _add_kv_pool_args(g: argparse._ArgumentGroup) -> None:
-    """The device KV pool: block size, dtype, size, prefix sharing."""
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument(
-        "--kv-dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        default="auto",
-        help="how K and V are stored (auto: float16 under float32 serving on the CPU backends, "
-        "else the serving dtype)",
-    )
-    g.add_argument(
-        "--kv-memory-gb",
-        type=float,
-        default=None,
-        help="memory budget of the KV pool (default: CPU a quarter of RAM up to 4, CUDA 1)",
-    )
-    g.add_argument("--num-blocks", type=int, default=None, help="exact KV block count")
-    g.add_argument("--no-prefix-caching", action="store_true")
-
-
-def _add_tier_args(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
-    """The prefix cache's lower tiers: disk, and host RAM."""
-    d = parser.add_argument_group("disk cache")
-    d.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=env.get("cache_dir"),
-        help="disk KV cache root (default: ~/.cache/deepinfer)",
-    )
-    d.add_argument(
-        "--no-disk-cache", action="store_true", help="keep the prefix cache in memory only"
-    )
-    d.add_argument("--disk-cache-gb", type=float, default=32.0, help="disk KV cache byte budget")
-    d.add_argument(
-        "--default-retention",
-        choices=["agent", "chat", "none"],
-        default=env.get("default_retention", "chat"),
-    )
-    h = parser.add_argument_group("host cache")
-    h.add_argument(
-        "--host-cache",
-        choices=["auto", "on", "off"],
-        default=env.get("host_cache", "auto"),
-        help="host-RAM KV tier between device and disk (auto: on with CUDA, off on CPU)",
-    )
-    h.add_argument("--no-host-cache", action="store_true", help="same as --host-cache off")
-    h.add_argument("--host-cache-gb", type=float, default=8.0, help="host KV cache byte budget")
-
-
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    w = parser.add_argument_group("prefill and decode workers")
-    w.add_argument(
-        "--colocated",
-        action="store_true",
-        help="one worker mixing prefill chunks into decode steps (the baseline)",
-    )
-    w.add_argument("--prefill-devices", default="", help="the prefill worker's device, e.g. cuda:0")
-    w.add_argument(
-        "--decode-devices",
-        default="",
-        help="the decode worker's device, e.g. cuda:1: its own model replica and KV pool",
-    )
-    w.add_argument("--prefill-threads", type=int, default=None, help="CPU threads of prefill")
-    w.add_argument("--decode-threads", type=int, default=None, help="CPU threads of decode")
-    w.add_argument(
-        "--gil-switch-interval-ms",
-        type=float,
-        default=0.5,
-        help="Python's GIL switch interval while the engine runs (0: leave Python's 5 ms)",
-    )
-    w.add_argument(
-        "--lend-idle-threads",
-        action="store_true",
-        help="CPU: a worker borrows its idle peer's cores (throughput over steady latency)",
-    )
-    w.add_argument(
-        "--prefill-step-ms", type=float, default=None, help="time budget of a prefill step"
-    )
-    w.add_argument(
-        "--prefill-buckets",
-        default="512,4096,32768",
-        help="upper bounds of the uncached prompt length buckets",
-    )
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def workers_from_args(ns: argparse.Namespace) -> WorkersConfig:
+def _gib(text: str) -> int:
     try:
-        buckets = tuple(int(b) for b in _csv(ns.prefill_buckets))
+        return int(float(text) * GIB)
     except ValueError:
-        raise SystemExit(f"--prefill-buckets takes integers, got {ns.prefill_buckets!r}") from None
-    return WorkersConfig(
-        colocated=ns.colocated,
-        prefill_devices=_csv(ns.prefill_devices),
-        decode_devices=_csv(ns.decode_devices),
-        prefill_threads=ns.prefill_threads,
-        decode_threads=ns.decode_threads,
-        lend_idle_threads=ns.lend_idle_threads,
-        gil_switch_interval_ms=ns.gil_switch_interval_ms or None,
-        prefill_step_ms=ns.prefill_step_ms,
-        prefill_buckets=buckets,
-    )
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    env = env_overrides()
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default=env.get("host", "127.0.0.1"))
-    g.add_argument("--port", type=int, default=int(env.get("port", "8000")))
-    g.add_argument(
-        "--api-key", default=env.get("api_key"), help="require this key on every request"
-    )
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    d = ServerConfig()
-    g.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s)
-    g.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s)
-    g.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s)
-    g.add_argument("--max-connections", type=int, default=d.max_connections)
-    limits = parser.add_argument_group("request limits (each refused with a 400 naming it)")
-    for f in dataclasses.fields(RequestLimits):
-        limits.add_argument(
-            "--" + f.name.replace("_", "-"), type=int, default=getattr(d.limits, f.name)
+def _zero_is_none(text: str) -> float | None:
+    return float(text) or None
+
+
+def _in_gib(flag: str) -> Conversion:
+    return Conversion(flag, _gib, lambda num_bytes: f"{num_bytes / GIB:g}", "In GiB.")
+
+
+RENAMED = {
+    "model.path": "--model",
+    "runtime.num_threads": "--threads",
+    "cache.enable_prefix_caching": "--prefix-caching",
+    "disk_cache.enabled": "--disk-cache",
+    "host_cache.enabled": "--host-cache",
+}
+"""Flags not named after their field (dotted path below `Config` -> flag)."""
+
+CONVERSIONS = {
+    "cache.kv_memory_bytes": _in_gib("--kv-memory-gb"),
+    "disk_cache.max_bytes": _in_gib("--disk-cache-gb"),
+    "host_cache.max_bytes": _in_gib("--host-cache-gb"),
+    "workers.gil_switch_interval_ms": Conversion(
+        "--gil-switch-interval-ms", _zero_is_none, str, "0 means None."
+    ),
+}
+
+ALIASES = {"--no-host-cache": ("host_cache.enabled", "off")}
+"""Flags that set another flag's field to a constant (flag -> (dotted path, value))."""
+
+SERVER_SECTIONS = ("server",)
+ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in SERVER_SECTIONS)
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One field of `Config` as a flag."""
+
+    dest: str
+    """Dotted path below `Config`, e.g. `cache.block_size` or `server.limits.max_tools`."""
+    owner: type
+    """The record that holds the field."""
+    flag: str
+    hint: Any
+    """The field's type, `None` taken out of a union."""
+    default: Any
+    doc: str
+    """The field's docstring, whitespace collapsed."""
+
+    @property
+    def conversion(self) -> Conversion | None:
+        return CONVERSIONS.get(self.dest)
+
+    @property
+    def env(self) -> str:
+        return env_name(self.flag[2:])
+
+    @property
+    def choices(self) -> list[Any] | None:
+        if typing.get_origin(self.hint) is Literal:
+            return list(typing.get_args(self.hint))
+        if isinstance(self.hint, type) and issubclass(self.hint, Enum):
+            return list(self.hint)
+        return None
+
+    @property
+    def parse(self) -> Parse:
+        if self.conversion is not None:
+            return self.conversion.parse
+        if typing.get_origin(self.hint) is Literal:
+            return str
+        if typing.get_origin(self.hint) is tuple:
+            return _comma_list(typing.get_args(self.hint)[0])
+        if self.hint in (int, float, str, Path) or self.choices is not None:
+            return typing.cast(Parse, self.hint)
+        raise TypeError(f"{self.dest}: no flag for type {self.hint!r}; teach deepinfer/args.py")
+
+    def show(self, value: Any) -> str:
+        """`value` as this flag's text."""
+        if value is None or isinstance(value, bool):
+            return str(value)
+        if self.conversion is not None:
+            return self.conversion.show(value)
+        if isinstance(value, tuple):
+            return ",".join(map(str, value)) or "empty"
+        return str(value)
+
+
+def _comma_list(item: Parse) -> Parse:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(item(part.strip()) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"takes comma-separated {getattr(item, '__name__', 'value')}s, got {text!r}"
+            ) from None
+
+    return parse
+
+
+@functools.cache
+def flag_specs(section: type = Config, prefix: str = "") -> tuple[FlagSpec, ...]:
+    """Every field below `section` as a flag, in declaration order."""
+    hints, docs = _hints(section), field_docs(section)
+    specs: list[FlagSpec] = []
+    for f in dataclasses.fields(section):
+        dest, hint = prefix + f.name, _without_none(hints[f.name])
+        if dataclasses.is_dataclass(hint):
+            specs += flag_specs(typing.cast(type, hint), dest + ".")
+            continue
+        flag = RENAMED.get(dest) or "--" + f.name.replace("_", "-")
+        conversion = CONVERSIONS.get(dest)
+        flag = conversion.flag if conversion is not None else flag
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        specs.append(FlagSpec(dest, section, flag, hint, default, docs.get(f.name, "")))
+    return tuple(specs)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _without_none(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else hint
+    return hint
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a class (the string under each field), read from its source."""
+    body, docs = _class_node(cls).body, {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def class_doc(cls: type) -> str | None:
+    """A class's own docstring (a dataclass's `__doc__` is its signature when it has none)."""
+    doc = ast.get_docstring(_class_node(cls))
+    return " ".join(doc.split()) if doc else None
+
+
+@functools.cache
+def _class_node(cls: type) -> ast.ClassDef:
+    source = inspect.getsourcefile(cls)
+    for node in _module_ast(source or "").body:
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            return node
+    raise LookupError(f"no source for class {cls.__qualname__}")
+
+
+@functools.cache
+def _module_ast(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text())
+
+
+def add_flag(
+    group: argparse._ActionsContainer, flag: str, environ: Environ = None, **kwargs: Any
+) -> argparse.Action:
+    """`group.add_argument(flag, **kwargs)`, its default read from `DEEPINFER_<FLAG>` when set
+    there (converted and checked as the flag would be; a bad value raises `ConfigError`)."""
+    value = _from_env(flag[2:], kwargs, environ)
+    if value is not _UNSET:
+        kwargs["default"] = value
+    return group.add_argument(flag, **kwargs)
+
+
+_UNSET: Any = object()
+
+
+def _from_env(name: str, kwargs: Mapping[str, Any], environ: Environ) -> Any:
+    action = kwargs.get("action")
+    if action in ("store_true", argparse.BooleanOptionalAction):
+        return env_bool(name, environ, negatable=action is argparse.BooleanOptionalAction)
+    text = env_value(name, environ)
+    if text is None:
+        return _UNSET
+    try:
+        value = kwargs.get("type", str)(text)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise ConfigError(f"{env_name(name)}={text!r}: {exc}") from None
+    choices = kwargs.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(
+            f"{env_name(name)}={text!r}: choose one of {', '.join(map(str, choices))}"
         )
+    return value
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_bool(name: str, environ: Environ = None, *, negatable: bool = False) -> Any:
+    """`DEEPINFER_<NAME>` as a bool (and the inverse of `DEEPINFER_NO_<NAME>` when `negatable`);
+    `_UNSET` when neither is set."""
+    found: dict[str, bool] = {}
+    for key, invert in ((name, False), ("no-" + name, True))[: 2 if negatable else 1]:
+        text = env_value(key, environ)
+        if text is None:
+            continue
+        if text.strip().lower() not in _TRUE + _FALSE:
+            raise ConfigError(f"{env_name(key)}={text!r}: use one of {', '.join(_TRUE + _FALSE)}")
+        found[env_name(key)] = (text.strip().lower() in _TRUE) != invert
+    if len(set(found.values())) > 1:
+        raise ConfigError(f"{' and '.join(found)} disagree")
+    return next(iter(found.values()), _UNSET)
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser, sections: Sequence[str], environ: Environ = None
+) -> None:
+    """The flags of `sections` (field names of `Config`), one argument group per record."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in flag_specs():
+        if spec.dest.split(".")[0] not in sections:
+            continue
+        owner = spec.dest.rpartition(".")[0]
+        if owner not in groups:
+            title = owner.replace(".", " ").replace("_", " ")
+            groups[owner] = parser.add_argument_group(title, class_doc(spec.owner))
+        _add_spec(groups[owner], spec, environ)
+
+
+def _add_spec(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Environ) -> None:
+    kwargs: dict[str, Any] = {"dest": spec.dest, "default": argparse.SUPPRESS}
+    if spec.hint is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"], kwargs["choices"] = spec.parse, spec.choices
+        if spec.choices is None:
+            kwargs["metavar"] = spec.flag[2:].upper().replace("-", "_")
+    note = spec.conversion.note if spec.conversion is not None else ""
+    text = f"{spec.doc} {note} [default: {spec.show(spec.default)}; env {spec.env}]"
+    action = add_flag(group, spec.flag, environ, help=text.strip().replace("%", "%%"), **kwargs)
+    for alias, (dest, value) in ALIASES.items():
+        if dest == spec.dest:
+            if env_bool(alias[2:], environ) is True:
+                action.default = value
+            group.add_argument(
+                alias,
+                dest=dest,
+                action="store_const",
+                const=value,
+                default=argparse.SUPPRESS,
+                help=f"same as {spec.flag} {value} [env {env_name(alias[2:])}]",
+            )
+
+
+def add_engine_args(parser: argparse.ArgumentParser, environ: Environ = None) -> None:
+    """Flags of every section but the server's (`generate`, `chat`, `serve`)."""
+    add_config_args(parser, ENGINE_SECTIONS, environ)
+
+
+def add_server_args(parser: argparse.ArgumentParser, environ: Environ = None) -> None:
+    """Flags of the server and its request limits (`serve`)."""
+    add_config_args(parser, SERVER_SECTIONS, environ)
 
 
 def config_from_args(ns: argparse.Namespace) -> Config:
-    server = ServerConfig()
-    if hasattr(ns, "host"):
-        server = ServerConfig(
-            host=ns.host,
-            port=ns.port,
-            api_key=ns.api_key,
-            served_model_name=ns.served_model_name,
-            max_body_bytes=ns.max_body_bytes,
-            limits=RequestLimits(
-                **{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)}
-            ),
-            header_timeout_s=ns.header_timeout_s,
-            body_timeout_s=ns.body_timeout_s,
-            keep_alive_timeout_s=ns.keep_alive_timeout_s,
-            max_connections=ns.max_connections,
-        )
-    return Config(
-        model=ModelConfig(
-            path=ns.model,
-            dtype=ns.dtype,
-            max_model_len=ns.max_model_len,
-            quantized_matmul=ns.quantized_matmul,
-            matmul_activations=ns.matmul_activations,
-        ),
-        disk_cache=DiskCacheConfig(
-            enabled=not ns.no_disk_cache,
-            cache_dir=ns.cache_dir,
-            max_bytes=int(ns.disk_cache_gb * (1 << 30)),
-            default_retention=ns.default_retention,
-        ),
-        host_cache=HostCacheConfig(
-            enabled="off" if ns.no_host_cache else ns.host_cache,
-            max_bytes=int(ns.host_cache_gb * (1 << 30)),
-        ),
-        cache=CacheConfig(
-            block_size=ns.block_size,
-            kv_dtype=ns.kv_dtype,
-            kv_memory_bytes=None if ns.kv_memory_gb is None else int(ns.kv_memory_gb * (1 << 30)),
-            num_blocks=ns.num_blocks,
-            enable_prefix_caching=not ns.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=ns.max_num_seqs,
-            max_num_batched_tokens=ns.max_num_batched_tokens,
-            max_waiting=ns.max_waiting,
-        ),
-        workers=workers_from_args(ns),
-        runtime=RuntimeConfig(
-            device=ns.device,
-            attention_backend=ns.attention_backend,
-            cuda_graphs=ns.cuda_graphs,
-            num_threads=ns.threads,
-            seed=ns.seed,
-        ),
-        server=server,
-    )
+    """The `Config` that parsed flags describe (flag, else environment, else default)."""
+    return typing.cast(Config, _build(Config, "", vars(ns)))
+
+
+def _build(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
+    hints, kwargs = _hints(cls), {}
+    for f in dataclasses.fields(cls):
+        dest, hint = prefix + f.name, _without_none(hints[f.name])
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(typing.cast(type, hint), dest + ".", values)
+        elif dest in values:
+            kwargs[f.name] = values[dest]
+    return cls(**kwargs)

@@ -1,4 +1,4 @@
-"""`deepinfer generate | chat | serve`."""
+"""`deepinfer generate | chat | serve | pull`; `python server.py` is `deepinfer serve`."""
 
 from __future__ import annotations
 
@@ -8,36 +8,57 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from deepinfer.args import add_engine_args, add_server_args, config_from_args
+from deepinfer.args import Environ, add_engine_args, add_flag, add_server_args, config_from_args
 from deepinfer.config import Config, ConfigError
 from deepinfer.errors import DeepInferError
 from deepinfer.request import SamplingParams
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser(environ: Environ = None) -> argparse.ArgumentParser:
+    """The `deepinfer` parser; every flag's default may come from `DEEPINFER_<FLAG>` in
+    `environ` (default: the process environment)."""
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print it")
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message")
-    _add_sampling_args(gen)
-    add_engine_args(gen)
+    add_flag(
+        gen, "--chat", environ, action="store_true", help="wrap the prompt as one user message"
+    )
+    _add_sampling_args(gen, environ)
+    add_engine_args(gen, environ)
     chat = sub.add_parser("chat", help="an interactive conversation, streamed")
-    chat.add_argument("--system", default=None, help="system prompt")
-    _add_sampling_args(chat)
-    add_engine_args(chat)
+    add_flag(chat, "--system", environ, default=None, help="system prompt")
+    _add_sampling_args(chat, environ)
+    add_engine_args(chat, environ)
     serve = sub.add_parser("serve", help="the OpenAI/Anthropic compatible HTTP server")
-    add_engine_args(serve)
-    add_server_args(serve)
+    add_serve_args(serve, environ)
+    sub.add_parser("pull", help="fetch a known model (`deepinfer pull --help`)", add_help=False)
     return parser
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default=None)
+def add_serve_args(parser: argparse.ArgumentParser, environ: Environ = None) -> None:
+    """The flags of `deepinfer serve` (and `python server.py`)."""
+    add_flag(
+        parser,
+        "--log-level",
+        environ,
+        default="info",
+        choices=list(LOG_LEVELS),
+        help="logging level of the server",
+    )
+    add_engine_args(parser, environ)
+    add_server_args(parser, environ)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, environ: Environ) -> None:
+    add_flag(p, "--max-tokens", environ, type=int, default=256)
+    add_flag(p, "--temperature", environ, type=float, default=0.0)
+    add_flag(p, "--top-p", environ, type=float, default=1.0)
+    add_flag(p, "--sample-seed", environ, type=int, default=None, help="per-request sampling seed")
+    add_flag(p, "--reasoning-effort", environ, choices=["low", "medium", "high"], default=None)
 
 
 def _sampling(ns: argparse.Namespace) -> SamplingParams:
@@ -97,9 +118,14 @@ def _run(coro_fn, config: Config, ns: argparse.Namespace) -> None:  # type: igno
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["pull"]:
+        from deepinfer.pull import run_pull
+
+        return run_pull(args[1:])
     try:
+        ns = build_parser().parse_args(args)
+        _configure_logging(ns)
         config = config_from_args(ns)
         if ns.command == "serve":
             from deepinfer.api.server import serve
@@ -115,6 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _configure_logging(ns: argparse.Namespace) -> None:
+    if ns.command == "serve":
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(level=ns.log_level.upper(), format=fmt)
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
 if __name__ == "__main__":

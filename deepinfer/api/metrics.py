@@ -15,6 +15,7 @@ from deepinfer.api.worker_metrics import worker_metrics
 from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.engine.types import GenerationOutput, Usage
+from deepinfer.scheduler.admission import PrefillCounts
 
 _LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -59,11 +60,31 @@ class _EngineCollector(Collector):
             "Requests ended with an internal error",
             value=stats.num_failed_requests,
         )
+        yield from _prefill_metrics(stats.prefill_counts)
         if stats.disk is not None:
             yield from _disk_metrics(stats.disk)
         if stats.host is not None:
             yield from _host_metrics(stats.host)
         yield from worker_metrics(stats)
+
+
+def _prefill_metrics(c: PrefillCounts) -> Iterator[Metric]:
+    """Prompt work: tokens computed, and tokens a shared prefix in flight saved."""
+    yield CounterMetricFamily(
+        "deepinfer_prefill_computed_tokens",
+        "Prompt tokens computed by prefill (recomputation after preemption included)",
+        value=c.num_computed_tokens,
+    )
+    yield CounterMetricFamily(
+        "deepinfer_prefill_inflight_saved_tokens",
+        "Prompt tokens hit after waiting for another request to compute them",
+        value=c.num_inflight_saved_tokens,
+    )
+    yield CounterMetricFamily(
+        "deepinfer_prefill_inflight_waits",
+        "Requests that waited for a shared prefix being computed for another request",
+        value=c.num_inflight_waits,
+    )
 
 
 def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,7 +25,7 @@ from deepinfer.api.responses_tools import responses_plan, text_format_spec
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import collect
 from deepinfer.api.tool_grammar import forced_calls, recipe_format
-from deepinfer.config import Config, DiskCacheConfig, RequestLimits
+from deepinfer.config import DiskCacheConfig, RequestLimits, Retention
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
@@ -37,17 +36,17 @@ CLIENT_CLOSED = 499
 DAY_S = 86_400.0
 
 
-def responses_routes(ctx: ApiContext) -> list[Route]:
-    store = new_store(ctx.engine)
+def responses_routes(ctx: ApiContext, disk_cache: DiskCacheConfig) -> list[Route]:
+    store = new_store(disk_cache)
     return [Route("/v1/responses", _create_handler(ctx, store), methods=["POST"])]
 
 
-def new_store(engine: Any) -> ResponseStore:
-    """A store whose retention lifetimes are the engine's disk-tier classes (defaults when the
-    engine carries no `Config`)."""
-    config = getattr(engine, "config", None)
-    disk = config.disk_cache if isinstance(config, Config) else DiskCacheConfig()
-    lifetimes_s = {"agent": disk.agent_days * DAY_S, "chat": disk.chat_days * DAY_S}
+def new_store(disk: DiskCacheConfig) -> ResponseStore:
+    """A store whose retention lifetimes are the disk tier's retention classes."""
+    lifetimes_s: dict[str, float] = {
+        Retention.AGENT: disk.agent_days * DAY_S,
+        Retention.CHAT: disk.chat_days * DAY_S,
+    }
     return ResponseStore(lifetimes_s, disk.default_retention)
 
 

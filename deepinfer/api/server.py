@@ -5,40 +5,17 @@ python server.py --model PATH --port 8000        # or: deepinfer serve ...
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 
 import uvicorn
 
 from deepinfer.api.app import create_app
 from deepinfer.api.connections import http_protocol
-from deepinfer.args import add_engine_args, add_server_args, config_from_args
 from deepinfer.config import Config
 
 log = logging.getLogger("deepinfer.api")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="deepinfer serve", description="OpenAI- and Anthropic-compatible LLM server"
-    )
-    add_engine_args(parser)
-    add_server_args(parser)
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags and serve until interrupted (SIGINT/SIGTERM shut down gracefully)."""
-    ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    serve(config_from_args(ns))
-    return 0
 
 
 def serve(config: Config) -> None:
@@ -56,7 +33,7 @@ async def serve_async(config: Config) -> None:
     from deepinfer.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(config)
-    app = create_app(engine, config.server)
+    app = create_app(engine, config.server, disk_cache=config.disk_cache)
     server = uvicorn.Server(uvicorn_config(app, config))
     await server.serve()
 

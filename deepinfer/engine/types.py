@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
+from deepinfer.scheduler.admission import PrefillCounts
 from deepinfer.scheduler.prefill_types import PlannerStats
 
 
@@ -97,3 +98,5 @@ class EngineStats:
     """Steps that raised since start; each failed only its own requests."""
     num_failed_requests: int = 0
     """Requests ended with an internal error (a failed step, or a failed delivery)."""
+    prefill_counts: PrefillCounts = field(default_factory=PrefillCounts)
+    """Prompt tokens computed, and those a shared prefix in flight saved."""

@@ -4,8 +4,9 @@ of CPU cores (torch's thread count is per calling thread) or its own CUDA stream
 The colocated mode has one worker (`mixed`); the disaggregated mode a `prefill` and a `decode`
 worker whose steps overlap. A worker's thread count is set on its own thread before a step, so
 two workers never oversubscribe the cores they were given. With `lend_idle_threads`, a worker
-whose peer has nothing to do runs its step on both shares; the peer then waits for that step to
-end before starting its own (at most one step, bounded by the prefill time budget or one decode).
+whose peer has nothing to do runs its step on both shares (`ThreadLending`); the peer then waits
+for that step to end before starting its own (at most one step, bounded by the prefill time
+budget or one decode).
 
 A step that raises on the worker's thread raises from `Worker.run`; on CUDA the worker first
 waits for the step's queued kernels (its blocks must not be reused under them). When even that
@@ -100,15 +101,19 @@ class Worker:
         self.borrowing = False
         """True while a step runs on this worker's threads plus its peer's."""
         self.step_done = asyncio.Event()
-        self.peer: Worker | None = None
 
     @property
     def idle(self) -> bool:
         return not self.in_flight and not self.lane.has_work
 
-    async def run(self, so: ScheduleOutput, num_threads: int | None) -> RunnerOutput:
-        """Run one step on this worker's thread (awaits without blocking the loop)."""
+    async def run(self, so: ScheduleOutput, borrowed_threads: int = 0) -> RunnerOutput:
+        """Run one step on this worker's thread (awaits without blocking the loop), on its own
+        share of cores plus `borrowed_threads` of its idle peer's (see `ThreadLending`)."""
         loop = asyncio.get_running_loop()
+        num_threads = self.num_threads
+        if num_threads is not None:
+            num_threads += borrowed_threads
+        self.borrowing = borrowed_threads > 0
         self.in_flight = True
         self.step_done.clear()
         try:
@@ -144,21 +149,6 @@ class Worker:
         except Exception as exc:
             raise FatalEngineError(f"device {self.device} is lost: {exc}") from exc
 
-    def threads(self, lend_idle: bool) -> int | None:
-        """Threads for this worker's next step: its own share, plus its idle peer's when
-        lending is on (the peer then waits for the step: `borrowing`)."""
-        peer = self.peer
-        if (
-            lend_idle
-            and peer is not None
-            and peer.idle
-            and self.num_threads is not None
-            and peer.num_threads is not None
-        ):
-            self.borrowing = True
-            return self.num_threads + peer.num_threads
-        return self.num_threads
-
     @property
     def executor(self) -> ThreadPoolExecutor:
         """The worker's thread, for KV copies that must be ordered with its steps."""
@@ -190,10 +180,39 @@ def build_workers(core: EngineCore, config: WorkersConfig) -> tuple[Worker, ...]
         shares = (num_cores,)
     else:
         shares = thread_shares(config, num_cores)
-    workers = tuple(
+    return tuple(
         Worker(lane, core.lane_device(lane.kind), n, core.execute)
         for lane, n in zip(core.lanes, shares, strict=True)
     )
-    if len(workers) == 2:
-        workers[0].peer, workers[1].peer = workers[1], workers[0]
-    return workers
+
+
+class ThreadLending:
+    """Which worker may borrow which idle worker's CPU threads for a step: with two workers
+    and lending on, each is the other's peer; otherwise nobody lends.
+
+    A step on borrowed threads marks its worker `borrowing` until it ends; the peer waits for
+    that (`wait_for_peer`) before it starts a step of its own, so the cores are never
+    oversubscribed."""
+
+    def __init__(self, workers: tuple[Worker, ...], enabled: bool) -> None:
+        self._peers: dict[int, Worker] = {}
+        if enabled and len(workers) == 2:
+            first, second = workers
+            self._peers = {id(first): second, id(second): first}
+
+    def peer(self, worker: Worker) -> Worker | None:
+        return self._peers.get(id(worker))
+
+    def borrowable(self, worker: Worker) -> int:
+        """Threads `worker` may borrow for its next step: its peer's share if the peer is idle
+        (both on CPU), else 0."""
+        peer = self.peer(worker)
+        if peer is None or not peer.idle or worker.num_threads is None:
+            return 0
+        return peer.num_threads or 0
+
+    async def wait_for_peer(self, worker: Worker) -> None:
+        """Until the step that borrowed `worker`'s threads (if one runs) has ended."""
+        peer = self.peer(worker)
+        if peer is not None and peer.borrowing:
+            await peer.step_done.wait()

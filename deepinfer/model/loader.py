@@ -65,7 +65,7 @@ def load_model(
 
     `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_1/Q8_0 matrices in their blocks
     through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
-    (`float32|int8`): what that kernel multiplies them by.
+    (`auto|float32|int8`): what that kernel multiplies them by.
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """

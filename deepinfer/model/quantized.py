@@ -49,10 +49,12 @@ def quantized_matmul_wanted(mode: str, device: torch.device, dtype: torch.dtype)
 
 
 def int8_activations_wanted(mode: str, quantized: bool) -> bool:
-    """Whether the quantized kernel takes int8 activations (`int8`; an error without that
-    kernel) or float32 ones (`float32`)."""
-    if mode not in ("float32", "int8"):
-        raise ModelLoadError(f"unknown matmul activations {mode!r}: choose float32 or int8")
+    """Whether the quantized kernel takes int8 activations: `auto` where it serves the model
+    (GGUF Q4_1/Q8_0 matrices on CPU), `int8` (an error without that kernel), `float32` never."""
+    if mode not in ("auto", "float32", "int8"):
+        raise ModelLoadError(f"unknown matmul activations {mode!r}: choose auto, float32 or int8")
+    if mode == "auto":
+        return quantized
     if mode == "int8" and not quantized:
         raise ModelLoadError(
             "--matmul-activations int8 needs the quantized matmul (a GGUF file with Q4_1/Q8_0 "

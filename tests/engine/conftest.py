@@ -11,7 +11,7 @@ from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig, 
 
 def real_config(**cache: int) -> Config:
     return Config(
-        model=ModelConfig(dtype="float32"),
+        model=ModelConfig(dtype="float32", matmul_activations="float32"),  # exact numerics
         cache=CacheConfig(num_blocks=cache.get("num_blocks", 512)),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024),
         # disaggregated (the default), lending idle cores: a lone request uses both

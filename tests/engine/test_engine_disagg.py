@@ -1,10 +1,13 @@
-"""Prefill and decode apart, on the real model: a 6k-token prompt does not stall 8 streams.
+"""Prefill and decode apart, on the real model: a long prompt does not stall 8 streams.
 
 One engine in the default (disaggregated) mode: a decode worker and a prefill worker, one CPU
-thread each. Eight greedy streams run alone for a while (the baseline), then a 6k-token prompt
-arrives; until its first token, the streams' inter-token latency p99 must stay close to the
-baseline's (the benchmark, bench/interference.py, has the exact figures; the bound here is loose
-for noisy CI machines). Colocated, the same prompt stalls every stream for whole seconds per step.
+thread each. Eight greedy streams are decoding when a 2k-token prompt arrives. Until its first
+token the decode worker keeps stepping: every stream receives more tokens than the prompt took
+prefill steps, which a colocated engine (one mixed step per chunk, one token per stream per
+step) cannot give. Counts, not times: the latency figures (inter-token p99 during a long
+prefill against the baseline; 60x colocated) are bench/interference.py's (bench/RESULTS.md), and
+the cost model's accuracy on a busy machine is no unit test's (its fit is tested on synthetic
+steps in tests/scheduler_prefill/test_prefill_cost_model.py).
 """
 
 from __future__ import annotations
@@ -12,84 +15,76 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import statistics
-import time
+from collections.abc import Callable
 
 import pytest
 
 from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.types import EngineStats
 from deepinfer.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-BASELINE_S = 6.0
-LONG_PROMPT_TOKENS = 6000
-ITL_P99_BOUND = 6.0
-"""Loose, for noisy CI machines. The benchmark's criterion is 1.5x (bench/RESULTS.md); on a
-2-core machine the prefill thread slows decode steps through the shared cores and memory bus,
-and this test measured 3.6x before the native kernels (bench/interference.py then, with 16
-streams: 1.87x). The colocated engine stalls every stream for each whole prefill chunk (60x in
-the benchmark), so the bound still tells the two apart."""
+NUM_STREAMS = 8
+LONG_PROMPT_TOKENS = 2000
 
 
-def _p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98]
-
-
-async def _stream(engine: AsyncEngine, i: int, arrivals: list[list[float]]) -> None:
-    """Streams until cancelled: a GPU decodes 600 tokens in seconds, before the long prompt."""
+async def _stream(engine: AsyncEngine, i: int, counts: list[int]) -> None:
+    """Streams until cancelled, counting tokens in `counts[i]` (a GPU decodes a whole request
+    before the long prompt arrives: then the next one starts)."""
     params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
     for turn in itertools.count():
         prompt = f"Stream {i}, part {turn}: tell a long story about a lighthouse."
-        times: list[float] = []  # one list per request: a new request's prefill is no ITL gap
-        arrivals.append(times)
         async for out in engine.generate(prompt, params):
-            if out.token_ids:
-                times.append(time.monotonic())
+            counts[i] += len(out.token_ids)
 
 
-def _gaps(arrivals: list[list[float]], start: float, end: float) -> list[float]:
-    return [
-        b - a for times in arrivals for a, b in itertools.pairwise(times) if start <= a and b <= end
-    ]
+def _steps(stats: EngineStats) -> dict[str, int]:
+    return {w.name: w.num_steps for w in stats.workers}
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 300.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
 
 
 async def test_long_prompt_does_not_stall_streams() -> None:
     config = Config(
-        model=ModelConfig(dtype="float32"),
+        model=ModelConfig(dtype="float32", matmul_activations="float32"),  # exact numerics
         cache=CacheConfig(num_blocks=1200),
         scheduler=SchedulerConfig(max_num_seqs=16),
-        workers=WorkersConfig(prefill_threads=1, decode_threads=1),
+        # short prefill steps: several for the cost model to learn from, on a short prompt
+        workers=WorkersConfig(prefill_threads=1, decode_threads=1, prefill_step_ms=500.0),
     )
     rng = random.Random(0)
     async with AsyncEngine(config) as engine:
         vocab = engine.tokenizer.vocab_size
         long_ids = [rng.randrange(100, vocab) for _ in range(LONG_PROMPT_TOKENS)]
-        arrivals: list[list[float]] = []
-        streams = [asyncio.create_task(_stream(engine, i, arrivals)) for i in range(8)]
+        counts = [0] * NUM_STREAMS
+        streams = [asyncio.create_task(_stream(engine, i, counts)) for i in range(NUM_STREAMS)]
         try:
-            await asyncio.sleep(BASELINE_S)
-            t_long = time.monotonic()
+            await _until(lambda: min(counts) >= 2)  # every stream is decoding
+            before, counts_before = _steps(engine.stats()), list(counts)
             params = SamplingParams(max_tokens=1, temperature=0.0)
             async for _ in engine.generate(long_ids, params):
                 break
-            t_first = time.monotonic()
             stats = engine.stats()
+            during = [n - m for n, m in zip(counts, counts_before, strict=True)]
         finally:
             for task in streams:
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
-    baseline = _gaps(arrivals, t_long - BASELINE_S + 2.0, t_long)
-    during = _gaps(arrivals, t_long, t_first)
-    # a GPU prefills the prompt in well under a second: fewer gaps fall inside it than on CPU
-    assert len(baseline) > 40 and len(during) > 40, (len(baseline), len(during))
-    ratio = _p99(during) / _p99(baseline)
+    steps = {name: n - before[name] for name, n in _steps(stats).items()}
+    assert stats.prefill is not None
     print(
-        f"ITL p99 baseline {_p99(baseline) * 1e3:.0f} ms, during the 6k prefill "
-        f"{_p99(during) * 1e3:.0f} ms ({ratio:.2f}x); long prompt TTFT {t_first - t_long:.1f} s"
+        f"while the long prompt prefilled: steps {steps}, tokens per stream {during}; cost model "
+        f"error {stats.prefill.mean_abs_rel_error:.2f} over {stats.prefill.num_steps_observed}"
     )
-    assert ratio <= ITL_P99_BOUND
-    assert {w.name for w in stats.workers} == {"prefill", "decode"}
-    assert stats.prefill is not None and stats.prefill.num_steps_observed > 5
-    assert stats.prefill.mean_abs_rel_error < 0.5, "the cost model did not learn the step time"
+    assert set(steps) == {"prefill", "decode"}
+    assert steps["prefill"] >= 2, "the prompt was not chunked: nothing to interleave with"
+    assert min(during) > 2 * steps["prefill"], "streams stalled behind the prefill"
+    assert stats.prefill.num_steps_observed >= steps["prefill"], "the planner missed steps"

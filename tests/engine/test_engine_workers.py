@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 from tiny_engine import GREEDY, leave_after, run_all, settle, tiny_config, token_prompts
 
 from deepinfer.config import (
@@ -17,8 +20,10 @@ from deepinfer.config import (
     WorkersConfig,
 )
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.workers import BusyMeter, thread_shares
+from deepinfer.engine.workers import BusyMeter, ThreadLending, Worker, thread_shares
+from deepinfer.outputs import RunnerOutput
 from deepinfer.request import SamplingParams
+from deepinfer.scheduler.output import ScheduleOutput, StepKind
 
 
 async def test_disaggregated_matches_colocated(tiny_llama_dir: Path) -> None:
@@ -66,6 +71,38 @@ def test_thread_shares() -> None:
     assert thread_shares(WorkersConfig(), 1) == (1, 1)
     assert thread_shares(WorkersConfig(prefill_threads=3), 8) == (3, 5)
     assert thread_shares(WorkersConfig(decode_threads=6), 8) == (4, 6)
+
+
+def _cpu_worker(kind: StepKind, has_work: bool, num_threads: int, seen: list[Any]) -> Worker:
+    def execute(so: ScheduleOutput) -> RunnerOutput:
+        seen.append(torch.get_num_threads())
+        return RunnerOutput(step=so.step)
+
+    lane: Any = SimpleNamespace(kind=kind, has_work=has_work)
+    return Worker(lane, torch.device("cpu"), num_threads, execute)
+
+
+async def test_a_step_borrows_an_idle_peers_threads_and_the_peer_waits_for_it() -> None:
+    before = torch.get_num_threads()
+    seen: list[Any] = []
+    prefill = _cpu_worker(StepKind.PREFILL, True, 1, seen)
+    decode = _cpu_worker(StepKind.DECODE, False, 1, seen)
+    try:
+        assert ThreadLending((prefill, decode), enabled=False).borrowable(prefill) == 0
+        lending = ThreadLending((prefill, decode), enabled=True)
+        assert lending.borrowable(prefill) == 1, "decode is idle: its share is lent"
+        assert lending.borrowable(decode) == 0, "prefill has work: nothing to borrow"
+        step = asyncio.create_task(prefill.run(ScheduleOutput(step=1, chunks=()), 1))
+        await asyncio.sleep(0)
+        assert prefill.borrowing and not prefill.step_done.is_set()
+        await asyncio.wait_for(lending.wait_for_peer(decode), timeout=60)
+        assert step.done() and not prefill.borrowing
+        assert seen == [2], "the step ran on both shares"
+        await lending.wait_for_peer(decode)  # nothing borrowed now: returns at once
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        torch.set_num_threads(before)
 
 
 def test_busy_meter_window() -> None:

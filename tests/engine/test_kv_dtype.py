@@ -28,7 +28,7 @@ BUDGET = 4 << 20
 
 def _config(kv_dtype: str, model: Path | None = None, backend: str = "auto") -> Config:
     return Config(
-        model=ModelConfig(path=model, dtype="float32"),
+        model=ModelConfig(path=model, dtype="float32", matmul_activations="float32"),
         cache=CacheConfig(kv_dtype=kv_dtype, kv_memory_bytes=BUDGET),  # type: ignore[arg-type]
         disk_cache=DiskCacheConfig(enabled=False),
         runtime=RuntimeConfig(device="cpu", attention_backend=backend),  # type: ignore[arg-type]

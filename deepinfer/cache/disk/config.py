@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepinfer.config import Retention
 from deepinfer.errors import InvalidRequestError
 
 DAY_S = 86400.0
-RETENTION_NONE = "none"
-"""The retention class that opts a request out of the disk tier."""
 
 
 def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -45,9 +44,12 @@ class DiskTierConfig:
     """Byte budget for segment files on disk; least recently used blocks are evicted beyond it."""
     segment_bytes: int = 64 << 20
     """A segment file is closed and a new one started once it reaches this size."""
-    retention_s: tuple[tuple[str, float], ...] = (("agent", 3 * DAY_S), ("chat", 7 * DAY_S))
+    retention_s: tuple[tuple[str, float], ...] = (
+        (Retention.AGENT, 3 * DAY_S),
+        (Retention.CHAT, 7 * DAY_S),
+    )
     """Retention classes and their lifetimes in seconds (wall clock; a hit restarts the clock)."""
-    default_retention: str = "chat"
+    default_retention: str = Retention.CHAT
     """Class used when a request names none (`none` disables disk writes by default)."""
     max_pending_bytes: int = 256 << 20
     """Write-behind queue bound: offers beyond it are dropped and counted, never waited for."""
@@ -74,9 +76,9 @@ class DiskTierConfig:
                 param="max_bytes",
             )
         names = [name for name, _ in self.retention_s]
-        if RETENTION_NONE in names or len(set(names)) != len(names):
+        if Retention.NONE in names or len(set(names)) != len(names):
             raise InvalidRequestError(
-                f"retention classes must be unique and not {RETENTION_NONE!r}, got {names}",
+                f"retention classes must be unique and not {Retention.NONE.value!r}, got {names}",
                 param="retention_s",
             )
         if any(ttl <= 0 for _, ttl in self.retention_s):
@@ -102,12 +104,12 @@ class DiskTierConfig:
 
     def ttl_s(self, retention: str) -> float | None:
         """Lifetime of a retention class; None for `none`. Unknown names raise."""
-        if retention == RETENTION_NONE:
+        if retention == Retention.NONE:
             return None
         for name, ttl in self.retention_s:
             if name == retention:
                 return ttl
-        known = [name for name, _ in self.retention_s] + [RETENTION_NONE]
+        known = [str(name) for name, _ in self.retention_s] + [Retention.NONE.value]
         raise InvalidRequestError(
             f"unknown retention class {retention!r}; choose one of {known}", param="retention"
         )

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.free_queue import require
 from deepinfer.cache.host.arena import ChunkAllocator, SlotArena, allocate_bytearray
-
-RETENTION_NONE = "none"
-"""Requests with this retention class keep their blocks out of every lower tier."""
+from deepinfer.config import Retention
 
 
 @dataclass(frozen=True)
@@ -158,7 +156,7 @@ class HostTier:
             raise ValueError(
                 f"host cache payloads are {self.payload_bytes} bytes, not {data.nbytes}"
             )
-        if retention == RETENTION_NONE:
+        if retention == Retention.NONE:
             return False
         with self._lock:
             if block_hash in self._entries:

@@ -1,0 +1,253 @@
+"""Building what `EngineCore` runs on, one small function per part: device groups, each group's
+model replica and KV pool (`build_replicas.py`), the host and disk tiers, the block managers, the
+scheduler (`build_scheduler.py`: colocated or disaggregated), the structured-output compiler, the
+runners and the KV copier between pools.
+
+`build_engine(config)` composes them into `EngineParts`, a frozen record the core is constructed
+from. A new part is a new function here and a new field there, and it is handed what it needs
+when it is made. Two facts are still attached right after construction, before anything else
+sees the part: a model's KV caches (`bind_kv_caches`, the pool is sized from the loaded model)
+and the block manager's `track_new_blocks`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
+from deepinfer.cache.disk.tier import DiskTier
+from deepinfer.cache.host.tier import HostTier
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.config import Config, DiskCacheConfig, Retention
+from deepinfer.engine.build_replicas import Replica, Replicas, build_replicas, capture_graphs
+from deepinfer.engine.build_scheduler import build_scheduler
+from deepinfer.engine.kv_sizing import serving_max_len
+from deepinfer.model.kv_layout import KVCaches
+from deepinfer.model.loader import LoadedModel, model_fingerprint
+from deepinfer.runner.cuda_graphs import DecodeGraphs
+from deepinfer.runner.device import resolve_device
+from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
+from deepinfer.runner.host_kv import open_host_tier
+from deepinfer.runner.kv_handoff import KVCopier
+from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.sampling.constraints import ConstraintCompiler
+from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
+from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.text.recipe import ChatRecipe
+from deepinfer.text.tokenizer import Tokenizer
+
+log = logging.getLogger("deepinfer.engine")
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What start-up discovered (never written back into Config)."""
+
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    fingerprint: str
+    attention_backend: str
+    quantized_bytes: int = 0
+    """Bytes of matrices served in GGUF blocks by the native CPU kernel (0: none)."""
+    int8_activations: bool = False
+    """That kernel quantizes activations to int8 blocks (integer dot products)."""
+    decode_graph_sizes: tuple[int, ...] = ()
+    """Batch sizes whose decode steps replay from CUDA graphs (empty: eager)."""
+    decode_device: torch.device | None = None
+    """The decode worker's own device group, with its own model and KV pool (None: shared)."""
+    decode_num_blocks: int = 0
+    """Blocks of the decode pool, when it is separate."""
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything `EngineCore` runs on, built and wired by `build_engine`."""
+
+    info: RuntimeInfo
+    groups: DeviceGroups
+    tokenizer: Tokenizer
+    recipe: ChatRecipe
+    kv_caches: KVCaches
+    """The prefill pool's caches (the prefix cache and its lower tiers)."""
+    kv: KVCacheManager
+    decode_kv: KVCacheManager | None
+    """The decode pool's blocks (separate device groups only; no prefix cache there)."""
+    host: HostTier | None
+    disk: DiskTier | None
+    scheduler: Scheduler | DisaggScheduler
+    constraints: ConstraintCompiler
+    """Structured-output grammars: compiled at submit, shared by both runners."""
+    runner: ModelRunner
+    decode_runner: ModelRunner
+    """The decode group's runner (`runner` itself unless split)."""
+    copier: KVCopier | None
+    """Copies KV from the prefill pool to the decode pool (separate device groups only)."""
+
+
+def build_engine(config: Config) -> EngineParts:
+    """Load the model, size and allocate the pools, open the tiers and wire the scheduler and
+    runners (blocking: seconds to minutes; call off the event loop)."""
+    path = config.model.resolved_path()
+    groups = resolve_device_groups(config.workers, resolve_device(config.runtime.device))
+    if config.runtime.num_threads and groups.prefill.type == "cpu":
+        torch.set_num_threads(config.runtime.num_threads)
+    replicas = build_replicas(config, path, groups)
+    tokenizer = build_tokenizer(replicas.loaded, path)
+    recipe = ChatRecipe.for_tokenizer(tokenizer)
+    max_len = serving_max_len(
+        config.cache.block_size,
+        replicas.loaded.arch.max_position_embeddings,
+        min(replicas.prefill.num_blocks, replicas.decode.num_blocks),
+        config.model.max_model_len,
+    )
+    graphs = capture_graphs(config, replicas.decode, max_len)
+    info = runtime_info(config, path, replicas, max_len, graphs)
+    host, disk = open_tiers(config, replicas.prefill, info.fingerprint)
+    kv, decode_kv = build_block_managers(config, replicas, info.fingerprint, host, disk)
+    constraints = ConstraintCompiler(lambda: grammar_vocabulary(tokenizer, recipe))
+    runner, decode_runner = build_runners(config, replicas, graphs, constraints)
+    parts = EngineParts(
+        info=info,
+        groups=groups,
+        tokenizer=tokenizer,
+        recipe=recipe,
+        kv_caches=replicas.prefill.kv_caches,
+        kv=kv,
+        decode_kv=decode_kv,
+        host=host,
+        disk=disk,
+        scheduler=build_scheduler(config, kv, max_len, groups.prefill, decode_kv),
+        constraints=constraints,
+        runner=runner,
+        decode_runner=decode_runner,
+        copier=build_copier(replicas),
+    )
+    log.info("engine ready: %s", info)
+    return parts
+
+
+def runtime_info(
+    config: Config, path: Path, replicas: Replicas, max_len: int, graphs: DecodeGraphs | None
+) -> RuntimeInfo:
+    loaded, prefill, decode = replicas.loaded, replicas.prefill, replicas.decode
+    block_size = config.cache.block_size
+    return RuntimeInfo(
+        model_name=config.server.served_model_name or path.stem,
+        device=prefill.device,
+        dtype=loaded.dtype,
+        kv_dtype=replicas.kv_dtype,
+        num_blocks=prefill.num_blocks,
+        block_size=block_size,
+        max_model_len=max_len,
+        fingerprint=model_fingerprint(loaded, loaded.dtype, block_size, replicas.kv_dtype),
+        attention_backend=loaded.model.attention_backend.name,
+        quantized_bytes=loaded.quantized_bytes,
+        int8_activations=loaded.int8_activations,
+        decode_graph_sizes=graphs.sizes if graphs is not None else (),
+        decode_device=decode.device if replicas.split else None,
+        decode_num_blocks=decode.num_blocks if replicas.split else 0,
+    )
+
+
+# -- text: the tokenizer, and the vocabulary grammars see --
+def build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
+    if loaded.gguf_reader is not None:
+        return Tokenizer.from_gguf(loaded.gguf_reader)
+    return Tokenizer.from_dir(path)
+
+
+def grammar_vocabulary(tokenizer: Tokenizer, recipe: ChatRecipe) -> GrammarVocabulary:
+    """The vocabulary grammars see; their end token is the recipe's end of turn."""
+    ends = recipe.end_of_turn_ids
+    eos = tokenizer.eos_token_id
+    if eos is None or (ends and eos not in ends):
+        eos = min(ends) if ends else 0
+    return vocabulary_from(tokenizer, eos)
+
+
+# -- blocks and their lower tiers --
+def open_tiers(
+    config: Config, prefill: Replica, fingerprint: str
+) -> tuple[HostTier | None, DiskTier | None]:
+    """The host tier (prefix caching only) and the disk tier under the prefill pool."""
+    host = None
+    if config.cache.enable_prefix_caching:
+        host = open_host_tier(config.host_cache, prefill.device, prefill.kv_caches)
+    return host, open_disk_tier(config.disk_cache, fingerprint)
+
+
+def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None:
+    """The disk tier for this model fingerprint, or None when disabled. Never raises for I/O:
+    an unusable directory leaves the tier degraded (misses, dropped writes, a warning)."""
+    if not config.enabled:
+        return None
+    tier = DiskTier(
+        fingerprint,
+        DiskTierConfig(
+            cache_dir=config.cache_dir,
+            max_bytes=config.max_bytes,
+            retention_s=(
+                (Retention.AGENT, config.agent_days * DAY_S),
+                (Retention.CHAT, config.chat_days * DAY_S),
+            ),
+            default_retention=config.default_retention,
+        ),
+    )
+    tier.open()
+    return tier
+
+
+def build_block_managers(
+    config: Config,
+    replicas: Replicas,
+    fingerprint: str,
+    host: HostTier | None,
+    disk: DiskTier | None,
+) -> tuple[KVCacheManager, KVCacheManager | None]:
+    """The prefill pool's manager (the prefix cache; it records new blocks for the lower tiers
+    when there are any), and the decode pool's when it is separate."""
+    block_size = config.cache.block_size
+    kv = KVCacheManager(
+        replicas.prefill.num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching
+    )
+    kv.track_new_blocks = host is not None or disk is not None
+    decode_kv = None
+    if replicas.split:
+        decode_kv = KVCacheManager(replicas.decode.num_blocks, block_size, fingerprint, False)
+    return kv, decode_kv
+
+
+# -- execution --
+def build_runners(
+    config: Config,
+    replicas: Replicas,
+    graphs: DecodeGraphs | None,
+    constraints: ConstraintCompiler,
+) -> tuple[ModelRunner, ModelRunner]:
+    """(prefill, decode) runners: one runner for both unless split; the decode graphs go to
+    whichever runs decode steps."""
+    block_size, seed = config.cache.block_size, config.runtime.seed
+    prefill, decode = replicas.prefill, replicas.decode
+    if not replicas.split:
+        runner = ModelRunner(prefill.model, block_size, prefill.device, seed, graphs, constraints)
+        return runner, runner
+    return (
+        ModelRunner(prefill.model, block_size, prefill.device, seed, None, constraints),
+        ModelRunner(decode.model, block_size, decode.device, seed, graphs, constraints),
+    )
+
+
+def build_copier(replicas: Replicas) -> KVCopier | None:
+    if not replicas.split:
+        return None
+    return KVCopier(replicas.prefill.kv_caches, replicas.decode.kv_caches)

@@ -1,0 +1,57 @@
+"""Building the scheduler: one colocated lane, or the disaggregated prefill and decode lanes with
+the prefill planner's time budget, length buckets and cost model."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.config import Config
+from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
+from deepinfer.scheduler.scheduler import Scheduler
+
+CPU_COST_PRIOR = CostCoefficients(step_s=0.01, token_s=6e-3, attention_s=5e-8)
+"""A prefill step on one CPU core, roughly (SmolLM2-135M): the model refines it within steps."""
+
+
+def build_scheduler(
+    config: Config,
+    kv: KVCacheManager,
+    max_len: int,
+    device: torch.device,
+    decode_kv: KVCacheManager | None,
+) -> Scheduler | DisaggScheduler:
+    """The colocated scheduler (`--colocated`), else the disaggregated one; `decode_kv` is the
+    decode pool when it is separate (None: decode uses `kv`)."""
+    if config.workers.colocated:
+        return Scheduler(config.scheduler, kv, max_len)
+    return DisaggScheduler(
+        config.scheduler,
+        planner_config(config, device),
+        kv,
+        max_len,
+        StepCostModel(CostModelConfig(prior=cost_prior(device))),
+        decode_kv,
+    )
+
+
+def cost_prior(device: torch.device) -> CostCoefficients:
+    return CPU_COST_PRIOR if device.type == "cpu" else CostModelConfig().prior
+
+
+def planner_config(config: Config, device: torch.device) -> PrefillPlannerConfig:
+    """The prefill planner's budget (50 ms on CUDA, 1 s on CPU unless configured), buckets
+    (shorter ones weighted more) and batch bounds."""
+    w = config.workers
+    step_ms = w.prefill_step_ms or (50.0 if device.type == "cuda" else 1000.0)
+    num_buckets = len(w.prefill_buckets) + 1
+    return PrefillPlannerConfig(
+        step_budget_ms=step_ms,
+        boundaries=w.prefill_buckets,
+        bucket_weights=tuple(float(2 ** max(0, 2 - i)) for i in range(num_buckets)),
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=w.prefill_max_batched_tokens,
+        chunk_align_tokens=config.cache.block_size,
+    )
