@@ -51,8 +51,22 @@ def guarded() -> Iterator[LiveServer]:
         live.stop()
 
 
+_opened: list[socket.socket] = []
+
+
+@pytest.fixture(autouse=True)
+def close_sockets() -> Iterator[None]:
+    """Close every socket a test opened with `connect` (the server closing its end does not
+    close ours)."""
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
 def connect(server: LiveServer) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    _opened.append(sock)
+    return sock
 
 
 def head(method: str, path: str, content_length: int | None = None) -> bytes:
@@ -239,10 +253,18 @@ def test_uvicorn_config_carries_the_connection_settings() -> None:
     assert config.http.header_timeout_s == ServerConfig().header_timeout_s  # type: ignore[attr-defined]
 
 
-def make_protocol(cls: type[asyncio.Protocol]) -> Any:
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A loop for a protocol built outside a server (else uvicorn makes one nobody closes)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def make_protocol(cls: type[asyncio.Protocol], loop: asyncio.AbstractEventLoop) -> Any:
     """A protocol as uvicorn's server makes one (fails loudly if that signature changes)."""
     config = uvicorn.Config(create_app(FakeEngine()), loop="none", log_config=None)
-    return cls(config=config, server_state=ServerState(), app_state={})  # type: ignore[call-arg]
+    return cls(config=config, server_state=ServerState(), app_state={}, _loop=loop)  # type: ignore[call-arg]
 
 
 def assert_hooks_exist(ours: type, base: type) -> None:
@@ -253,19 +275,19 @@ def assert_hooks_exist(ours: type, base: type) -> None:
         assert callable(getattr(base, name, None)), f"uvicorn's {base.__name__} lost {name}"
 
 
-def test_hooked_h11_internals_exist() -> None:
+def test_hooked_h11_internals_exist(loop: asyncio.AbstractEventLoop) -> None:
     assert_hooks_exist(H11HeadTimeoutProtocol, H11Protocol)
-    protocol = make_protocol(H11HeadTimeoutProtocol)
+    protocol = make_protocol(H11HeadTimeoutProtocol, loop)
     assert protocol.conn.their_state is h11.IDLE
-    assert isinstance(protocol.loop, asyncio.AbstractEventLoop)
+    assert protocol.loop is loop
 
 
-def test_hooked_httptools_internals_exist() -> None:
+def test_hooked_httptools_internals_exist(loop: asyncio.AbstractEventLoop) -> None:
     pytest.importorskip("httptools")
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     ours = httptools_protocol()
     assert ours is not None and http_protocol(1.0).__mro__[1] is ours
     assert_hooks_exist(ours, HttpToolsProtocol)
-    protocol = make_protocol(ours)
-    assert not protocol.pipeline and isinstance(protocol.loop, asyncio.AbstractEventLoop)
+    protocol = make_protocol(ours, loop)
+    assert not protocol.pipeline and protocol.loop is loop

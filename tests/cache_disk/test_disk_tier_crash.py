@@ -49,6 +49,7 @@ def test_kill_9_during_writes_never_corrupts(tmp_path: Path) -> None:
         time.sleep(rng.uniform(0.0, 0.4))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        proc.stdout.close()
 
         tier = DiskTier(FINGERPRINT, crash_config(tmp_path))
         tier.open()

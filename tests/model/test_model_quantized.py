@@ -165,8 +165,20 @@ def test_int8_activations_need_quantized_matrices(tmp_path: Path) -> None:
 def test_matmul_activations_flag_maps_to_config() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert config_from_args(parser.parse_args([])).model.matmul_activations == "float32"
+    assert config_from_args(parser.parse_args([])).model.matmul_activations == "auto"
     ns = parser.parse_args(["--matmul-activations", "int8"])
     assert config_from_args(ns).model.matmul_activations == "int8"
-    with pytest.raises(ConfigError, match="float32 or int8"):
+    ns = parser.parse_args(["--matmul-activations", "float32"])
+    assert config_from_args(ns).model.matmul_activations == "float32"
+    with pytest.raises(ConfigError, match="auto, float32 or int8"):
         Config(model=ModelConfig(matmul_activations="int4"))  # type: ignore[arg-type]
+
+
+def test_auto_activations_are_int8_exactly_where_the_quantized_kernel_serves() -> None:
+    from deepinfer.model.quantized import int8_activations_wanted
+
+    assert int8_activations_wanted("auto", quantized=True)
+    assert not int8_activations_wanted("auto", quantized=False)  # safetensors, GPU: float32
+    assert not int8_activations_wanted("float32", quantized=True)
+    with pytest.raises(ModelLoadError, match="needs the quantized matmul"):
+        int8_activations_wanted("int8", quantized=False)
