@@ -57,8 +57,9 @@ async def test_long_prompt_does_not_stall_streams() -> None:
         model=ModelConfig(dtype="float32", matmul_activations="float32"),  # exact numerics
         cache=CacheConfig(num_blocks=1200),
         scheduler=SchedulerConfig(max_num_seqs=16),
-        # short prefill steps: several for the cost model to learn from, on a short prompt
-        workers=WorkersConfig(prefill_threads=1, decode_threads=1, prefill_step_ms=500.0),
+        # chunks of at most 256 tokens: the prompt takes several prefill steps, whatever the
+        # cost model (still learning) predicts
+        workers=WorkersConfig(prefill_threads=1, decode_threads=1, prefill_max_batched_tokens=256),
     )
     rng = random.Random(0)
     async with AsyncEngine(config) as engine:

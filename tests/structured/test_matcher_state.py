@@ -4,6 +4,7 @@ worker modes (colocated, disaggregated); every output stays a valid instance of 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ SPLIT = WorkersConfig(
     prefill_buckets=(16, 48),
 )
 PROMPT_IDS = list(range(100, 150))
-"""Four blocks each: the pool of 30 cannot hold the 16 requests as they grow."""
+"""Four blocks each (prefix caching off): the pool of 30 cannot hold the 16 requests as they
+grow."""
 MODES = {
     "colocated": WorkersConfig(colocated=True),
     "disaggregated": WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48)),
@@ -33,6 +35,10 @@ MODES = {
 async def test_state_survives_handoff_and_preemption(tiny_llama_dir: Path, mode: str) -> None:
     schemas = [s for s in schema_corpus(96) if len(str(s)) > 400][:16]
     config = tiny_structured_config(tiny_llama_dir, MODES[mode], num_blocks=30, max_num_seqs=16)
+    # no prefix sharing: each request holds its own prompt blocks, so the pool runs out
+    config = dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False)
+    )
     async with AsyncEngine(config) as engine:
         for temperature in (0.0, 1.0):
             results = await run_schemas(engine, schemas, temperature, prompt=PROMPT_IDS)
