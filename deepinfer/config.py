@@ -90,12 +90,13 @@ class ModelConfig:
     quantized_matmul: QuantizedMatmul = "auto"
     """Serve a GGUF file's Q4_1/Q8_0 matrices in their blocks through the native CPU kernel
     (float32 on CPU only): `auto` when it builds here, `on` (an error if it cannot), `off`."""
-    matmul_activations: MatmulActivations = "float32"
-    """What the quantized kernel multiplies the blocks by: `float32` (the default) the exact
-    fp32 weights by fp32 activations, the numerics of transformers on the same file; `int8`
-    quantizes each row of activations to int8 blocks of 32 and sums integer dot products, as
-    llama.cpp does on CPU (1.5-3x faster matmuls; greedy answers differ where the top two tokens
-    are close); `auto`: `int8` wherever the quantized kernel serves the model, else float32."""
+    matmul_activations: MatmulActivations = "auto"
+    """What the quantized kernel multiplies the blocks by: `int8` quantizes each row of
+    activations to int8 blocks of 32 and sums integer dot products, as llama.cpp does on CPU
+    (1.5-3x faster matmuls; perplexity and KL divergence from float32 as llama.cpp's on the same
+    file, bench/RESULTS.md); `float32` the exact fp32 weights by fp32 activations, the numerics
+    of transformers on the same file (greedy answers differ where the top two tokens are close);
+    `auto` (the default) `int8` wherever the quantized kernel serves the model, else float32."""
 
     def resolved_path(self) -> Path:
         return self.path if self.path is not None else default_model_path()

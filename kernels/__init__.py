@@ -1,12 +1,19 @@
 """deepinfer's compute kernels, imported as `deepinfer.kernels` (never as a top-level `kernels`).
 
-One family per module. Each module has a plain-torch `*_reference` function (the CPU path and the
-tests' oracle) and a Triton launcher of the same name without `_reference`, which checks shapes,
-dtypes and strides (raising `KernelInputError`) and raises `KernelUnsupportedError` for valid
-input it does not cover; `run_or_fallback` turns the latter into the reference plus one log line.
-Modules: `kv_store`, `paged_attention` (kernels in `paged_attention_kernels`, torch references
-and their per-step `PagedAttentionPlan` in `paged_attention_torch`), `norm`, `rotary`,
-`matmul`, and `dispatch` (backend checks). This package imports torch, triton, its own modules and the stdlib-only `deepinfer.config` (for its `DEEPINFER_NATIVE*` switches), relatively.
+One family per module. Each family has a plain-torch `*_reference` function (the CPU path and
+the tests' oracle) and a Triton launcher of the same name without `_reference`, which checks
+shapes, dtypes and strides (raising `KernelInputError`) and raises `KernelUnsupportedError` for
+valid input it does not cover; `run_or_fallback` turns the latter into the reference plus one log
+line. The references live in Triton-free modules (`norm_torch`, `rotary_torch`,
+`kv_store_torch`, `paged_attention_torch` with its per-step `PagedAttentionPlan`, `activation`),
+the launchers in `norm`, `rotary`, `kv_store`, `matmul` and `paged_attention` (kernels in
+`paged_attention_kernels`), which re-export their references. `dispatch` holds the shared checks.
+
+Only the launcher modules load Triton (through `triton_common`), and only the `triton` backend
+and the kernel tests import them: this package, `dispatch`, the references and the native CPU
+kernels never do, so the CPU path runs without Triton loaded. This package imports torch,
+triton, its own modules and the stdlib-only `deepinfer.config` (for its `DEEPINFER_NATIVE*`
+switches), relatively.
 
 Native CPU kernels (C with AVX2 intrinsics, `cpu/*.c`; their ABI is `cpu/deepinfer_kernels.h`,
 mirrored in ctypes by `cpu_abi`) are built and loaded by `cpu_native`:
@@ -17,8 +24,8 @@ KV layout (shared by every attention kernel): per layer, `k_cache` and `v_cache`
 `[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
 `block_id * block_size + offset_in_block`. Block tables are `int32 [B, max_blocks]`, padded with 0.
 
-On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, set before this package is
-imported (Triton chooses interpreter or compiler per kernel at import).
+On CPU tensors the Triton kernels run only under `TRITON_INTERPRET=1`, set before the launcher
+modules are imported (Triton chooses interpreter or compiler per kernel at import).
 """
 
 from .dispatch import (

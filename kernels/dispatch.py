@@ -7,12 +7,14 @@ Two kinds of launcher error, kept apart on purpose:
 - `KernelInputError`: the input is wrong (mismatched shapes, a wrong dtype). Falling back would
   only hide the bug, so it propagates.
 
-Triton is optional: without it this module still imports, `triton_available` answers False and
-the kernel modules define their `@jit` functions as plain (never launched) Python functions.
+This module never imports Triton (the CPU path imports it): `triton_available` only looks the
+package up. The Triton kernel modules get `triton`, `jit` and `dot` from `triton_common`, and are
+imported only where a Triton kernel is used.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -20,15 +22,8 @@ from typing import Any, TypeVar
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - Triton is installed wherever the tests run
-    triton = None
-    tl = None
-    HAS_TRITON = False
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+"""Whether the triton package is installed (looked up, not imported)."""
 
 logger = logging.getLogger("deepinfer.kernels")
 
@@ -45,16 +40,11 @@ class KernelInputError(ValueError):
     """Invalid input to a launcher (shape, dtype, device or stride mismatch)."""
 
 
-def jit(fn: Callable[..., Any]) -> Any:
-    """`triton.jit` when Triton is installed, else the function unchanged (it is never launched)."""
-    return triton.jit(fn) if HAS_TRITON else fn
-
-
 def triton_available(device: torch.device | str) -> bool:
     """True when Triton kernels can run on `device`.
 
     CUDA needs compute capability >= 7.0; CPU tensors need `TRITON_INTERPRET=1` (the interpreter,
-    used by the tests), which must be set before the kernel modules are imported.
+    used by the tests), which must be set before the Triton kernel modules are imported.
     """
     if not HAS_TRITON:
         return False
@@ -79,7 +69,7 @@ def require_backend(device: torch.device, kernel: object) -> None:
         raise KernelUnsupportedError(f"no Triton backend for device {device}")
     if device.type == "cpu" and not is_interpreted(kernel):
         raise KernelUnsupportedError(
-            "TRITON_INTERPRET=1 was set after deepinfer.kernels was imported; set it before"
+            "TRITON_INTERPRET=1 was set after the Triton kernels were imported; set it before"
         )
 
 
@@ -164,11 +154,3 @@ def run_or_fallback(
             _logged_fallbacks.add(key)
             logger.warning("kernel %s falls back to torch: %s", name, exc)
         return reference(*args, **kwargs)
-
-
-@jit
-def dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ b. UPCAST (set for the interpreter only) works around its broken bf16 dot."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)

@@ -3,9 +3,9 @@ for the `cpu` backend, through the native kernels (`cpu/elementwise.c`): one pas
 instead of torch's several ops and temporaries (about 20 ms of a 32-stream decode step on two
 cores).
 
-Same signatures as the references in `norm`, `rotary`, `kv_store` and `activation`, which they
-call wherever the native path does not apply: not float32 on CPU, rows not laid out as the
-kernel reads them, or no native library here.
+Same signatures as the references in `norm_torch`, `rotary_torch`, `kv_store_torch` and
+`activation`, which they call wherever the native path does not apply: not float32 on CPU, rows
+not laid out as the kernel reads them, or no native library here.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from .activation import silu_mul_reference
 from .cpu_abi import RmsNormArgs
 from .cpu_native import native_available, native_library
-from .kv_store import store_kv_reference
-from .norm import fused_add_rms_norm_reference, rms_norm_reference
-from .rotary import apply_rotary_reference
+from .kv_store_torch import store_kv_reference
+from .norm_torch import fused_add_rms_norm_reference, rms_norm_reference
+from .rotary_torch import apply_rotary_reference
 
 _KV_DTYPES = (torch.float32, torch.float16)
 

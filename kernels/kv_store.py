@@ -1,27 +1,18 @@
-"""Write new K/V rows into paged blocks through a slot mapping."""
+"""Write new K/V rows into paged blocks through a slot mapping: the Triton launcher.
+
+The torch reference lives in `kv_store_torch` (the CPU path imports that module, never this one)
+and is re-exported here next to the launcher.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import check, check_tensor, jit, next_power_of_2, require_backend, tl
+from .dispatch import check, check_tensor, next_power_of_2, require_backend
+from .kv_store_torch import store_kv_reference
+from .triton_common import jit, tl
 
-
-def store_kv_reference(
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [N, S, Hkv, D]
-    v_cache: torch.Tensor,  # [N, S, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64, block_id * S + offset; negative = padding, skipped
-) -> None:
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):  # padding rows (rare): drop them
-        slots, k, v = slots[keep], k[keep], v[keep]
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # caches may be stored narrower
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, v)
+__all__ = ["store_kv", "store_kv_reference"]
 
 
 @jit

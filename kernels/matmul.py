@@ -8,17 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import (
-    cdiv,
-    check,
-    check_tensor,
-    dot,
-    dot_precision,
-    jit,
-    output_buffer,
-    require_backend,
-    tl,
-)
+from .dispatch import cdiv, check, check_tensor, dot_precision, output_buffer, require_backend
+from .triton_common import dot, jit, tl
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 128

@@ -1,4 +1,8 @@
-"""RMSNorm, and residual-add fused with RMSNorm."""
+"""RMSNorm, and residual-add fused with RMSNorm: the Triton launchers.
+
+The torch references live in `norm_torch` (the CPU path imports that module, never this one)
+and are re-exported here next to their launchers.
+"""
 
 from __future__ import annotations
 
@@ -8,34 +12,22 @@ from .dispatch import (
     KernelUnsupportedError,
     check,
     check_tensor,
-    jit,
     next_power_of_2,
     output_buffer,
     require_backend,
-    tl,
 )
+from .norm_torch import fused_add_rms_norm_reference, rms_norm_reference
+from .triton_common import jit, tl
+
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK_D = 16384
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
-    if normed.dtype == x.dtype and weight.dtype == x.dtype:  # fp32 (the CPU path): no copies
-        return normed.mul_(weight)
-    return weight * normed.to(x.dtype)
-
-
-def fused_add_rms_norm_reference(
-    x: torch.Tensor,  # [T, D]
-    residual: torch.Tensor,  # [T, D]
-    weight: torch.Tensor,  # [D]
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual)."""
-    summed = x + residual
-    return rms_norm_reference(summed, weight, eps), summed
 
 
 @jit

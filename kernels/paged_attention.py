@@ -1,7 +1,8 @@
 """Paged attention: decode (one query token per request) and prefill over a paged prefix.
 
 The torch references (and the per-step `PagedAttentionPlan` they share across layers) live in
-`paged_attention_torch` and are re-exported here next to their Triton launchers.
+`paged_attention_torch` and are re-exported here next to their Triton launchers. This module
+loads Triton (through `paged_attention_kernels`): the CPU path imports `paged_attention_torch`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ partition sizes, never on the rest of the batch.
 
 from __future__ import annotations
 
-from .dispatch import dot, jit, tl
+from .triton_common import dot, jit, tl
 
 
 @jit

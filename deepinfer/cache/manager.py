@@ -47,7 +47,13 @@ class CacheUsage:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, hash_seed: str, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_seed: str,
+        enable_prefix_caching: bool = True,
+        *,
+        track_new_blocks: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -61,7 +67,7 @@ class KVCacheManager:
         """Leading blocks of each request already offered to the cache map."""
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
-        self.track_new_blocks = False
+        self.track_new_blocks = track_new_blocks
         """When set (a lower tier is attached), newly registered blocks are recorded for it."""
         self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
         self._reserved: dict[int, list[Block]] = {}

@@ -5,9 +5,8 @@ runners and the KV copier between pools.
 
 `build_engine(config)` composes them into `EngineParts`, a frozen record the core is constructed
 from. A new part is a new function here and a new field there, and it is handed what it needs
-when it is made. Two facts are still attached right after construction, before anything else
-sees the part: a model's KV caches (`bind_kv_caches`, the pool is sized from the loaded model)
-and the block manager's `track_new_blocks`.
+when it is made. One fact is still attached right after construction, before anything else sees
+the part: a model's KV caches (`bind_kv_caches`, the pool is sized from the loaded model).
 """
 
 from __future__ import annotations
@@ -218,9 +217,12 @@ def build_block_managers(
     when there are any), and the decode pool's when it is separate."""
     block_size = config.cache.block_size
     kv = KVCacheManager(
-        replicas.prefill.num_blocks, block_size, fingerprint, config.cache.enable_prefix_caching
+        replicas.prefill.num_blocks,
+        block_size,
+        fingerprint,
+        config.cache.enable_prefix_caching,
+        track_new_blocks=host is not None or disk is not None,
     )
-    kv.track_new_blocks = host is not None or disk is not None
     decode_kv = None
     if replicas.split:
         decode_kv = KVCacheManager(replicas.decode.num_blocks, block_size, fingerprint, False)

@@ -1,8 +1,9 @@
 """Kernel backends for the forward pass, chosen once at start-up.
 
 `torch` runs the kernels' plain-torch `*_reference` functions (the CPU path). `triton` runs the
-Triton launchers of the same kernel modules (same signatures, named without `_reference`); a
-launcher that does not exist yet falls back to its reference, announced in one log line.
+Triton launchers (same signatures, named without `_reference`); a launcher that does not exist
+yet falls back to its reference, announced in one log line. Only `triton_backend` imports the
+launcher modules, so the other backends never load Triton.
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ import torch
 from deepinfer.config import ConfigError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_available, native_library
 from deepinfer.kernels.dispatch import run_or_fallback
-from deepinfer.kernels.paged_attention import PagedAttentionPlan
+from deepinfer.kernels.paged_attention_torch import PagedAttentionPlan
 
 logger = logging.getLogger(__name__)
 
-# op name -> (kernel module, reference function); the Triton launcher drops `_reference`.
-_OPS: dict[str, tuple[str, str]] = {
-    "rms_norm": ("norm", "rms_norm_reference"),
-    "fused_add_rms_norm": ("norm", "fused_add_rms_norm_reference"),
-    "apply_rotary": ("rotary", "apply_rotary_reference"),
-    "store_kv": ("kv_store", "store_kv_reference"),
-    "silu_mul": ("activation", "silu_mul_reference"),
-    "paged_decode_attention": ("paged_attention", "paged_decode_attention_reference"),
-    "paged_prefill_attention": ("paged_attention", "paged_prefill_attention_reference"),
-    "plan_paged_attention": ("paged_attention", "plan_paged_attention_reference"),
+# op name -> (module of its torch reference `<op>_reference`, module of its Triton launcher
+# `<op>`, None where there is none). Only the launcher modules import Triton.
+_OPS: dict[str, tuple[str, str | None]] = {
+    "rms_norm": ("norm_torch", "norm"),
+    "fused_add_rms_norm": ("norm_torch", "norm"),
+    "apply_rotary": ("rotary_torch", "rotary"),
+    "store_kv": ("kv_store_torch", "kv_store"),
+    "silu_mul": ("activation", None),
+    "paged_decode_attention": ("paged_attention_torch", "paged_attention"),
+    "paged_prefill_attention": ("paged_attention_torch", "paged_attention"),
+    "plan_paged_attention": ("paged_attention_torch", "paged_attention"),
 }
 
 
@@ -120,24 +122,25 @@ def _kernel_module(name: str):
     return importlib.import_module(f"deepinfer.kernels.{name}")
 
 
+def _references() -> dict[str, Callable]:
+    return {op: getattr(_kernel_module(mod), f"{op}_reference") for op, (mod, _) in _OPS.items()}
+
+
 def torch_backend() -> KernelBackend:
-    ops = {op: getattr(_kernel_module(mod), ref) for op, (mod, ref) in _OPS.items()}
-    return KernelBackend(name="torch", **ops)
+    return KernelBackend(name="torch", **_references())
 
 
 def triton_backend() -> KernelBackend:
-    """Triton launchers where the kernel modules define them, references elsewhere."""
-    ops: dict[str, Callable] = {}
+    """Triton launchers where the kernel modules define them, references elsewhere. Imports the
+    launcher modules (and so Triton): `TRITON_INTERPRET=1`, for CPU tensors, must be set first."""
+    ops = _references()
     missing: list[str] = []
-    for op, (mod, ref) in _OPS.items():
-        module = _kernel_module(mod)
-        reference = getattr(module, ref)
-        launcher = getattr(module, ref.removesuffix("_reference"), None)
+    for op, (_, launcher_mod) in _OPS.items():
+        launcher = getattr(_kernel_module(launcher_mod), op, None) if launcher_mod else None
         if launcher is None:
             missing.append(op)
-            ops[op] = reference
         else:  # shapes a kernel does not cover fall back to torch, logged once
-            ops[op] = functools.partial(run_or_fallback, op, launcher, reference)
+            ops[op] = functools.partial(run_or_fallback, op, launcher, ops[op])
     if missing:
         logger.info(
             "triton backend: no launcher for %s; using torch references", ", ".join(missing)
@@ -151,7 +154,7 @@ def cpu_backend() -> KernelBackend:
     from deepinfer.kernels import elementwise_cpu as ew
     from deepinfer.kernels import paged_attention_cpu as cpu
 
-    ops = {op: getattr(_kernel_module(mod), ref) for op, (mod, ref) in _OPS.items()}
+    ops = _references()
     ops["rms_norm"] = ew.rms_norm_cpu
     ops["fused_add_rms_norm"] = ew.fused_add_rms_norm_cpu
     ops["apply_rotary"] = ew.apply_rotary_cpu

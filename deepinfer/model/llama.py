@@ -20,8 +20,8 @@ from deepinfer.kernels.llama_layers_cpu import (
     StackShape,
     step_applies,
 )
-from deepinfer.kernels.paged_attention import PagedAttentionPlan
-from deepinfer.kernels.rotary import rotary_cos_sin
+from deepinfer.kernels.paged_attention_torch import PagedAttentionPlan
+from deepinfer.kernels.rotary_torch import rotary_cos_sin
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend, torch_backend
 from deepinfer.model.forward_batch import ForwardBatch
@@ -72,6 +72,15 @@ class Linear(nn.Linear):
             out = block_linear(x, self.quantized)
             return out if self.bias is None else out + self.bias
         return cpu_aware_linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without the random init: its weight always comes from the checkpoint, and
+    `normal_` on the meta device runs through torch's Python references, whose first call imports
+    `torch._dynamo` (and with it Triton, where installed) even on the CPU path."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class RMSNorm(nn.Module):
@@ -203,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+            self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
             self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
             self.norm = RMSNorm(arch.hidden_size)
             self.lm_head = (

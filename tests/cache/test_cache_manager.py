@@ -129,3 +129,16 @@ def test_reset_prefix_cache_keeps_in_use_blocks() -> None:
     assert kv.get_computed_blocks(req("c", list(range(9))))[1] == 0
     assert kv.get_computed_blocks(req("d", list(range(100, 109))))[1] == 8
     kv.check_integrity()
+
+
+def test_new_blocks_are_recorded_only_when_tracked() -> None:
+    untracked, tracked = (
+        KVCacheManager(16, 4, "fp"),
+        KVCacheManager(16, 4, "fp", track_new_blocks=True),
+    )
+    for kv in (untracked, tracked):
+        compute(kv, req("a", list(range(9))), 9)
+    assert untracked.drain_new_blocks() == []
+    drained = tracked.drain_new_blocks()
+    assert [block_id for block_id, _, _ in drained] == list(tracked.block_ids("a")[:2])
+    assert tracked.drain_new_blocks() == []

@@ -1,6 +1,8 @@
 """The CPU path never imports Triton: a fresh interpreter imports the engine, builds a tiny CPU
 engine, generates a token, and finds no `triton` module loaded. (Triton is a dependency where it
-installs, for CUDA; loading it costs start-up time and memory a CPU server does not need.)"""
+installs, for CUDA; loading it costs start-up time and memory a CPU server does not need.) Only
+the Triton launcher modules of `deepinfer.kernels` import it, and only the `triton` backend
+imports them; the references, `dispatch` and the native CPU kernels the CPU path uses do not."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 SCRIPT = """
 import asyncio, json, sys
@@ -36,11 +36,6 @@ print(json.dumps({"tokens": tokens, "triton": loaded}))
 """
 
 
-@pytest.mark.xfail(
-    reason="deepinfer.kernels imports triton when it is imported (kernels/__init__.py -> "
-    "kernels/dispatch.py), and the model imports deepinfer.kernels for its CPU kernels",
-    strict=True,
-)
 def test_cpu_engine_never_imports_triton(tiny_llama_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(

@@ -16,6 +16,11 @@ import deepinfer.kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
+TRITON_MODULES = {
+    "triton_common", "kv_store", "norm", "rotary", "matmul", "paged_attention",
+    "paged_attention_kernels",
+}  # fmt: skip
+"""The Triton launchers and kernels: the only modules that load Triton (the `triton` backend's)."""
 
 
 def test_deepinfer_kernels_is_the_repo_folder() -> None:
@@ -61,3 +66,22 @@ def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
                 continue
             for name in names:
                 assert name.split(".")[0] in ALLOWED_TOP_LEVEL, f"{path.name} imports {name}"
+
+
+def test_only_the_triton_modules_load_triton() -> None:
+    """The package and every other kernel module (dispatch, the torch references, the native CPU
+    kernels: what the CPU path imports) import without loading Triton."""
+    stems = sorted(p.stem for p in (ROOT / "kernels").glob("*.py"))
+    assert set(stems) >= TRITON_MODULES
+    code = (
+        "import importlib, sys\n"
+        f"for stem in {[s for s in stems if s not in TRITON_MODULES]!r}:\n"
+        "    importlib.import_module('deepinfer.kernels.' + stem)\n"
+        "import deepinfer.model.llama, deepinfer.model.attention\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

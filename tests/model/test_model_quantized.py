@@ -165,7 +165,7 @@ def test_int8_activations_need_quantized_matrices(tmp_path: Path) -> None:
 def test_matmul_activations_flag_maps_to_config() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert config_from_args(parser.parse_args([])).model.matmul_activations == "float32"
+    assert config_from_args(parser.parse_args([])).model.matmul_activations == "auto"
     ns = parser.parse_args(["--matmul-activations", "auto"])
     assert config_from_args(ns).model.matmul_activations == "auto"
     ns = parser.parse_args(["--matmul-activations", "int8"])
