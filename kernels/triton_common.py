@@ -18,17 +18,14 @@ from typing import Any
 try:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
 except ImportError:  # pragma: no cover - Triton is installed wherever the tests run
     triton = None
     tl = None
-    HAS_TRITON = False
 
 
 def jit(fn: Callable[..., Any]) -> Any:
     """`triton.jit` when Triton is installed, else the function unchanged (it is never launched)."""
-    return triton.jit(fn) if HAS_TRITON else fn
+    return triton.jit(fn) if triton is not None else fn
 
 
 @jit
