@@ -8,11 +8,15 @@
    `vpmaddubsw` multiplies 32 unsigned by 32 signed bytes a cycle, against 8 float FMAs.
 
    Weights are repacked once (`di_int8_pack`) into groups of 8 rows, block by block:
-     Q4_1 group block (192 bytes): 4 x 32 bytes of nibbles, then d[8], m[8] as float32.
+     Q4_1 group block (160 bytes): 4 x 32 bytes of nibbles, then d[8], m[8] as float16.
        Byte 4r+i of 32-byte chunk j holds row r's weight 4j+i in its low nibble and 16+4j+i in
        its high nibble (j = 0..3, i = 0..3): one load and a mask give 4 weights of each of the 8
        rows, ready to multiply by 4 broadcast bytes of x.
-     Q8_0 group block (288 bytes): 8 x 32 bytes (chunk j: row r's weights 4j..4j+3 at 4r), d[8].
+     Q8_0 group block (272 bytes): 8 x 32 bytes (chunk j: row r's weights 4j..4j+3 at 4r), d[8]
+       as float16.
+   The scales stay GGUF's float16 (widened by one `vcvtph2ps`): the packed weight is as many bytes
+   as the GGUF blocks, and a one-row product, which streams every weight once, is bound by how
+   fast a core reads them.
    Rows past N (the last group) are zero. A lane of every vector is one output: no horizontal
    sums, and each output's arithmetic is the same whatever M is or how rows were grouped.
 
@@ -29,12 +33,24 @@
 #define QK DI_QK
 #define GROUP 8
 #define MR 4
+/* How far ahead of the block being read a one-row pass asks for the weights (the hardware
+   prefetcher alone leaves a core at two thirds of the bandwidth it reaches with this). */
+#define PREFETCH_AHEAD 1024
 
 enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
 
-static inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+static inline size_t group_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 160 : 272; }
 
-static inline size_t group_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 192 : 288; }
+/* A group block `bytes` long, PREFETCH_AHEAD bytes past `g`, into the caches: the first pass over
+   a group (the only one when x has at most MR rows) streams the weight from memory. */
+static inline void prefetch_block(const uint8_t *g, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(g + PREFETCH_AHEAD + o), _MM_HINT_T0);
+}
+
+/* 8 float16 scales at `p` as float32 (exact) */
+static inline __m256 scales8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
 
 /* Bytes of the packed weight; 0 for bad arguments. */
 long di_int8_packed_bytes(int fmt, int N, int K) {
@@ -45,16 +61,12 @@ long di_int8_packed_bytes(int fmt, int N, int K) {
 
 static void pack_group_q4_1(const uint8_t *w, int rows, int nb, uint8_t *out) {
     const size_t rb = (size_t)nb * 20;
-    for (int b = 0; b < nb; b++, out += 192) {
-        memset(out, 0, 192);
-        float *d = (float *)(out + 128), *m = (float *)(out + 160);
+    for (int b = 0; b < nb; b++, out += 160) {
+        memset(out, 0, 160);
         for (int r = 0; r < rows; r++) {
             const uint8_t *blk = w + r * rb + (size_t)b * 20;
-            uint16_t dh, mh;
-            memcpy(&dh, blk, 2);
-            memcpy(&mh, blk + 2, 2);
-            d[r] = fp16_to_f32(dh);
-            m[r] = fp16_to_f32(mh);
+            memcpy(out + 128 + 2 * r, blk, 2);     /* d */
+            memcpy(out + 144 + 2 * r, blk + 2, 2); /* m */
             /* qs[k] holds weight k (low nibble) and weight 16 + k (high): the layout wanted */
             for (int j = 0; j < 4; j++) memcpy(out + 32 * j + 4 * r, blk + 4 + 4 * j, 4);
         }
@@ -63,14 +75,11 @@ static void pack_group_q4_1(const uint8_t *w, int rows, int nb, uint8_t *out) {
 
 static void pack_group_q8_0(const uint8_t *w, int rows, int nb, uint8_t *out) {
     const size_t rb = (size_t)nb * 34;
-    for (int b = 0; b < nb; b++, out += 288) {
-        memset(out, 0, 288);
-        float *d = (float *)(out + 256);
+    for (int b = 0; b < nb; b++, out += 272) {
+        memset(out, 0, 272);
         for (int r = 0; r < rows; r++) {
             const uint8_t *blk = w + r * rb + (size_t)b * 34;
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
-            d[r] = fp16_to_f32(dh);
+            memcpy(out + 256 + 2 * r, blk, 2); /* d */
             for (int j = 0; j < 8; j++) memcpy(out + 32 * j + 4 * r, blk + 2 + 4 * j, 4);
         }
     }
@@ -145,12 +154,13 @@ static inline __m256i bcast4(const int8_t *p) {
    stay in registers): acc[c] lane r = y[c, r]. `q` rows are K apart, `dx`/`sx` rows K/32. */
 #define GROUP_Q4_1(R)                                                                          \
     static void group_q4_1_x##R(const uint8_t *g, int nb, const int8_t *q, const float *dx,     \
-                                const float *sx, int K, __m256 *acc) {                          \
+                                const float *sx, int K, int pf, __m256 *acc) {                  \
         const __m256i low = _mm256_set1_epi8(0x0F);                                             \
         const __m256i ones = _mm256_set1_epi16(1);                                              \
         __m256 a[R];                                                                            \
         for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
-        for (int b = 0; b < nb; b++, g += 192) {                                                \
+        for (int b = 0; b < nb; b++, g += 160) {                                                \
+            if (pf) prefetch_block(g, 160);                                                     \
             __m256i s16[R];                                                                     \
             for (int c = 0; c < R; c++) s16[c] = _mm256_setzero_si256();                        \
             const int8_t *qb = q + b * QK;                                                      \
@@ -165,8 +175,8 @@ static inline __m256i bcast4(const int8_t *p) {
                         s16[c], _mm256_maddubs_epi16(hi, bcast4(qc + 16 + 4 * j)));             \
                 }                                                                               \
             }                                                                                   \
-            const __m256 d = _mm256_loadu_ps((const float *)(g + 128));                         \
-            const __m256 m = _mm256_loadu_ps((const float *)(g + 160));                         \
+            const __m256 d = scales8(g + 128);                                                  \
+            const __m256 m = scales8(g + 144);                                                  \
             for (int c = 0; c < R; c++) {                                                       \
                 const size_t at = (size_t)c * nb + b;                                           \
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], ones));         \
@@ -179,12 +189,13 @@ static inline __m256i bcast4(const int8_t *p) {
 
 #define GROUP_Q8_0(R)                                                                          \
     static void group_q8_0_x##R(const uint8_t *g, int nb, const int8_t *q, const float *dx,     \
-                                const float *sx, int K, __m256 *acc) {                          \
+                                const float *sx, int K, int pf, __m256 *acc) {                  \
         (void)sx;                                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                              \
         __m256 a[R];                                                                            \
         for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
-        for (int b = 0; b < nb; b++, g += 288) {                                                \
+        for (int b = 0; b < nb; b++, g += 272) {                                                \
+            if (pf) prefetch_block(g, 272);                                                     \
             __m256i s32[R];                                                                     \
             for (int c = 0; c < R; c++) s32[c] = _mm256_setzero_si256();                        \
             const int8_t *qb = q + b * QK;                                                      \
@@ -197,7 +208,7 @@ static inline __m256i bcast4(const int8_t *p) {
                         s32[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));         \
                 }                                                                               \
             }                                                                                   \
-            const __m256 d = _mm256_loadu_ps((const float *)(g + 256));                         \
+            const __m256 d = scales8(g + 256);                                                  \
             for (int c = 0; c < R; c++) {                                                       \
                 const size_t at = (size_t)c * nb + b;                                           \
                 a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[c]),                              \
@@ -217,7 +228,7 @@ GROUP_Q8_0(3)
 GROUP_Q8_0(4)
 
 typedef void (*group_fn)(const uint8_t *, int, const int8_t *, const float *, const float *, int,
-                         __m256 *);
+                         int, __m256 *);
 static const group_fn GROUP_FNS[2][MR] = {
     {group_q4_1_x1, group_q4_1_x2, group_q4_1_x3, group_q4_1_x4},
     {group_q8_0_x1, group_q8_0_x2, group_q8_0_x3, group_q8_0_x4},
@@ -264,7 +275,7 @@ int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M
             for (int m0 = 0; m0 < M; m0 += MR) {
                 const int mr = M - m0 < MR ? M - m0 : MR;
                 GROUP_FNS[fmt][mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
-                                       sx + (size_t)m0 * nb, K, acc);
+                                       sx + (size_t)m0 * nb, K, m0 == 0, acc);
                 store_group(acc, mr, y + (size_t)m0 * N + g * GROUP, N, rows);
             }
         }

@@ -106,7 +106,9 @@ def test_block_linear_dispatches_on_the_weight() -> None:
     w = _weight(QuantFormat.Q4_1, 16, 64, seed=5)
     packed = pack_int8(w)
     x = torch.randn(2, 64)
-    assert packed.nbytes == packed_bytes(QuantFormat.Q4_1, 16, 64) == 2 * 2 * 192
+    # 2 groups of 8 rows x 2 blocks x 160 bytes: as many as the GGUF blocks (float16 scales kept)
+    assert packed.nbytes == packed_bytes(QuantFormat.Q4_1, 16, 64) == 2 * 2 * 160
+    assert packed.nbytes == w.blocks.numel()
     assert torch.equal(block_linear(x, packed), int8_linear(x, packed))
     torch.testing.assert_close(block_linear(x, w), quant_linear_reference(x, w))
 
