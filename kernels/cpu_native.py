@@ -30,7 +30,7 @@ SOURCES = tuple(
     Path(__file__).parent / "cpu" / n
     for n in (
         "quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c", "llama_layers.c",
-        "abi.c",
+        "sampling.c", "abi.c",
     )
 )  # fmt: skip
 HEADERS = tuple(Path(__file__).parent / "cpu" / n for n in ("deepinfer_kernels.h", "simd.h"))
@@ -97,6 +97,10 @@ class NativeLibrary:
     def silu_mul(self, *args: int) -> None:
         """See `di_silu_mul` in cpu/elementwise.c."""
         _check(self._lib.di_silu_mul(*args))
+
+    def argmax_rows(self, x: int, stride: int, rows: int, v: int, out: int) -> None:
+        """See `di_argmax_rows` in cpu/sampling.c."""
+        _check(self._lib.di_argmax_rows(x, stride, rows, v, out))
 
     def paged_decode_attention(self, args: AttentionArgs) -> None:
         """See `di_attention_args` in cpu/deepinfer_kernels.h."""

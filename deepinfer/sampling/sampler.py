@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer.kernels.greedy import greedy_ids
 from deepinfer.outputs import SampledToken
 from deepinfer.sampling.filters import warp
 from deepinfer.sampling.generators import inverse_cdf_pick, uniform_draws
@@ -95,14 +96,14 @@ class Sampler:
         -1 for an unsound row (see the module docstring)."""
         greedy = [i for i, row in enumerate(rows) if row.greedy]
         if len(greedy) == len(rows):
-            return _argmax(processed)
+            return greedy_ids(processed)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if len(sampled) == len(rows):
             return self._draw(processed, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
         greedy_index = torch.tensor(greedy, device=processed.device)
         sampled_index = torch.tensor(sampled, device=processed.device)
-        token_ids[greedy_index] = _argmax(processed[greedy_index])
+        token_ids[greedy_index] = greedy_ids(processed[greedy_index])
         token_ids[sampled_index] = self._draw(processed[sampled_index], [rows[i] for i in sampled])
         return token_ids
 
@@ -138,13 +139,6 @@ def repair_logits(processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     empty = (out == ninf).all(dim=1, keepdim=True)  # [R, 1]
     out = torch.where(empty, fallback, out)
     return out.masked_fill((out == ninf).all(dim=1, keepdim=True), 0.0)
-
-
-def _argmax(processed: torch.Tensor) -> torch.Tensor:
-    """Greedy ids `[G]`; -1 where the largest logit is not finite (argmax takes a NaN first)."""
-    token_ids = processed.argmax(dim=1)  # [G]
-    best = processed.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [G]
-    return torch.where(torch.isfinite(best), token_ids, -1)
 
 
 def _package(

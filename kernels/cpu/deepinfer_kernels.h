@@ -32,6 +32,10 @@ int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_
 int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
                  int num_threads);
 
+/* out[r] = the first index of row r's largest value, -1 where that value is not finite (a NaN in
+   the row, +inf, or no value above -inf): the sampler's greedy pick (cpu/sampling.c). */
+int di_argmax_rows(const float *x, long stride, int rows, int V, int64_t *out);
+
 /* out = rms_norm(x (+ residual)) * w; with a residual, summed = x + residual as well. residual
    and summed are NULL for a plain RMSNorm. D a multiple of 8. */
 typedef struct {

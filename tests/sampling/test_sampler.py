@@ -12,9 +12,11 @@ import torch
 from sampling_reference import final_probs, processed_logits
 from torch.overrides import TorchFunctionMode
 
+from deepinfer.kernels.greedy import greedy_ids
 from deepinfer.outputs import SampledToken
 from deepinfer.request import SamplingParams
 from deepinfer.sampling import GREEDY_TEMPERATURE, Sampler, SamplingRow, make_generator
+from deepinfer.sampling import sampler as sampler_module
 from deepinfer.sampling.generators import inverse_cdf_pick, request_seed
 
 VOCAB = 300
@@ -43,7 +45,14 @@ class _CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_batch_work_is_grouped_not_looped() -> None:
+def test_batch_work_is_grouped_not_looped(monkeypatch: pytest.MonkeyPatch) -> None:
+    greedy_calls: list[int] = []
+
+    def counted(rows: torch.Tensor) -> torch.Tensor:
+        greedy_calls.append(rows.shape[0])
+        return greedy_ids(rows)
+
+    monkeypatch.setattr(sampler_module, "greedy_ids", counted)
     logits = _logits(64, seed=9)
     greedy = [SamplingRow(GREEDY) for _ in range(32)]
     sampled = [SamplingRow(SamplingParams(top_k=5, top_p=0.9, min_p=0.01)) for _ in range(32)]
@@ -53,7 +62,7 @@ def test_batch_work_is_grouped_not_looped() -> None:
     with _CallCounter() as counter:
         Sampler().sample(logits, greedy + sampled)
         Sampler().sample(logits, penalized)
-    assert counter.calls["argmax"] == 1  # the greedy rows (the penalized rows are sampled)
+    assert greedy_calls == [32]  # the greedy rows at once (the penalized rows are sampled)
     assert counter.calls["rand"] == 2  # one draw per call, shared by its rows
     assert counter.calls["searchsorted"] == 4  # the sampled rows' picks and caps, per call
     assert counter.calls["sort"] == counter.calls["topk"] == 1
