@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_native import native_library
+from .cpu_native import native_available, native_library
 
 QK = 32
 """Weights per block."""
@@ -87,6 +87,19 @@ def dequantize_reference(w: QuantizedWeight) -> torch.Tensor:  # float32 [N, K]
     d, m, q = block_fields(w)
     weights = d * q if m is None else d * q + m
     return weights.reshape(w.out_features, w.in_features)
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:  # float32 [N, K]
+    """The same fp32 weights as `dequantize_reference`, through the native kernel where it
+    builds (model loading: a tenth of the time of numpy's or torch's several passes)."""
+    if not native_available():
+        return dequantize_reference(w)
+    out = torch.empty((w.out_features, w.in_features), dtype=torch.float32)
+    native_library().dequantize(
+        int(w.fmt), w.blocks.data_ptr(), out.data_ptr(), w.out_features, w.in_features,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from deepinfer.config import default_model_dir as _default_model_dir
+from deepinfer.model.gguf_loader import open_gguf
 
 if TYPE_CHECKING:
     from live_server import LiveServer  # tests/api, on the path by pyproject's pythonpath
@@ -35,7 +36,6 @@ HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 4, 2, 2, 49152
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama written straight to safetensors (no transformers import), with
     the real tokenizer (its vocabulary covers the embedding)."""
-    import gguf
     import torch
     from safetensors.torch import save_file
 
@@ -71,7 +71,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": True,
     }  # fmt: skip
     (path / "config.json").write_text(json.dumps(config))
-    Tokenizer.from_gguf(gguf.GGUFReader(default_model_path())).save_dir(path)
+    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
     return path
 
 

@@ -24,6 +24,7 @@ TEST_TOOLS = {
     "pytest": "the test runner",
     "pytest-asyncio": "asyncio_mode in [tool.pytest.ini_options]",
     "pytest-timeout": "timeout in [tool.pytest.ini_options]",
+    "pytest-xdist": "-n 2 in [tool.pytest.ini_options] addopts",
     "ruff": ".ci/run",
     "mypy": ".ci/run",
     "accelerate": "transformers loads a GGUF model only with it installed",
@@ -93,7 +94,7 @@ def test_strictness_is_what_pytest_applies(tmp_path: Path) -> None:
         "import pytest\n\n\n@pytest.mark.no_such_marker\ndef test_marked():\n    pass\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-c",
          str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
          "--continue-on-collection-errors", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,

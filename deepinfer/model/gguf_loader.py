@@ -1,6 +1,9 @@
 """Read a GGUF file (llama.cpp's format): architecture metadata and dequantized tensors.
 
-The reader memory-maps the file; tensors are dequantized one at a time. llama.cpp's converter
+The reader memory-maps the file; tensors are dequantized one at a time. Parsing the metadata
+(gguf-py builds a numpy view per vocabulary entry: seconds for a 49k-token vocabulary) is done
+once per file a process opens: a second engine on the same file reuses the parsed reader, which
+is read-only (the file is mapped with mode "r"). llama.cpp's converter
 permutes the rows of Llama Q and K projections for its interleaved RoPE; this loader undoes that
 permutation so the model's rotate-half RoPE applies (the wrong pairing still gives plausible text
 but far worse perplexity).
@@ -8,6 +11,7 @@ but far worse perplexity).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ import numpy as np
 import torch
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.quant_matmul import QK, QuantFormat, QuantizedWeight
+from deepinfer.kernels.quant_matmul import QK, QuantFormat, QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.registry import check_architecture
 
@@ -66,17 +70,25 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
             f"{path} is not a GGUF file (starts with {magic!r}); pass a .gguf file or a "
             "Hugging Face directory with config.json and *.safetensors"
         )
+    st = path.stat()
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _parsed(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     except Exception as exc:  # the reader fails in many ways on corrupt input
         raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
-    size = path.stat().st_size
+    size = st.st_size
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise ModelLoadError(
             f"{path} is truncated: tensor data ends at byte {end}, file has {size}"
         )
     return reader
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime_ns: int, inode: int) -> gguf.GGUFReader:
+    """The file's reader, parsed once per identity (a file rewritten in place is parsed anew)."""
+    del size, mtime_ns, inode  # part of the cache key only
+    return gguf.GGUFReader(path, "r")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -153,6 +165,9 @@ class GGUFTensorSource:
         return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * QK)
 
     def load(self, name: str) -> torch.Tensor:
+        blocks = self.load_quantized(name)
+        if blocks is not None:  # the same values as gguf-py's, a tenth of the time
+            return dequantize(blocks)
         tensor = self._tensors[name]
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

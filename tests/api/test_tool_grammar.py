@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import numpy as np
 import pytest
 
@@ -13,6 +12,7 @@ from deepinfer.api.errors import ApiError
 from deepinfer.api.tool_grammar import call_grammar, check_schema, forced_calls
 from deepinfer.api.tool_plan import ToolPlan, ToolSchema
 from deepinfer.config import default_model_path
+from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.vocabulary import vocabulary_from
@@ -32,7 +32,7 @@ TOOLS = (
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
+    return Tokenizer.from_gguf(open_gguf(default_model_path()))
 
 
 @pytest.fixture(scope="module")

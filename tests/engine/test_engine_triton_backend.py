@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, RuntimeConfig
 from deepinfer.engine.core import EngineCore
+from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import Request, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -18,7 +19,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from deepinfer.config import default_model_path
@@ -32,7 +32,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rope_theta=10000.0, tie_word_embeddings=True,
     )  # fmt: skip
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    Tokenizer.from_gguf(gguf.GGUFReader(default_model_path())).save_dir(path)
+    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,16 @@ import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 
+from deepinfer.config import default_model_path
 from deepinfer.errors import ModelLoadError
 from deepinfer.model import load_model, model_fingerprint
-from deepinfer.model.gguf_loader import unpermute_qk
+from deepinfer.model.gguf_loader import (
+    GGUFTensorSource,
+    canonical_name,
+    gguf_arch,
+    open_gguf,
+    unpermute_qk,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,6 +147,39 @@ def test_fingerprint_stable_and_sensitive(tiny_gguf: Any, tmp_path: Path) -> Non
     data[-3] ^= 0xFF  # one weight byte differs
     changed.write_bytes(bytes(data))
     assert model_fingerprint(load_model(changed, torch.float32, "cpu"), torch.float32, 16) != fp
+
+
+def test_a_file_is_parsed_once_until_it_changes(tiny_gguf: Any, tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    data = bytearray(tiny_gguf[0].read_bytes())
+    path.write_bytes(bytes(data))
+    first = open_gguf(path)
+    assert open_gguf(path) is first  # a second engine on the file reuses the parsed reader
+    data[-3] ^= 0xFF  # rewritten in place, same size: another identity, parsed anew
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert open_gguf(path) is not first
+    path.write_bytes(bytes(data[: len(data) // 2]))  # truncated in place: refused, not cached
+    with pytest.raises(ModelLoadError, match=r"truncated|corrupt"):
+        open_gguf(path)
+
+
+@pytest.mark.slow
+def test_block_matrices_load_as_gguf_py_dequantizes_them() -> None:
+    """The loader dequantizes Q4_1/Q8_0 matrices with the native kernel: bit for bit what
+    gguf-py gives, for every such matrix of the real model (rows unpermuted alike)."""
+    reader = open_gguf(default_model_path())
+    source = GGUFTensorSource(reader, gguf_arch(reader))
+    checked = 0
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in ("Q4_1", "Q8_0"):
+            continue
+        name = canonical_name(tensor.name)
+        want = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        want = source._unpermuted(name, want)
+        assert torch.equal(source.load(name), torch.from_numpy(np.ascontiguousarray(want))), name
+        checked += 1
+    assert checked == 211
 
 
 def test_missing_path(tmp_path: Path) -> None:

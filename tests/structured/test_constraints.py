@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import numpy as np
 import pytest
 
 from deepinfer.config import default_model_path
 from deepinfer.errors import InvalidRequestError
+from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.vocabulary import vocabulary_from
@@ -21,7 +21,7 @@ STOPS = frozenset({2, 0})
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
+    return Tokenizer.from_gguf(open_gguf(default_model_path()))
 
 
 @pytest.fixture(scope="module")

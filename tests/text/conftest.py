@@ -1,4 +1,5 @@
-"""Session fixtures for text tests: the real SmolLM2 GGUF header is parsed once (about 3 s)."""
+"""Session fixtures for text tests: the real SmolLM2 GGUF header, parsed once a process (about
+4 s) by the loader that every engine on it shares."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from typing import Any
 import pytest
 
 from deepinfer.config import default_model_path
+from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
 def gguf_reader() -> Any:
-    gguf = pytest.importorskip("gguf")
-    return gguf.GGUFReader(default_model_path())
+    return open_gguf(default_model_path())
 
 
 @pytest.fixture(scope="session")
