@@ -17,6 +17,7 @@ from deepinfer.errors import ModelLoadError
 from deepinfer.model import load_model, model_fingerprint
 from deepinfer.model.gguf_loader import (
     GGUFTensorSource,
+    Reader,
     canonical_name,
     gguf_arch,
     open_gguf,
@@ -162,6 +163,25 @@ def test_a_file_is_parsed_once_until_it_changes(tiny_gguf: Any, tmp_path: Path) 
     path.write_bytes(bytes(data[: len(data) // 2]))  # truncated in place: refused, not cached
     with pytest.raises(ModelLoadError, match=r"truncated|corrupt"):
         open_gguf(path)
+
+
+@pytest.mark.slow
+def test_the_reader_parses_every_field_as_gguf_py_does() -> None:
+    """Our reader's one-loop arrays (the vocabulary, merges, token types) against gguf-py's own
+    per-entry parse of the real model: the same fields, parts, dtypes, contents and tensors."""
+    ours, theirs = Reader(default_model_path()), gguf.GGUFReader(default_model_path())
+    assert list(ours.fields) == list(theirs.fields)
+    for name, want in theirs.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), name
+        assert len(got.parts) == len(want.parts), name
+        for a, b in zip(got.parts, want.parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        assert got.contents() == want.contents(), name
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors
+    ]
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == 49152
 
 
 @pytest.mark.slow
