@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from deepinfer.api.openai_schemas import (
 )
 
 REQUEST_TIMEOUT_S = 30.0
+SWEEP_CONCURRENCY = 8
 SMALL_MAX_TOKENS = 8
 REFERENCE_PROMPT = "What is the capital of France?"
 
@@ -236,13 +238,20 @@ def test_every_field_alone_at_every_extreme(
     route: Route, real_server: LiveServer, client: httpx.Client, reference: str
 ) -> None:
     """One field at a time, at any depth, set to each boundary, extreme and wrong-kind value of
-    its type, in an otherwise valid request: what random draws may miss, this always tries."""
+    its type, in an otherwise valid request: what random draws may miss, this always tries.
+    `SWEEP_CONCURRENCY` at a time, so bad requests also share the engine's steps."""
     cases = sweep_cases(route.request_type, SWEEP_BASES[route.path], _limits(real_server))
-    for path, body in cases:
+
+    def send(case: tuple[str, Any]) -> None:
+        path, body = case
         try:
             exchange(client, "POST", route, encode(_bounded(route, body)))
         except (AssertionError, httpx.HTTPError) as exc:
             raise AssertionError(f"{route.path} with {path} = {encode(body)[:300]!r}") from exc
+
+    with ThreadPoolExecutor(SWEEP_CONCURRENCY) as pool:
+        for _ in pool.map(send, cases):  # the first failure raises here
+            pass
     _assert_unharmed(client, reference)
 
 
