@@ -97,3 +97,11 @@ def real_server() -> Iterator["LiveServer"]:
         yield server
     finally:
         server.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with slow tests first, each file's tests in their order: two xdist workers take a
+    file at a time (`--dist loadscope`), so the long files start early and the many short ones
+    even out the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
