@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from disk_writer_script import FINGERPRINT, block_hash, crash_config, payload_for
 
 from deepinfer.cache.disk import DiskTier
@@ -38,6 +39,7 @@ ROUND_BLOCKS = 10_000
 """Each round's writer starts at round * ROUND_BLOCKS, so its blocks are new."""
 
 
+@pytest.mark.slow  # runs long
 def test_kill_9_during_writes_never_corrupts(tmp_path: Path) -> None:
     rng = random.Random(1234)
     num_new = 0

@@ -10,6 +10,7 @@ from schema_corpus import schema_corpus
 from deepinfer.engine.async_engine import AsyncEngine
 
 
+@pytest.mark.slow  # runs long
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_corpus_subset_alone(tiny_structured_engine: AsyncEngine, temperature: float) -> None:
     results = []

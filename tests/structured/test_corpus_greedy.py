@@ -3,6 +3,7 @@ every output is a finished, valid instance of its schema."""
 
 from __future__ import annotations
 
+import pytest
 from corpus_run import invalid_outputs, run_schemas
 from schema_corpus import schema_corpus
 
@@ -17,6 +18,7 @@ def test_corpus_is_large_and_varied() -> None:
         assert feature in text, feature
 
 
+@pytest.mark.slow  # runs long
 async def test_whole_corpus_greedy(tiny_structured_engine: AsyncEngine) -> None:
     results = await run_schemas(tiny_structured_engine, schema_corpus(), temperature=0.0)
     assert invalid_outputs(results) == []

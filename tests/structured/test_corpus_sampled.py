@@ -3,12 +3,14 @@ once: every output is a finished, valid instance of its schema."""
 
 from __future__ import annotations
 
+import pytest
 from corpus_run import invalid_outputs, run_schemas
 from schema_corpus import schema_corpus
 
 from deepinfer.engine.async_engine import AsyncEngine
 
 
+@pytest.mark.slow  # runs long
 async def test_whole_corpus_sampled(tiny_structured_engine: AsyncEngine) -> None:
     results = await run_schemas(tiny_structured_engine, schema_corpus(), temperature=1.0)
     assert invalid_outputs(results) == []

@@ -121,6 +121,7 @@ def _probe_runners(
     return seen
 
 
+@pytest.mark.slow  # runs long
 @pytest.mark.parametrize("mode", sorted(MODES))
 async def test_outputs_identical_with_and_without_overlap(tiny_llama_dir: Path, mode: str) -> None:
     schemas = schema_corpus(48)[:12]

@@ -31,6 +31,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow  # runs long
 @pytest.mark.parametrize("mode", sorted(MODES))
 async def test_state_survives_handoff_and_preemption(tiny_llama_dir: Path, mode: str) -> None:
     schemas = [s for s in schema_corpus(96) if len(str(s)) > 400][:16]
