@@ -112,8 +112,8 @@ def httptools_protocol() -> type[asyncio.Protocol] | None:
 
 def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     """The HTTP protocol for uvicorn's `http=`: httptools (a dependency: C, where h11 is pure
-    Python, on the event loop's path of every streamed token), else h11 where it is missing; either with a head
-    deadline of `header_timeout_s`."""
+    Python, on the event loop's path of every streamed token), else h11 where it is missing;
+    either with a head deadline of `header_timeout_s`."""
     base = httptools_protocol() or H11HeadTimeoutProtocol
     namespace = {"header_timeout_s": header_timeout_s}
     return cast(type[asyncio.Protocol], type(base.__name__, (base,), namespace))

@@ -2,12 +2,13 @@
 
 The reader (gguf-py's) memory-maps the file; tensors are dequantized one at a time. Its metadata
 is parsed once per file a process opens: a second engine on the same file reuses the parsed
-reader, which is read-only (the file is mapped with mode "r"). Arrays of strings (a vocabulary
-and its merges) are parsed in one loop where gguf-py recurses once per entry (SmolLM2's 98k
-strings: 4 s), into the same fields. llama.cpp's converter
-permutes the rows of Llama Q and K projections for its interleaved RoPE; this loader undoes that
-permutation so the model's rotate-half RoPE applies (the wrong pairing still gives plausible text
-but far worse perplexity).
+reader, which is read-only (the file is mapped with mode "r"). Arrays (a vocabulary, its merges
+and token types) are parsed in one loop each where gguf-py recurses once per entry (SmolLM2's
+150k entries: 4 s), into the same fields.
+
+llama.cpp's converter permutes the rows of Llama Q and K projections for its interleaved RoPE;
+this loader undoes that permutation so the model's rotate-half RoPE applies (the wrong pairing
+still gives plausible text but far worse perplexity).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Reader(gguf.GGUFReader):
         parts: list[np.ndarray] = [item_type, count]
         if scalar is not None:
             size = np.dtype(scalar).itemsize
+            if offs + n * size > len(data):
+                raise ValueError(f"an array of {n} items runs past the end of the file")
             items = data[offs : offs + n * size].view(
                 np.dtype(scalar).newbyteorder(self.byte_order)
             )

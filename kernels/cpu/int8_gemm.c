@@ -33,8 +33,9 @@
 #define QK DI_QK
 #define GROUP 8
 #define MR 4
-/* How far ahead of the block being read a one-row pass asks for the weights (the hardware
-   prefetcher alone leaves a core at two thirds of the bandwidth it reaches with this). */
+/* How far ahead of the block being read a one-row pass asks for the weights (a decode step's
+   one-row matmuls 10-12% faster than with the hardware prefetcher alone; 2 KiB, or into L2
+   only, measured the same). */
 #define PREFETCH_AHEAD 1024
 
 enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
@@ -44,7 +45,9 @@ static inline size_t group_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 160 :
 /* A group block `bytes` long, PREFETCH_AHEAD bytes past `g`, into the caches: the first pass over
    a group (the only one when x has at most MR rows) streams the weight from memory. */
 static inline void prefetch_block(const uint8_t *g, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(g + PREFETCH_AHEAD + o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) {
+        _mm_prefetch((const char *)(g + PREFETCH_AHEAD + o), _MM_HINT_T0);
+    }
 }
 
 /* 8 float16 scales at `p` as float32 (exact) */

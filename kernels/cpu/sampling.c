@@ -32,7 +32,8 @@ static int64_t argmax_row(const float *x, int V) {
     if (any_nan || !isfinite(m)) return -1;
     const __m256 target = _mm256_set1_ps(m);
     for (i = 0; i + 8 <= V; i += 8) {
-        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        const __m256 eq = _mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ);
+        const int hits = _mm256_movemask_ps(eq);
         if (hits) return i + __builtin_ctz((unsigned)hits);
     }
     for (; i < V; i++) {
