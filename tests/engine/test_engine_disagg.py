@@ -1,13 +1,14 @@
 """Prefill and decode apart, on the real model: a long prompt does not stall 8 streams.
 
 One engine in the default (disaggregated) mode: a decode worker and a prefill worker, one CPU
-thread each. Eight greedy streams are decoding when a 2k-token prompt arrives. Until its first
-token the decode worker keeps stepping: every stream receives more tokens than the prompt took
-prefill steps, which a colocated engine (one mixed step per chunk, one token per stream per
-step) cannot give. Counts, not times: the latency figures (inter-token p99 during a long
-prefill against the baseline; 60x colocated) are bench/interference.py's (bench/RESULTS.md), and
-the cost model's accuracy on a busy machine is no unit test's (its fit is tested on synthetic
-steps in tests/scheduler_prefill/test_prefill_cost_model.py).
+thread each. Eight greedy streams are decoding when a 640-token prompt arrives (prefill chunks of
+at most 128 tokens). Until its first token the decode worker keeps stepping: every stream
+receives more tokens than the prompt took prefill steps, which a colocated engine (one mixed step
+per chunk, one token per stream per step) cannot give. Counts, not times: the latency figures
+(inter-token p99 during a long prefill against the baseline; 60x colocated) are
+bench/interference.py's (bench/RESULTS.md), and the cost model's accuracy on a busy machine is
+no unit test's (its fit is tested on synthetic steps in
+tests/scheduler_prefill/test_prefill_cost_model.py).
 """
 
 from __future__ import annotations
