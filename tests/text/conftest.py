@@ -1,5 +1,5 @@
-"""Session fixtures for text tests: the real SmolLM2 GGUF header, parsed once a process (about
-4 s) by the loader that every engine on it shares."""
+"""Session fixtures for text tests: the real SmolLM2 GGUF header, parsed once a process by the
+loader that every engine on it shares."""
 
 from __future__ import annotations
 
