@@ -33,9 +33,9 @@
 #define QK DI_QK
 #define GROUP 8
 #define MR 4
-/* How far ahead of the block being read a one-row pass asks for the weights (a decode step's
-   one-row matmuls 10-12% faster than with the hardware prefetcher alone; 2 KiB, or into L2
-   only, measured the same). */
+/* How far ahead of the block being read a one-row pass asks for the weights (2 KiB, or into L2
+   only, measured the same). With the float16 scales, a decode step's one-row matmuls are 11-13%
+   faster on 2 threads than before both (bench/native_ab.py, bench/RESULTS.md). */
 #define PREFETCH_AHEAD 1024
 
 enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
