@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# First, before any module of ours imports torch: OpenMP's barrier waits (see the module).
+from deepinfer import openmp_env as _openmp_env  # noqa: F401
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

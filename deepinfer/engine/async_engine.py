@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -40,10 +41,14 @@ from deepinfer.engine.tiers import check_retention, fill_from_lower_tiers
 from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
 from deepinfer.engine.workers import ThreadLending, Worker, build_workers
 from deepinfer.errors import EngineDeadError
+from deepinfer.openmp_env import DEFAULTS as OPENMP_DEFAULTS
+from deepinfer.openmp_env import loaded_too_late
 from deepinfer.request import Request, SamplingParams
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
 from deepinfer.text.tokenizer import Tokenizer
+
+log = logging.getLogger("deepinfer.engine")
 
 
 class AsyncEngine:
@@ -67,6 +72,13 @@ class AsyncEngine:
             return
         if self._core is None:
             self._core = await asyncio.to_thread(EngineCore, self.config)
+        if self._core.info.device.type == "cpu" and loaded_too_late():
+            settings = " ".join(f"{k}={v}" for k, v in OPENMP_DEFAULTS.items())
+            log.warning(
+                "torch was imported before deepinfer: OpenMP threads wait with libgomp's "
+                "defaults, and CPU steps run slower; import deepinfer first or set %s",
+                settings,
+            )
         workers = self.config.workers
         self._workers = build_workers(self._core, workers)
         lending = ThreadLending(self._workers, workers.lend_idle_threads)
