@@ -96,12 +96,19 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float 
     raise TimeoutError(f"{base_url} did not become healthy in {timeout_s} s")
 
 
+USER_ENV = dict(os.environ)
+"""The environment as the benchmark was started, before `import deepinfer` adds its OpenMP
+settings (deepinfer/openmp_env.py): servers start with it, so a peer runs as its users run it
+(and deepinfer's server sets its own). Import this module before deepinfer."""
+
+
 @contextlib.contextmanager
 def running(cmd: list[str], port: int, log_path: Path) -> Iterator[str]:
-    """Start a server process, wait for /health, yield its base URL, stop it on exit."""
+    """Start a server process (with `USER_ENV`), wait for /health, yield its base URL, stop it
+    on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=USER_ENV)
         base = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(base, proc)

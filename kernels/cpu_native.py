@@ -33,7 +33,10 @@ SOURCES = tuple(
         "sampling.c", "abi.c",
     )
 )  # fmt: skip
-HEADERS = tuple(Path(__file__).parent / "cpu" / n for n in ("deepinfer_kernels.h", "simd.h"))
+HEADERS = tuple(
+    Path(__file__).parent / "cpu" / n
+    for n in ("deepinfer_kernels.h", "simd.h", "team.h", "parts.h")
+)
 """Included by the sources: part of the build's cache key."""
 FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "deepinfer_kernels.h"
+#include "parts.h"
 #include "simd.h"
 
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
@@ -38,19 +39,30 @@ static void norm_row(const float *x, const float *residual, const float *w, floa
     }
 }
 
-/* See di_rms_norm_args in deepinfer_kernels.h. */
-int di_rms_norm(const di_rms_norm_args *a) {
-    const int T = a->T, D = a->D;
-    if (T < 0 || D <= 0 || D % 8 != 0 || (a->residual != NULL && a->summed == NULL)) return -1;
-    const int threads =
-        (long)T * D >= PARALLEL_MIN_ELEMENTS && a->num_threads > 1 ? a->num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < T; t++) {
+int di_rms_norm_check(const di_rms_norm_args *a) {
+    const int D = a->D;
+    return a->T < 0 || D <= 0 || D % 8 != 0 || (a->residual != NULL && a->summed == NULL) ? -1 : 0;
+}
+
+void di_rms_norm_rows(const di_rms_norm_args *a, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
         norm_row(a->x + t * a->x_stride,
                  a->residual != NULL ? a->residual + t * a->residual_stride : NULL, a->w,
                  a->out + t * a->out_stride,
-                 a->summed != NULL ? a->summed + t * a->summed_stride : NULL, D, a->eps);
+                 a->summed != NULL ? a->summed + t * a->summed_stride : NULL, a->D, a->eps);
     }
+}
+
+int di_rms_norm_parallel(const di_rms_norm_args *a) {
+    return (long)a->T * a->D >= PARALLEL_MIN_ELEMENTS;
+}
+
+/* See di_rms_norm_args in deepinfer_kernels.h. */
+int di_rms_norm(const di_rms_norm_args *a) {
+    if (di_rms_norm_check(a) != 0) return -1;
+    const int threads = di_rms_norm_parallel(a) && a->num_threads > 1 ? a->num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < a->T; t++) di_rms_norm_rows(a, t, t + 1);
     return 0;
 }
 
@@ -70,23 +82,38 @@ static inline void rotate_head(float *x, const float *cos, const float *sin, int
     }
 }
 
+int di_rotary_check(const int64_t *positions, long P, int T, int D) {
+    if (T < 0 || D <= 0 || D % 2 != 0) return -1;
+    for (int t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= P) return -1;
+    }
+    return 0;
+}
+
+void di_rotary_rows(float *q, long q_stride, int H, float *k, long k_stride, int Hkv,
+                    const int64_t *positions, const float *cos_sin, int D, int t0, int t1) {
+    const int half = D / 2;
+    for (int t = t0; t < t1; t++) {
+        const float *row = cos_sin + positions[t] * (long)D;
+        for (int h = 0; h < H; h++) rotate_head(q + t * q_stride + (long)h * D, row, row + half, half);
+        for (int h = 0; h < Hkv; h++) rotate_head(k + t * k_stride + (long)h * D, row, row + half, half);
+    }
+}
+
+int di_rotary_parallel(int T, int H, int Hkv, int D) {
+    return (long)T * (H + Hkv) * D >= PARALLEL_MIN_ELEMENTS;
+}
+
 /* q [T, H, D] and k [T, Hkv, D] in place (token strides given, heads contiguous at D apart);
    cos_sin [P, D] (cos in the first half, sin in the second); positions [T] int64 < P. */
 int di_rotary(float *q, long q_stride, int H, float *k, long k_stride, int Hkv,
               const int64_t *positions, const float *cos_sin, long P, int T, int D,
               int num_threads) {
-    if (T < 0 || D <= 0 || D % 2 != 0) return -1;
-    for (int t = 0; t < T; t++) {
-        if (positions[t] < 0 || positions[t] >= P) return -1;
-    }
-    const int half = D / 2;
-    const int threads =
-        (long)T * (H + Hkv) * D >= PARALLEL_MIN_ELEMENTS && num_threads > 1 ? num_threads : 1;
+    if (di_rotary_check(positions, P, T, D) != 0) return -1;
+    const int threads = di_rotary_parallel(T, H, Hkv, D) && num_threads > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < T; t++) {
-        const float *row = cos_sin + positions[t] * (long)D;
-        for (int h = 0; h < H; h++) rotate_head(q + t * q_stride + (long)h * D, row, row + half, half);
-        for (int h = 0; h < Hkv; h++) rotate_head(k + t * k_stride + (long)h * D, row, row + half, half);
+        di_rotary_rows(q, q_stride, H, k, k_stride, Hkv, positions, cos_sin, D, t, t + 1);
     }
     return 0;
 }
@@ -105,33 +132,39 @@ static inline void store_row(const float *src, void *dst, int width, int f16) {
     for (; i < width; i++) o[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
+int di_store_kv_check(long num_slots, const int64_t *slots, int T, int width) {
+    if (T < 0 || width <= 0) return -1;
+    for (int t = 0; t < T; t++) {
+        if (slots[t] >= num_slots) return -1;
+    }
+    return 0;
+}
+
+void di_store_kv_rows(const float *k, long k_stride, const float *v, long v_stride,
+                      void *k_cache, void *v_cache, const int64_t *slots, int width, int kv_f16,
+                      int t0, int t1) {
+    const size_t row_bytes = (size_t)width * (kv_f16 ? 2 : 4);
+    for (int t = t0; t < t1; t++) {
+        if (slots[t] < 0) continue;
+        store_row(k + t * k_stride, (char *)k_cache + slots[t] * row_bytes, width, kv_f16);
+        store_row(v + t * v_stride, (char *)v_cache + slots[t] * row_bytes, width, kv_f16);
+    }
+}
+
 /* k, v [T, width] rows (strides given) into the caches' rows `slots[t]` (width elements each,
    float32 or float16 per `kv_f16`); a negative slot is padding and is skipped. */
 int di_store_kv(const float *k, long k_stride, const float *v, long v_stride, void *k_cache,
                 void *v_cache, long num_slots, const int64_t *slots, int T, int width,
                 int kv_f16) {
-    if (T < 0 || width <= 0) return -1;
-    for (int t = 0; t < T; t++) {
-        if (slots[t] >= num_slots) return -1;
-    }
-    const size_t row_bytes = (size_t)width * (kv_f16 ? 2 : 4);
-    for (int t = 0; t < T; t++) {
-        if (slots[t] < 0) continue;
-        store_row(k + t * k_stride, (char *)k_cache + slots[t] * row_bytes, width, kv_f16);
-        store_row(v + t * v_stride, (char *)v_cache + slots[t] * row_bytes, width, kv_f16);
-    }
+    if (di_store_kv_check(num_slots, slots, T, width) != 0) return -1;
+    di_store_kv_rows(k, k_stride, v, v_stride, k_cache, v_cache, slots, width, kv_f16, 0, T);
     return 0;
 }
 
-/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)): the MLP's gate and up
-   halves of one fused projection (row stride given). I must be a multiple of 8. */
-int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
-                int num_threads) {
-    if (T < 0 || I <= 0 || I % 8 != 0) return -1;
-    const int threads = (long)T * I >= PARALLEL_MIN_ELEMENTS && num_threads > 1 ? num_threads : 1;
+void di_silu_mul_rows(const float *gu, long gu_stride, float *out, long out_stride, int I, int t0,
+                      int t1) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < T; t++) {
+    for (int t = t0; t < t1; t++) {
         const float *g = gu + t * gu_stride, *u = g + I;
         float *o = out + t * out_stride;
         for (int i = 0; i < I; i += 8) {
@@ -140,5 +173,17 @@ int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, in
             _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
         }
     }
+}
+
+int di_silu_mul_parallel(int T, int I) { return (long)T * I >= PARALLEL_MIN_ELEMENTS; }
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)): the MLP's gate and up
+   halves of one fused projection (row stride given). I must be a multiple of 8. */
+int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
+                int num_threads) {
+    if (T < 0 || I <= 0 || I % 8 != 0) return -1;
+    const int threads = di_silu_mul_parallel(T, I) && num_threads > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < T; t++) di_silu_mul_rows(gu, gu_stride, out, out_stride, I, t, t + 1);
     return 0;
 }

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "deepinfer_kernels.h"
+#include "parts.h"
 
 #define QK DI_QK
 #define GROUP 8
@@ -249,13 +250,36 @@ static inline void store_group(const __m256 *acc, int mr, float *y, int N, int r
     }
 }
 
+void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
+                       int K, int8_t *q, float *dx, float *sx, di_team *team) {
+    const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
+    const size_t gb = (size_t)nb * group_block_bytes(fmt);
+    int r0, r1, g0, g1;
+    di_team_range(team, M, &r0, &r1);
+    for (int r = r0; r < r1; r++) {
+        quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, dx + (size_t)r * nb, sx + (size_t)r * nb);
+    }
+    di_team_sync(team);
+    di_team_range(team, groups, &g0, &g1);
+    for (int g = g0; g < g1; g++) {
+        const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
+        const uint8_t *wg = packed + g * gb;
+        __m256 acc[MR];
+        for (int m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? M - m0 : MR;
+            GROUP_FNS[fmt][mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
+                                   sx + (size_t)m0 * nb, K, m0 == 0, acc);
+            store_group(acc, mr, y + (size_t)m0 * N + g * GROUP, N, rows);
+        }
+    }
+}
+
 /* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
 int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
                  int num_threads) {
     if (di_int8_packed_bytes(fmt, N, K) == 0 || M < 0) return -1;
     if (M == 0) return 0;
-    const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
-    const size_t gb = (size_t)nb * group_block_bytes(fmt);
+    const int nb = K / QK;
     int8_t *q = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
     float *scales = malloc((size_t)M * nb * 2 * sizeof(float));
     if (q == NULL || scales == NULL) {
@@ -264,24 +288,12 @@ int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M
         return -2;
     }
     float *dx = scales, *sx = scales + (size_t)M * nb;
+    di_barrier barrier;
+    di_barrier_init(&barrier);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-#pragma omp for schedule(static)
-        for (int r = 0; r < M; r++) {
-            quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, dx + (size_t)r * nb, sx + (size_t)r * nb);
-        }
-#pragma omp for schedule(static)
-        for (int g = 0; g < groups; g++) {
-            const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
-            const uint8_t *wg = packed + g * gb;
-            __m256 acc[MR];
-            for (int m0 = 0; m0 < M; m0 += MR) {
-                const int mr = M - m0 < MR ? M - m0 : MR;
-                GROUP_FNS[fmt][mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
-                                       sx + (size_t)m0 * nb, K, m0 == 0, acc);
-                store_group(acc, mr, y + (size_t)m0 * N + g * GROUP, N, rows);
-            }
-        }
+        di_team team = di_team_join(&barrier);
+        di_int8_gemm_team(fmt, packed, x, y, M, N, K, q, dx, sx, &team);
     }
     free(q);
     free(scales);

@@ -1,8 +1,10 @@
-/* A Llama decoder stack on CPU in one call: for each layer, the same native kernels the Python
-   forward calls one by one (RMSNorm, the q/k/v, o, gate/up and down matmuls, rotary, the KV
-   store, paged attention, silu * up), in the same order with the same arguments, so the result
-   is bit-identical to that path; what it saves is ~13 Python calls a layer (tens of
-   microseconds each: most of a one-stream decode step, a tenth of a 32-stream one).
+/* A Llama decoder stack on CPU in one call: for each layer, the same kernels the Python forward
+   calls one by one (RMSNorm, the q/k/v, o, gate/up and down matmuls, rotary, the KV store,
+   paged attention, silu * up), in the same order on the same rows, so the result is
+   bit-identical to that path. What it saves: ~13 Python calls a layer (tens of microseconds
+   each: most of a one-stream decode step, a tenth of a 32-stream one), and OpenMP's fork, join
+   and futex waits: the whole stack is one parallel region whose threads share out each op
+   (cpu/parts.h) and meet at spinning barriers between ops (cpu/team.h).
 
    For steps whose every query the native attention kernel takes (decode rows, short chunks
    given one row per query), float32 activations and weights served by the quantized kernels
@@ -14,44 +16,160 @@
 #include <string.h>
 
 #include "deepinfer_kernels.h"
+#include "parts.h"
 
-static int linear(const di_matrix *w, const float *x, float *y, int M, int threads) {
-    return w->int8 ? di_int8_gemm(w->fmt, w->data, x, y, M, w->N, w->K, threads)
-                   : di_quant_gemm(w->fmt, w->data, x, y, M, w->N, w->K, threads);
+static int matrix_ok(const di_matrix *m, int N, int K) {
+    if (m->N != N || m->K != K) return 0;
+    if (m->int8) return di_int8_packed_bytes(m->fmt, N, K) > 0;
+    return (m->fmt == DI_FMT_Q4_1 || m->fmt == DI_FMT_Q8_0) && K % DI_QK == 0;
 }
 
-/* out = rms_norm(h (+ residual)) * w over the step's rows; with a residual, the sum is written
-   back into it (the residual stream, updated in place). */
-static int rms_norm(const float *h, float *residual, const float *w, float *out,
-                    const di_llama_step *s) {
-    const long D = s->hidden, residual_stride = residual != NULL ? D : 0;
+/* What the region's threads share: the step, its buffers, and the attention plan. */
+typedef struct {
+    const di_llama_step *s;
+    float *hn, *qkv, *attn, *gu, *act;
+    int8_t *q8;
+    float *dx, *sx;
+    float *tiles; /* per thread: di_quant_gemm_buffer_floats(max K) floats */
+    long tile_floats;
+    di_attention_plan plan;
+} stack_buffers;
+
+static void linear(const di_matrix *w, const float *x, float *y, const stack_buffers *b,
+                   di_team *team) {
+    const int M = b->s->T;
+    if (w->int8) {
+        di_int8_gemm_team(w->fmt, w->data, x, y, M, w->N, w->K, b->q8, b->dx, b->sx, team);
+    } else {
+        float *tile = b->tiles + team->ith * b->tile_floats;
+        di_quant_gemm_team(w->fmt, w->data, x, y, M, w->N, w->K, tile, team);
+    }
+    di_team_sync(team);
+}
+
+/* Rows [t0, t1) of this thread for a row-wise op: a share when the op is worth splitting, else
+   all of them on the first thread. */
+static void rows_of(const di_team *team, int T, int split, int *t0, int *t1) {
+    if (split) {
+        di_team_range(team, T, t0, t1);
+    } else {
+        *t0 = 0;
+        *t1 = team->ith == 0 ? T : 0;
+    }
+}
+
+/* out = rms_norm(h (+ residual)) * w; with a residual, the sum is written back into it (the
+   residual stream, updated in place). Without one, h is copied into `residual`. */
+static void rms_norm(const float *h, float *residual, int has_residual, const float *w,
+                     float *out, const stack_buffers *b, di_team *team) {
+    const di_llama_step *s = b->s;
+    const long D = s->hidden;
     const di_rms_norm_args a = {
-        .x = h, .x_stride = D, .residual = residual, .residual_stride = residual_stride,
-        .w = w, .out = out, .out_stride = D, .summed = residual, .summed_stride = residual_stride,
+        .x = h, .x_stride = D, .residual = has_residual ? residual : NULL,
+        .residual_stride = has_residual ? D : 0, .w = w, .out = out, .out_stride = D,
+        .summed = has_residual ? residual : NULL, .summed_stride = has_residual ? D : 0,
         .T = s->T, .D = s->hidden, .eps = s->eps, .num_threads = s->num_threads};
-    return di_rms_norm(&a);
+    int t0, t1;
+    rows_of(team, s->T, di_rms_norm_parallel(&a), &t0, &t1);
+    di_rms_norm_rows(&a, t0, t1);
+    if (!has_residual && t1 > t0) {
+        memcpy(residual + t0 * D, h + t0 * D, sizeof(float) * (size_t)(t1 - t0) * D);
+    }
+    di_team_sync(team);
 }
 
-/* out [T, H * head_dim] = attention of q (rows `q_stride` apart) over one layer's caches. */
-static int attention(const float *q, long q_stride, const di_llama_layer *y, float *out,
-                     const di_llama_step *s) {
+static di_attention_args attention_args(const float *q, long q_stride, const di_llama_layer *y,
+                                        float *out, const di_llama_step *s) {
     const di_attention_args a = {
         .q = q, .q_stride_b = q_stride, .q_stride_h = s->head_dim, .k_cache = y->k_cache,
         .v_cache = y->v_cache, .block_tables = s->block_tables, .max_blocks = s->max_blocks,
         .context_lens = s->context_lens, .out = out, .B = s->T, .H = s->H, .Hkv = s->Hkv,
         .D = s->head_dim, .S = s->block_size, .scale = s->scale,
         .num_threads = s->num_threads, .kv_f16 = s->kv_f16};
-    return di_paged_decode_attention(&a);
+    return a;
 }
 
-#define TRY(call)                   \
-    do {                            \
-        const int status_ = (call); \
-        if (status_ != 0) {         \
-            rc = status_;           \
-            goto done;              \
-        }                           \
-    } while (0)
+static void layer(const di_llama_layer *y, int first, stack_buffers *b, float *h,
+                  float *residual, di_team *team) {
+    const di_llama_step *s = b->s;
+    const int T = s->T, hd = s->head_dim, I = s->intermediate;
+    const int q_size = s->H * hd, kv_size = s->Hkv * hd, W = q_size + 2 * kv_size;
+    rms_norm(h, residual, !first, y->input_norm, b->hn, b, team);
+    linear(&y->qkv, b->hn, b->qkv, b, team);
+    float *q = b->qkv, *k = b->qkv + q_size, *v = b->qkv + q_size + kv_size;
+    int t0, t1;
+    rows_of(team, T, di_rotary_parallel(T, s->H, s->Hkv, hd), &t0, &t1);
+    di_rotary_rows(q, W, s->H, k, W, s->Hkv, s->positions, s->cos_sin, hd, t0, t1);
+    di_store_kv_rows(k, W, v, W, y->k_cache, y->v_cache, s->slots, kv_size, s->kv_f16, t0, t1);
+    di_team_sync(team);
+    const di_attention_args a = attention_args(q, W, y, b->attn, s);
+    di_attention_team(&a, &b->plan, team);
+    di_team_sync(team);
+    linear(&y->o, b->attn, h, b, team);
+    rms_norm(h, residual, 1, y->post_norm, b->hn, b, team);
+    linear(&y->gate_up, b->hn, b->gu, b, team);
+    rows_of(team, T, di_silu_mul_parallel(T, I), &t0, &t1);
+    di_silu_mul_rows(b->gu, 2 * I, b->act, I, I, t0, t1);
+    di_team_sync(team);
+    linear(&y->down, b->act, h, b, team);
+}
+
+static int check(const di_llama_layer *layers, int num_layers, const di_llama_step *s) {
+    const int D = s->hidden, hd = s->head_dim, I = s->intermediate;
+    const int q_size = s->H * hd, kv_size = s->Hkv * hd, W = q_size + 2 * kv_size;
+    const di_rms_norm_args norm = {.T = s->T, .D = D};
+    if (di_rms_norm_check(&norm) != 0 || I <= 0 || I % 8 != 0) return -1;
+    if (di_rotary_check(s->positions, s->num_positions, s->T, hd) != 0) return -1;
+    if (di_store_kv_check(s->num_slots, s->slots, s->T, kv_size) != 0) return -1;
+    for (int l = 0; l < num_layers; l++) {
+        const di_llama_layer *y = &layers[l];
+        const di_attention_args a = attention_args(NULL, W, y, NULL, s);
+        if (di_attention_check(&a) != 0) return -1;
+        if (!matrix_ok(&y->qkv, W, D) || !matrix_ok(&y->o, D, q_size) ||
+            !matrix_ok(&y->gate_up, 2 * I, D) || !matrix_ok(&y->down, D, I)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void free_buffers(stack_buffers *b) {
+    free(b->hn);
+    free(b->qkv);
+    free(b->attn);
+    free(b->gu);
+    free(b->act);
+    free(b->q8);
+    free(b->dx);
+    free(b->tiles);
+    di_attention_plan_free(&b->plan);
+}
+
+static int alloc_buffers(stack_buffers *b, const di_llama_layer *layers, const di_llama_step *s,
+                         int threads) {
+    const size_t T = (size_t)s->T, D = (size_t)s->hidden, I = (size_t)s->intermediate;
+    const size_t q_size = (size_t)s->H * s->head_dim, kv_size = (size_t)s->Hkv * s->head_dim;
+    size_t max_k = D > I ? D : I;
+    max_k = max_k > q_size ? max_k : q_size;
+    b->s = s;
+    b->hn = malloc(sizeof(float) * T * D);
+    b->qkv = malloc(sizeof(float) * T * (q_size + 2 * kv_size));
+    b->attn = malloc(sizeof(float) * T * q_size);
+    b->gu = malloc(sizeof(float) * T * 2 * I);
+    b->act = malloc(sizeof(float) * T * I);
+    b->q8 = aligned_alloc(64, (T * max_k + 63) / 64 * 64);
+    b->dx = malloc(sizeof(float) * 2 * T * (max_k / DI_QK));
+    b->sx = b->dx == NULL ? NULL : b->dx + T * (max_k / DI_QK);
+    b->tile_floats = (di_quant_gemm_buffer_floats((int)max_k) + 15) / 16 * 16;
+    b->tiles = aligned_alloc(64, sizeof(float) * (size_t)threads * (size_t)b->tile_floats);
+    const di_attention_args a = attention_args(NULL, 0, &layers[0], NULL, s);
+    const int plan = di_attention_plan_init(&b->plan, &a, threads);
+    if (!b->hn || !b->qkv || !b->attn || !b->gu || !b->act || !b->q8 || !b->dx || !b->tiles ||
+        plan != 0) {
+        return -2;
+    }
+    return 0;
+}
 
 /* h [T, hidden]: in, the first layer's input (embeddings) or the previous stack's output; out,
    the last layer's MLP output. residual [T, hidden]: the residual stream (in, when
@@ -59,47 +177,24 @@ static int attention(const float *q, long q_stride, const di_llama_layer *y, flo
    Returns 0, -1 on bad arguments, -2 when out of memory. */
 int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama_step *s,
                     float *h, float *residual, int has_residual) {
-    const int T = s->T, D = s->hidden, hd = s->head_dim, I = s->intermediate;
-    const int q_size = s->H * hd, kv_size = s->Hkv * hd, W = q_size + 2 * kv_size;
-    const int thr = s->num_threads;
-    if (T < 0 || num_layers < 0) return -1;
-    if (T == 0 || num_layers == 0) return 0;
-    int rc = 0;
-    float *hn = malloc(sizeof(float) * (size_t)T * D);
-    float *qkv = malloc(sizeof(float) * (size_t)T * W);
-    float *attn = malloc(sizeof(float) * (size_t)T * q_size);
-    float *gu = malloc(sizeof(float) * (size_t)T * 2 * I);
-    float *act = malloc(sizeof(float) * (size_t)T * I);
-    if (!hn || !qkv || !attn || !gu || !act) {
-        rc = -2;
-        goto done;
+    if (s->T < 0 || num_layers < 0) return -1;
+    if (s->T == 0 || num_layers == 0) return 0;
+    if (check(layers, num_layers, s) != 0) return -1;
+    const int threads = s->num_threads > 0 ? s->num_threads : 1;
+    stack_buffers b = {0};
+    if (alloc_buffers(&b, layers, s, threads) != 0) {
+        free_buffers(&b);
+        return -2;
     }
-    for (int l = 0; l < num_layers; l++) {
-        const di_llama_layer *y = &layers[l];
-        if (l == 0 && !has_residual) {
-            TRY(rms_norm(h, NULL, y->input_norm, hn, s));
-            memcpy(residual, h, sizeof(float) * (size_t)T * D);
-        } else {
-            TRY(rms_norm(h, residual, y->input_norm, hn, s));
+    di_barrier barrier;
+    di_barrier_init(&barrier);
+#pragma omp parallel num_threads(threads)
+    {
+        di_team team = di_team_join(&barrier);
+        for (int l = 0; l < num_layers; l++) {
+            layer(&layers[l], l == 0 && !has_residual, &b, h, residual, &team);
         }
-        TRY(linear(&y->qkv, hn, qkv, T, thr));
-        float *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
-        TRY(di_rotary(q, W, s->H, k, W, s->Hkv, s->positions, s->cos_sin, s->num_positions, T,
-                      hd, thr));
-        TRY(di_store_kv(k, W, v, W, y->k_cache, y->v_cache, s->num_slots, s->slots, T, kv_size,
-                        s->kv_f16));
-        TRY(attention(q, W, y, attn, s));
-        TRY(linear(&y->o, attn, h, T, thr));
-        TRY(rms_norm(h, residual, y->post_norm, hn, s));
-        TRY(linear(&y->gate_up, hn, gu, T, thr));
-        TRY(di_silu_mul(gu, 2 * I, act, I, T, I, thr));
-        TRY(linear(&y->down, act, h, T, thr));
     }
-done:
-    free(hn);
-    free(qkv);
-    free(attn);
-    free(gu);
-    free(act);
-    return rc;
+    free_buffers(&b);
+    return 0;
 }

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "deepinfer_kernels.h"
+#include "parts.h"
 #include "simd.h"
 
 #define QK DI_QK
@@ -130,33 +131,41 @@ static void tile_rows(const float *w, int nr, const float *x, int M, int K, floa
     if (M - m == 1) tile_x1(w, x + (size_t)m * K, K, y + (size_t)m * N, N);
 }
 
+void di_quant_gemm_team(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
+                        float *buf, di_team *team) {
+    const int nb = K / QK;
+    const size_t rb = row_bytes(fmt, nb);
+    int t0, t1;
+    di_team_range(team, (N + NR - 1) / NR, &t0, &t1);
+    for (int t = t0; t < t1; t++) {
+        const int n0 = t * NR;
+        const int nr = N - n0 < NR ? N - n0 : NR;
+        for (int r = 0; r < nr; r++) dequant_row(fmt, w + (size_t)(n0 + r) * rb, nb, buf + (size_t)r * K);
+        tile_rows(buf, nr, x, M, K, y + n0, N);
+    }
+}
+
+long di_quant_gemm_buffer_floats(int K) { return (long)NR * K; }
+
 /* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
 int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
                   int num_threads) {
     if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || M < 0 || N < 0 || K <= 0 || K % QK != 0) {
         return -1;
     }
-    const int nb = K / QK;
-    const size_t rb = row_bytes(fmt, nb);
-    const int tiles = (N + NR - 1) / NR;
     int failed = 0;
+    di_barrier barrier;
+    di_barrier_init(&barrier);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
+        di_team team = di_team_join(&barrier);
         float *buf = aligned_alloc(64, ((size_t)NR * K * sizeof(float) + 63) / 64 * 64);
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            if (buf == NULL) continue;
-            const int n0 = t * NR;
-            const int nr = N - n0 < NR ? N - n0 : NR;
-            for (int r = 0; r < nr; r++) {
-                dequant_row(fmt, w + (size_t)(n0 + r) * rb, nb, buf + (size_t)r * K);
-            }
-            tile_rows(buf, nr, x, M, K, y + n0, N);
-        }
+#pragma omp barrier
+        if (!failed) di_quant_gemm_team(fmt, w, x, y, M, N, K, buf, &team);
         free(buf);
     }
     return failed ? -2 : 0;
