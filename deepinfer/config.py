@@ -196,6 +196,27 @@ class WorkersConfig:
     more throughput at 32 streams (bench/RESULTS.md)."""
 
 
+SPECULATIVE_METHODS = ("none", "ngram")
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decode step verifies a request's draft tokens along with its
+    next token, in one forward pass, and keeps the drafts the model agrees with (greedy requests;
+    the output is the same tokens as without it). Disaggregated workers only, for now."""
+
+    speculative: Literal["none", "ngram"] = "none"
+    """How drafts are proposed: `none`, or `ngram` (prompt lookup: the request's own context
+    continues its longest recent n-gram match; no extra model)."""
+    num_draft_tokens: int = 5
+    """Most draft tokens a request verifies in one step."""
+    speculative_gate: Literal["on", "off"] = "on"
+    """`on`: each step verifies only the drafts expected to pay for their cost (acceptance
+    rates observed per request, step costs from the decode lane's cost model); `off`: every
+    draft (the baseline)."""
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: str = "auto"
@@ -270,6 +291,7 @@ class Config:
     host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -283,6 +305,7 @@ class Config:
 
 def _validate(config: Config) -> None:
     _validate_workers(config.workers)
+    _validate_speculative(config.speculative, config.workers)
     c, s = config.cache, config.scheduler
     if c.block_size <= 0 or c.block_size & (c.block_size - 1):
         raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")
@@ -310,6 +333,21 @@ def _validate(config: Config) -> None:
     if h.max_bytes < 1 << 20:
         raise ConfigError("host_cache.max_bytes must be >= 1 MiB (or turn the host cache off)")
     _validate_server(config.server)
+
+
+def _validate_speculative(s: SpeculativeConfig, w: WorkersConfig) -> None:
+    if s.speculative not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {s.speculative!r}"
+        )
+    if not 1 <= s.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ConfigError(
+            f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {s.num_draft_tokens}"
+        )
+    if s.speculative_gate not in ("on", "off"):
+        raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
+    if s.speculative != "none" and w.colocated:
+        raise ConfigError("speculative decoding needs the disaggregated workers (not --colocated)")
 
 
 def _validate_server(s: ServerConfig) -> None:

@@ -23,6 +23,9 @@ class RunnerOutput:
     step: int
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    """Speculative decoding: for a request that verified drafts, the tokens after `sampled`'s
+    (the agreed drafts beyond the first, then the model's pick after them)."""
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,19 @@ def plan_paged_attention_cpu(
     return PagedAttentionPlan(starts, lens, native_reqs, None, native)
 
 
+NATIVE_ALWAYS_ROWS = 33
+"""Chunks of at most this many queries always go through the kernel, whatever their context:
+a decode step verifying up to 32 draft tokens (config.MAX_DRAFT_TOKENS) (speculative decoding) computes each row exactly as
+a plain decode step computes it, so the greedy picks are the same bits."""
+
+
 def _native_applies(q_len: int, ctx_len: int) -> bool:
-    """Whether the kernel attends a request's queries: one (decode), or a short chunk whose
-    query-key pairs are few (each query then reads its whole context; torch's fused prefill
-    reads it once per chunk, which wins for long prompts)."""
-    return q_len == 1 or (q_len > 1 and q_len * ctx_len <= NATIVE_MAX_CHUNK_PAIRS)
+    """Whether the kernel attends a request's queries: a few (a decode, a verified draft), or a
+    short chunk whose query-key pairs are few (each query then reads its whole context; torch's
+    fused prefill reads it once per chunk, which wins for long prompts)."""
+    return 1 <= q_len <= NATIVE_ALWAYS_ROWS or (
+        q_len > 1 and q_len * ctx_len <= NATIVE_MAX_CHUNK_PAIRS
+    )
 
 
 def _attend_native(

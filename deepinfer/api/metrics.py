@@ -16,6 +16,7 @@ from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.engine.types import GenerationOutput, Usage
 from deepinfer.scheduler.admission import PrefillCounts
+from deepinfer.scheduler.speculative import SpeculativeCounts
 
 _LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -61,6 +62,7 @@ class _EngineCollector(Collector):
             value=stats.num_failed_requests,
         )
         yield from _prefill_metrics(stats.prefill_counts)
+        yield from _speculative_metrics(stats.speculative)
         if stats.disk is not None:
             yield from _disk_metrics(stats.disk)
         if stats.host is not None:
@@ -85,6 +87,19 @@ def _prefill_metrics(c: PrefillCounts) -> Iterator[Metric]:
         "Requests that waited for a shared prefix being computed for another request",
         value=c.num_inflight_waits,
     )
+
+
+def _speculative_metrics(c: SpeculativeCounts) -> Iterator[Metric]:
+    """Speculative decoding, by proposer: drafts verified and accepted, and in how many
+    request-steps (mean accepted run = accepted / verified)."""
+    for name, doc, value in (
+        ("drafted", "Draft tokens verified", c.num_drafted),
+        ("accepted", "Draft tokens the model agreed with", c.num_accepted),
+        ("verified", "Request-steps that verified drafts", c.num_verified),
+    ):
+        family = CounterMetricFamily(f"deepinfer_speculative_{name}", doc, labels=["proposer"])
+        family.add_metric([c.proposer], value)
+        yield family
 
 
 def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:

@@ -169,6 +169,7 @@ class AsyncEngine:
             num_failed_steps=driver.num_failed_steps if driver is not None else 0,
             num_failed_requests=self._streams.num_failed_requests,
             prefill_counts=core.scheduler.prefill_counts(),
+            speculative=core.scheduler.speculative_counts(),
         )
 
     def check_integrity(self) -> None:

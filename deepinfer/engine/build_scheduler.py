@@ -11,6 +11,7 @@ from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, St
 from deepinfer.scheduler.disagg import DisaggScheduler
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
 from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.scheduler.speculative import DraftGate, build_proposer
 
 CPU_COST_PRIOR = CostCoefficients(step_s=0.01, token_s=6e-3, attention_s=5e-8)
 """A prefill step on one CPU core, roughly (SmolLM2-135M): the model refines it within steps."""
@@ -34,7 +35,27 @@ def build_scheduler(
         max_len,
         StepCostModel(CostModelConfig(prior=cost_prior(device))),
         decode_kv,
+        build_proposer(config.speculative),
+        config.speculative.num_draft_tokens,
+        DraftGate(
+            StepCostModel(CostModelConfig(prior=decode_cost_prior(device), prior_weight=0.5)),
+            enabled=config.speculative.speculative_gate == "on",
+        ),
     )
+
+
+CPU_DECODE_COST_PRIOR = CostCoefficients(
+    step_s=8e-3, token_s=1.5e-3, attention_s=1e-9, kv_token_s=4e-6
+)
+"""A decode step on two CPU cores (SmolLM2-135M): most of it reading the weights once; each
+more query row (a request, or a draft to verify) adds its arithmetic."""
+CUDA_DECODE_COST_PRIOR = CostCoefficients(
+    step_s=5e-3, token_s=2e-5, attention_s=1e-10, kv_token_s=1e-8
+)
+
+
+def decode_cost_prior(device: torch.device) -> CostCoefficients:
+    return CPU_DECODE_COST_PRIOR if device.type == "cpu" else CUDA_DECODE_COST_PRIOR
 
 
 def cost_prior(device: torch.device) -> CostCoefficients:

@@ -10,6 +10,7 @@ from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
 from deepinfer.scheduler.admission import PrefillCounts
 from deepinfer.scheduler.prefill_types import PlannerStats
+from deepinfer.scheduler.speculative import SpeculativeCounts
 
 
 @dataclass(frozen=True)
@@ -100,3 +101,5 @@ class EngineStats:
     """Requests ended with an internal error (a failed step, or a failed delivery)."""
     prefill_counts: PrefillCounts = field(default_factory=PrefillCounts)
     """Prompt tokens computed, and those a shared prefix in flight saved."""
+    speculative: SpeculativeCounts = field(default_factory=SpeculativeCounts)
+    """Draft tokens verified and accepted (speculative decoding)."""

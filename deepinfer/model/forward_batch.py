@@ -48,6 +48,9 @@ class BatchChunk:
     """The request's block table, covering at least start_position + len(token_ids) tokens."""
     sample: bool = True
     """Compute logits for the chunk's last token."""
+    num_logits: int = 1
+    """With `sample`: logits for the chunk's last `num_logits` tokens (speculative decoding
+    verifies every drafted position)."""
 
 
 def build_forward_batch(
@@ -82,7 +85,12 @@ def build_forward_batch(
         )
         tables.append(blocks + [0] * (max_blocks - len(blocks)))
         query_start_loc.append(query_start_loc[-1] + n)
-    sample_rows = [query_start_loc[b + 1] - 1 for b, c in enumerate(chunks) if c.sample]
+    sample_rows = [
+        row
+        for b, c in enumerate(chunks)
+        if c.sample
+        for row in range(query_start_loc[b + 1] - c.num_logits, query_start_loc[b + 1])
+    ]
     context_lens = [c.start_position + n for c, n in zip(chunks, lengths, strict=True)]
     int32, int64 = torch.int32, torch.int64
     return ForwardBatch(

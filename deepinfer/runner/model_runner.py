@@ -16,6 +16,7 @@ from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
 from deepinfer.runner.cuda_graphs import DecodeGraphs
+from deepinfer.runner.speculative import verify_drafts
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
 from deepinfer.sampling.mask_fill import MaskFiller
@@ -61,6 +62,7 @@ class ModelRunner:
             return RunnerOutput(step=so.step)
         batch, sampled_ids = schedule_to_batch(so, self.block_size, self.device)
         sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, tuple[SampledToken, ...]] = {}
         if sampled_ids:
             by_id = {c.request_id: c.request for c in so.chunks if c.sample}
             requests = [by_id[rid] for rid in sampled_ids]
@@ -68,10 +70,11 @@ class ModelRunner:
                 logits = self._forward(batch)  # [B_sample, V]
                 rows = [self._row(r) for r in requests]
                 tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
-            sampled = dict(zip(sampled_ids, tokens, strict=True))
+            sampled, accepted = verify_drafts(so.chunks, tokens)
         else:
             self._forward(batch)
-        return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=elapsed, accepted=accepted)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:

@@ -31,14 +31,15 @@ from collections import deque
 from deepinfer.cache.free_queue import require
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
-from deepinfer.outputs import RunnerOutput, TokenDelta
+from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
-from deepinfer.scheduler.cost_model import StepCostModel
+from deepinfer.scheduler.cost_model import ChunkShape, StepCostModel
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
+from deepinfer.scheduler.speculative import DraftGate, Proposer, SpeculativeCounts, can_speculate
 from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import token_delta
 
@@ -52,6 +53,9 @@ class DisaggScheduler:
         max_model_len: int,
         cost_model: StepCostModel | None = None,
         decode_kv: KVCacheManager | None = None,
+        proposer: Proposer | None = None,
+        num_draft_tokens: int = 0,
+        gate: DraftGate | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.kv = kv
@@ -75,6 +79,17 @@ class DisaggScheduler:
         self._deferred_aborts: set[str] = set()
         self._steps = {StepKind.PREFILL: 0, StepKind.DECODE: 0}
         self.num_preemptions = 0
+        self.proposer = proposer
+        """Speculative decoding: proposes draft tokens for decode steps; None: off."""
+        self.num_draft_tokens = num_draft_tokens
+        self.gate = gate if gate is not None else DraftGate(StepCostModel(), enabled=False)
+        """Which drafts a step verifies; its cost model learns from every decode step."""
+        self.num_drafted = 0
+        """Draft tokens verified so far (speculative decoding)."""
+        self.num_accepted = 0
+        """Draft tokens the model agreed with."""
+        self.num_verified = 0
+        """Request-steps that verified drafts."""
 
     # -- queries --
     @property
@@ -115,6 +130,10 @@ class DisaggScheduler:
 
     def prefill_counts(self) -> PrefillCounts:
         return self.queue.counts()
+
+    def speculative_counts(self) -> SpeculativeCounts:
+        name = self.proposer.name if self.proposer is not None else "none"
+        return SpeculativeCounts(name, self.num_drafted, self.num_accepted, self.num_verified)
 
     # -- requests --
     def add_request(self, request: Request) -> None:
@@ -240,9 +259,17 @@ class DisaggScheduler:
         self._steps[StepKind.DECODE] += 1
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        drafted = self._draft_plan()
         i = 0
         while i < len(self.decoding):
             request = self.decoding[i]
+            drafts = drafted.get(request.request_id, ())
+            if drafts and self._allocate_drafts(request, drafts, len(self.decoding) - i - 1):
+                chunks.append(self._decode_chunk(request, drafts))
+                self.num_drafted += len(drafts)
+                self.num_verified += 1
+                i += 1
+                continue
             while not self.decode_kv.allocate_slots(request, 1):
                 victim = self.decoding.pop()
                 self._preempt(victim)
@@ -261,31 +288,92 @@ class DisaggScheduler:
         self._in_flight[StepKind.DECODE] = (so, None)
         return so
 
-    def _decode_chunk(self, request: Request) -> ScheduledChunk:
+    def _draft_plan(self) -> dict[str, tuple[int, ...]]:
+        """The drafts each decoder's step verifies: the proposer's, cut by the gate."""
+        if self.proposer is None:
+            return {}
+        proposals = [self._propose(r) for r in self.decoding]
+        if not any(proposals):
+            return {}
+        candidates = [(r, len(d)) for r, d in zip(self.decoding, proposals, strict=True)]
+        keep = self.gate.choose(candidates)
+        return {
+            r.request_id: d[:k]
+            for r, d, k in zip(self.decoding, proposals, keep, strict=True)
+            if k > 0
+        }
+
+    def _propose(self, request: Request) -> tuple[int, ...]:
+        assert self.proposer is not None
+        if not can_speculate(request):
+            return ()
+        room = min(
+            self.num_draft_tokens,
+            request.sampling.max_tokens - len(request.output_token_ids) - 1,
+            self.max_request_tokens - request.num_tokens,
+        )
+        return self.proposer.propose(request, room) if room > 0 else ()
+
+    def _allocate_drafts(
+        self, request: Request, drafts: tuple[int, ...], decoders_after: int
+    ) -> bool:
+        """Slots for the request's token and drafts, keeping a block for each decoder after it;
+        False (nothing allocated) when there is no such room."""
+        if not self.decode_kv.can_allocate(request, 1 + len(drafts), reserve_blocks=decoders_after):
+            return False
+        allocated = self.decode_kv.allocate_slots(request, 1 + len(drafts))
+        assert allocated, "can_allocate promised room"
+        return True
+
+    def _decode_chunk(self, request: Request, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
         return ScheduledChunk(
             request=request,
             start_position=start,
-            num_new_tokens=1,
+            num_new_tokens=1 + len(drafts),
             block_ids=self.decode_kv.block_ids(request.request_id),
             sample=True,
+            draft_token_ids=drafts,
         )
 
     def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         self._pop_in_flight(StepKind.DECODE, so)
+        shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
+        self.gate.cost_model.observe(shapes, out.elapsed_s)
         deltas: list[TokenDelta] = []
         for chunk in so.chunks:
             request = chunk.request
             if request.request_id in self._deferred_aborts:
                 continue
-            request.num_computed_tokens = chunk.end_position
+            taken, reason = self._take(request, out)
+            accepted = len(out.accepted.get(request.request_id, ()))
+            self.num_accepted += accepted
+            self.gate.observe(request.request_id, len(chunk.draft_token_ids), accepted)
+            request.num_computed_tokens = chunk.start_position + len(taken)
             self.decode_kv.cache_blocks(request)
-            deltas.append(self._sampled(request, out))
+            if reason is not None:
+                self._finish(request, reason)
+            deltas.append(token_delta(request, taken, reason))
         if any(r.is_finished for r in self.decoding):
             self.decoding = [r for r in self.decoding if not r.is_finished]
         self._apply_deferred_aborts(so)
         return deltas
+
+    def _take(
+        self, request: Request, out: RunnerOutput
+    ) -> tuple[list[SampledToken], FinishReason | None]:
+        """Append the step's tokens for `request` (its pick, then any verified run) up to the
+        first that finishes it; the tokens appended and the finish reason."""
+        rid = request.request_id
+        taken: list[SampledToken] = []
+        for sampled in (out.sampled[rid], *out.accepted.get(rid, ())):
+            request.output_token_ids.append(sampled.token_id)
+            taken.append(sampled)
+            reason = check_finished(request, self.max_model_len)
+            if reason is not None:
+                return taken, reason
+        return taken, None
 
     # -- both lanes --
     def fail_step(self, kind: StepKind, so: ScheduleOutput) -> list[str]:
@@ -323,7 +411,7 @@ class DisaggScheduler:
         reason = check_finished(request, self.max_model_len)
         if reason is not None:
             self._finish(request, reason)
-        return token_delta(request, sampled, reason)
+        return token_delta(request, (sampled,), reason)
 
     def _apply_deferred_aborts(self, so: ScheduleOutput) -> None:
         for rid in so_ids(so) & self._deferred_aborts:
@@ -350,6 +438,7 @@ class DisaggScheduler:
         self.num_preemptions += 1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.gate.forget(request.request_id)
         if self.split_pools:
             self.decode_kv.free(request)
         self.queue.finish(self.kv, request, reason)

@@ -33,6 +33,10 @@ class ScheduledChunk:
     """The request's whole block table, long enough for start_position + num_new_tokens."""
     sample: bool
     """True when the chunk reaches the request's last known token: sample the next one."""
+    draft_token_ids: tuple[int, ...] = ()
+    """Speculative decoding (a decode chunk): proposed tokens after the request's last one,
+    computed in the same chunk (`num_new_tokens` counts them) and verified against the model's
+    own picks; only the agreed ones become the request's tokens."""
 
     @property
     def request_id(self) -> str:
@@ -49,7 +53,15 @@ class ScheduledChunk:
         request = self.request
         return self.num_new_tokens == 1 and self.start_position >= request.num_prompt_tokens
 
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the chunk needs: its last token's, or with drafts one per position."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
+
     def token_ids(self) -> list[int]:
+        if self.draft_token_ids:
+            start = self.start_position
+            return [*self.request.all_token_ids[start : start + 1], *self.draft_token_ids]
         return self.request.all_token_ids[self.start_position : self.end_position]
 
 

@@ -31,6 +31,7 @@ from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
+from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import token_delta
 
@@ -147,6 +148,10 @@ class Scheduler:
     def prefill_counts(self) -> PrefillCounts:
         return self.queue.counts()
 
+    def speculative_counts(self) -> SpeculativeCounts:
+        """Speculative decoding is not built into colocated steps: nothing drafted."""
+        return SpeculativeCounts()
+
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         """Apply a step's results: advance computed prefixes, register newly computed blocks in
         the prefix cache, append sampled tokens, finish requests. Returns one delta per request
@@ -172,7 +177,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 finished = True
-            deltas.append(token_delta(request, sampled, reason))
+            deltas.append(token_delta(request, (sampled,), reason))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas

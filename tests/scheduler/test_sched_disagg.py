@@ -11,6 +11,7 @@ what the copy brought over.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -21,10 +22,12 @@ from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import FinishReason, Request
+from deepinfer.runner.speculative import verify_drafts
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
+from deepinfer.scheduler.speculative import DraftGate
 
 Slot = tuple[str, int, int]
 """(pool, block id, offset)"""
@@ -47,10 +50,11 @@ class ConcurrentFakeRunner:
         bs = self.block_size
         reads: set[Slot] = set()
         writes: dict[Slot, tuple[int, int]] = {}
-        sampled: dict[str, SampledToken] = {}
         pool = self.pools[so.kind]
+        picks: list[SampledToken] = []
         for chunk in so.chunks:
-            digests = prefix_digests(chunk.request.all_token_ids[: chunk.end_position])
+            context = chunk.request.all_token_ids[: chunk.start_position] + chunk.token_ids()
+            digests = prefix_digests(context)  # drafts included: rejected ones write wrong KV
             table = chunk.block_ids
             assert 0 not in table and len(set(table)) == len(table)
             for p in range(chunk.start_position):
@@ -61,12 +65,15 @@ class ConcurrentFakeRunner:
                 slot = (pool, table[p // bs], p % bs)
                 assert slot not in writes, "two chunks of one step write one slot"
                 writes[slot] = (p, digests[p])
-            if chunk.sample:
-                sampled[chunk.request_id] = SampledToken(next_token(digests[-1], VOCAB))
+            if chunk.sample:  # one pick per row of logits: the last token's, or every draft's
+                rows = digests[len(digests) - chunk.num_logits :]
+                picks += [SampledToken(next_token(d, VOCAB)) for d in rows]
+        sampled, accepted = verify_drafts(so.chunks, picks)
         for other_reads, other_writes, _ in self._pending.values():
             assert not writes.keys() & (other_reads | other_writes.keys()), "steps collide"
             assert not reads & other_writes.keys(), "a step reads what another one writes"
-        out = RunnerOutput(step=so.step, sampled=sampled, elapsed_s=0.001 * len(writes) + 0.002)
+        elapsed = 0.001 * len(writes) + 0.002
+        out = RunnerOutput(step=so.step, sampled=sampled, elapsed_s=elapsed, accepted=accepted)
         self._pending[so.kind] = (reads, writes, out)
 
     def finish(self, so: ScheduleOutput) -> RunnerOutput:
@@ -106,6 +113,25 @@ def planner_config(block_size: int, budget_tokens: int) -> PrefillPlannerConfig:
     )
 
 
+class FakeProposer:
+    """Drafts that follow the fake model for a random number of tokens, then go astray."""
+
+    name = "fake"
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+        rng, tokens, drafts = self.rng, list(request.all_token_ids), []
+        k = rng.randint(0, max_tokens)
+        good = rng.randint(0, k)
+        for j in range(k):
+            right = next_token(prefix_digests(tokens)[-1], VOCAB)
+            drafts.append(right if j < good else rng.choice([right, rng.randrange(VOCAB)]))
+            tokens.append(drafts[-1])
+        return tuple(drafts)
+
+
 def run_trial(
     seed: int,
     block_size: int,
@@ -113,6 +139,7 @@ def run_trial(
     max_num_seqs: int,
     abort_rate: float,
     split_pools: bool = False,
+    speculative: bool = False,
 ):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, f"model-{seed}", True)
@@ -125,11 +152,17 @@ def run_trial(
         max_model_len=60,
         cost_model=StepCostModel(CostModelConfig(prior=prior)),
         decode_kv=decode_kv,
+        proposer=FakeProposer(rng) if speculative else None,
+        num_draft_tokens=5,
+        gate=DraftGate(StepCostModel(), enabled=seed % 2 == 0),
     )
     prefill, decode = sched.lanes()
     runner = ConcurrentFakeRunner(block_size, split_pools)
     assert kv.capacity_tokens >= MAX_REQUEST_TOKENS
     requests = random_requests(rng, 24)
+    if speculative:  # drafts are verified for greedy requests (the fake model is greedy)
+        for r in requests:
+            r.sampling = dataclasses.replace(r.sampling, temperature=0.0)
     pending, aborted, outputs = list(requests), set(), {}
     in_flight: dict[StepKind, ScheduleOutput] = {}
     copies: list[KVHandoff] = []
@@ -182,6 +215,25 @@ CONFIGS = [(4, 17, 8), (1, 61, 4), (2, 31, 16), (8, 9, 3), (16, 5, 4), (4, 40, 2
 def test_concurrent_lanes_match_reference(config: tuple[int, int, int], seed: int) -> None:
     done, _ = run_trial(seed, *config, abort_rate=0.03)
     assert len(done) >= 12
+    for req, got in done.values():
+        assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
+        assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("split_pools", [False, True])
+def test_speculative_decoding_matches_reference(
+    config: tuple[int, int, int], split_pools: bool
+) -> None:
+    """Drafts of every quality verified in decode steps, aborts anywhere, tiny pools: the
+    outputs are the fake model's own, every KV position read is right (a block holding a
+    rejected draft's KV is never a prefix hit), and no block leaks."""
+    seed = 2 + split_pools  # the gate is on for even seeds, off for odd ones
+    done, sched = run_trial(
+        seed, *config, abort_rate=0.03, split_pools=split_pools, speculative=True
+    )
+    assert len(done) >= 12
+    assert sched.num_drafted > 0 and 0 < sched.num_accepted < sched.num_drafted
     for req, got in done.values():
         assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
         assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

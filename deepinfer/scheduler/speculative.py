@@ -1,0 +1,181 @@
+"""Draft proposers for speculative decoding, behind one protocol.
+
+The decode lane asks a proposer for up to `num_draft_tokens` tokens that may follow a request's
+tokens; the step then computes the request's last token and the drafts in one forward pass
+(causal rows of one chunk), and the runner keeps the longest run of drafts the model's own greedy
+picks agree with, plus the model's pick after them (`runner/speculative.py`). Rejected drafts'
+KV sits past `num_computed_tokens`: never registered in the prefix cache (which registers only
+fully computed blocks), overwritten by the request's next step.
+
+Drafts are asked for only where verifying them cannot change the output (`can_speculate`):
+greedy requests with no penalties, no token suppression left (`min_tokens` reached), no grammar.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from deepinfer.config import SpeculativeConfig
+from deepinfer.request import Request
+from deepinfer.scheduler.cost_model import ChunkShape, StepCostModel
+
+
+@dataclass(frozen=True)
+class SpeculativeCounts:
+    """Speculative decoding since start: drafts verified, how many the model agreed with, and in
+    how many request-steps (the mean accepted run is `num_accepted / num_verified`)."""
+
+    proposer: str = "none"
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verified: int = 0
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens to follow a request's tokens (cheap, on the event loop)."""
+
+    name: str
+
+    def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+        """At most `max_tokens` tokens (maybe none) likely to follow `request.all_token_ids`."""
+        ...
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether verifying drafts leaves this request's tokens exactly as plain decoding picks
+    them: greedy, and nothing in its sampling reads the tokens being verified."""
+    p = request.sampling
+    return (
+        p.greedy
+        and not p.needs_penalties
+        and p.structured is None
+        and len(request.output_token_ids) >= p.min_tokens
+    )
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+    (n from `max_n` down to `min_n`) and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, window: int = 4096) -> None:
+        self.min_n, self.max_n, self.window = min_n, max_n, window
+
+    def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+        if max_tokens <= 0:
+            return ()
+        tokens = request.all_token_ids
+        return ngram_lookup(tokens[-self.window :], self.min_n, self.max_n, max_tokens)
+
+
+def ngram_lookup(tokens: Sequence[int], min_n: int, max_n: int, max_tokens: int) -> tuple[int, ...]:
+    """The tokens after the latest earlier match of the longest suffix n-gram (min_n <= n <=
+    max_n), at most `max_tokens`; () when no suffix of those lengths occurred before.
+    (The search runs over the tokens' bytes, in C: `bytes.rfind`, kept to whole tokens.)"""
+    end = len(tokens)
+    data = array("q", tokens).tobytes()
+    width = array("q").itemsize
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        needle = data[(end - n) * width :]
+        limit = (end - 1) * width  # so that a match starts before the suffix itself
+        while (at := data.rfind(needle, 0, limit)) >= 0:
+            if at % width == 0:
+                i = at // width
+                return tuple(tokens[i + n : i + n + max_tokens])
+            limit = at - 1 + len(needle)
+    return ()
+
+
+@dataclass
+class _Rate:
+    accepted: float = 0.0
+    trials: float = 0.0
+
+
+class DraftGate:
+    """How many of each request's drafts a decode step verifies.
+
+    Each request's drafts are accepted position by position with probability p (the j-th draft
+    with p^j: it needs the ones before it), where p is the request's own observed rate, pulled
+    toward the proposer's rate over all requests (which starts at `prior_rate`) by
+    `prior_strength` pseudo-trials. Positions are added best first while the tokens a step is
+    expected to produce per second of predicted step time grows: a position of acceptance q
+    and marginal cost dc is worth it when q / dc exceeds the step's current tokens / cost.
+    Step costs come from the decode lane's own `StepCostModel` (a draft is one more query row
+    of its request's chunk). `enabled=False` verifies every draft (the baseline).
+    """
+
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        enabled: bool = True,
+        prior_rate: float = 0.5,
+        prior_strength: float = 4.0,
+    ) -> None:
+        self.cost_model = cost_model
+        self.enabled = enabled
+        self.prior_rate, self.prior_strength = prior_rate, prior_strength
+        self._global = _Rate()
+        self._rates: dict[str, _Rate] = {}
+
+    def rate(self, request_id: str) -> float:
+        """The estimated chance that a request's next draft is accepted (given the previous)."""
+        g, k = self._global, self.prior_strength
+        base = (g.accepted + k * self.prior_rate) / (g.trials + k)
+        own = self._rates.get(request_id, _Rate())
+        return (own.accepted + k * base) / (own.trials + k)
+
+    def choose(self, candidates: Sequence[tuple[Request, int]]) -> list[int]:
+        """For each (request, drafts available), how many to verify. Every request of the step
+        is listed (those without drafts with 0): the step's cost depends on all of them."""
+        if not self.enabled:
+            return [n for _, n in candidates]
+        cost = self.cost_model
+        chunks = [ChunkShape(1, r.num_computed_tokens) for r, _ in candidates]
+        tokens, seconds = float(len(candidates)), max(cost.predict(chunks), 1e-9)
+        chosen = [0] * len(candidates)
+        rates = [self.rate(r.request_id) for r, _ in candidates]
+
+        def option(i: int) -> tuple[float, float, float, int]:
+            """(-gain, expected tokens, seconds) of request i's next position."""
+            j, ctx = chosen[i], candidates[i][0].num_computed_tokens
+            extra = max(cost.chunk_cost_s(j + 2, ctx) - cost.chunk_cost_s(j + 1, ctx), 1e-12)
+            q = rates[i] ** (j + 1)
+            return (-q / extra, q, extra, i)
+
+        heap = [option(i) for i, (_, n) in enumerate(candidates) if n > 0]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, q, extra, i = heapq.heappop(heap)
+            if -neg_gain <= tokens / seconds:
+                break  # the best position left would lower tokens per second
+            tokens, seconds = tokens + q, seconds + extra
+            chosen[i] += 1
+            if chosen[i] < candidates[i][1]:
+                heapq.heappush(heap, option(i))
+        return chosen
+
+    def observe(self, request_id: str, verified: int, accepted: int) -> None:
+        """A step verified `verified` drafts of a request and the model agreed with the first
+        `accepted`: the positions tried are the accepted ones and the first rejected one."""
+        if verified <= 0:
+            return
+        trials = accepted + (1 if accepted < verified else 0)
+        for rate in (self._global, self._rates.setdefault(request_id, _Rate())):
+            rate.accepted += accepted
+            rate.trials += trials
+
+    def forget(self, request_id: str) -> None:
+        self._rates.pop(request_id, None)
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The configured proposer; None when speculative decoding is off."""
+    if config.speculative == "ngram":
+        return NgramProposer()
+    return None

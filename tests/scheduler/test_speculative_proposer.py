@@ -1,0 +1,145 @@
+"""The n-gram proposer's lookup against a plain-Python search, draft verification, and which
+requests may speculate at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from sched_fakes import make_request
+
+from deepinfer.config import Config, ConfigError, SpeculativeConfig, WorkersConfig
+from deepinfer.outputs import SampledToken
+from deepinfer.request import StructuredKind, StructuredSpec
+from deepinfer.runner.speculative import verify_drafts
+from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.output import ScheduledChunk
+from deepinfer.scheduler.speculative import DraftGate, NgramProposer, can_speculate, ngram_lookup
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        suffix = tokens[end - n :]
+        for i in range(end - n - 1, -1, -1):
+            if tokens[i : i + n] == suffix:
+                return tuple(tokens[i + n : i + n + k])
+    return ()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lookup_matches_a_plain_search(seed: int) -> None:
+    """Over small and huge vocabularies (token ids whose bytes repeat inside other ids: the
+    byte search must keep to whole tokens)."""
+    rng = random.Random(seed)
+    for _ in range(500):
+        vocab = rng.choice([2, 3, 7, 300, 70_000, 1 << 40])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 50))]
+        for min_n, max_n, k in [(2, 4, 5), (1, 3, 2), (3, 3, 1)]:
+            got = ngram_lookup(tokens, min_n, max_n, k)
+            assert got == _reference(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
+def test_proposer_continues_the_latest_match() -> None:
+    request = make_request("r", [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 3, 5, 6, 7], temperature=0.0)
+    assert NgramProposer().propose(request, 3) == (9, 3, 5)  # the latest "5 6 7" is followed by 9
+    assert NgramProposer().propose(request, 0) == ()
+    assert NgramProposer().propose(make_request("s", [1, 2, 3, 4]), 5) == ()
+
+
+def _chunk(drafts: tuple[int, ...]) -> ScheduledChunk:
+    request = make_request("r", [1, 2, 3])
+    return ScheduledChunk(request, 2, 1 + len(drafts), (1,), True, drafts)
+
+
+@pytest.mark.parametrize(
+    ("drafts", "picks", "first", "after"),
+    [
+        ((), [4], 4, None),
+        ((4, 5, 6), [4, 5, 6, 7], 4, (5, 6, 7)),  # all agreed: the pick after the last, too
+        ((4, 9, 6), [4, 5, 6, 7], 4, (5,)),  # the second draft is wrong: the model's 5 instead
+        ((9, 5), [4, 5, 6], 4, ()),  # the first is wrong: only the model's pick
+    ],
+)
+def test_verification_keeps_the_agreed_run(
+    drafts: tuple[int, ...], picks: list[int], first: int, after: tuple[int, ...] | None
+) -> None:
+    sampled, accepted = verify_drafts([_chunk(drafts)], [SampledToken(t) for t in picks])
+    assert sampled["r"].token_id == first
+    got = accepted.get("r")
+    assert (None if got is None else tuple(s.token_id for s in got)) == after
+
+
+def test_only_plain_greedy_requests_speculate() -> None:
+    greedy = make_request("g", [1, 2], temperature=0.0)
+    assert can_speculate(greedy)
+    for change in (
+        {"temperature": 0.7},
+        {"repetition_penalty": 1.2},
+        {"presence_penalty": 0.5},
+        {"structured": StructuredSpec(StructuredKind.JSON_OBJECT)},
+    ):
+        request = make_request("x", [1, 2], temperature=0.0)
+        request.sampling = dataclasses.replace(request.sampling, **change)  # type: ignore[arg-type]
+        assert not can_speculate(request), change
+    early = make_request("m", [1, 2], temperature=0.0, min_tokens=3)
+    assert not can_speculate(early)  # stop tokens still suppressed
+    early.output_token_ids.extend([4, 5, 6])
+    assert can_speculate(early)
+
+
+def test_config_refuses_what_is_not_built() -> None:
+    with pytest.raises(ConfigError, match="speculative must be one of"):
+        Config(speculative=SpeculativeConfig(speculative="medusa"))
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        Config(speculative=SpeculativeConfig(speculative="ngram", num_draft_tokens=0))
+    with pytest.raises(ConfigError, match="disaggregated"):
+        Config(
+            speculative=SpeculativeConfig(speculative="ngram"),
+            workers=WorkersConfig(colocated=True),
+        )
+
+
+def _gate(step_s: float = 8e-3, token_s: float = 1.5e-3) -> DraftGate:
+    prior = CostCoefficients(step_s=step_s, token_s=token_s, attention_s=0.0)
+    return DraftGate(StepCostModel(CostModelConfig(prior=prior)))
+
+
+def test_gate_rates_converge_on_synthetic_acceptance_streams() -> None:
+    """Each request's drafts accepted position by position with its own probability: the
+    gate's estimates land near them (and the global rate between)."""
+    rng = random.Random(0)
+    gate = _gate()
+    truth = {"easy": 0.85, "hard": 0.15}
+    for _ in range(400):
+        for rid, p in truth.items():
+            verified = 5
+            accepted = 0
+            while accepted < verified and rng.random() < p:
+                accepted += 1
+            gate.observe(rid, verified, accepted)
+    for rid, p in truth.items():
+        assert abs(gate.rate(rid) - p) < 0.05, (rid, gate.rate(rid))
+    assert 0.15 < gate.rate("new") < 0.85  # a new request starts from the global rate
+
+
+def test_gate_verifies_what_pays_for_its_rows() -> None:
+    gate = _gate()
+    easy, hard = make_request("easy", [1] * 40), make_request("hard", [2] * 40)
+    for _ in range(200):
+        gate.observe("easy", 5, 5)
+        gate.observe("hard", 5, 0)
+    assert gate.choose([(easy, 5)]) == [5]  # alone: a weight pass is the cost, rows are cheap
+    assert gate.choose([(hard, 5)]) == [0]  # drafts that always fail are never verified
+    assert gate.choose([(easy, 5), (hard, 3)]) == [5, 0]
+    assert gate.choose([(easy, 0)]) == [0]
+    # 32 streams of middling drafts: each row costs as much as the step's tokens earn
+    middling = [make_request(f"m{i}", [3] * 40) for i in range(32)]
+    for r in middling:
+        for _ in range(50):
+            gate.observe(r.request_id, 2, 1)
+    assert gate.choose([(middling[0], 5)])[0] > 0  # alone, half-right drafts pay
+    assert sum(gate.choose([(r, 5) for r in middling])) == 0  # beside 31 others, they do not
+    off = DraftGate(StepCostModel(), enabled=False)
+    assert off.choose([(hard, 4), (easy, 2)]) == [4, 2]
