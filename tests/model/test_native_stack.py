@@ -14,6 +14,7 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from test_model_quantized import needs_native, quantized_gguf  # noqa: F401 (a fixture)
 
 import deepinfer.kernels.llama_layers_cpu as stack_module
+from deepinfer.kernels.paged_attention_cpu import NATIVE_ALWAYS_ROWS
 from deepinfer.model import load_model
 from deepinfer.model.attention import torch_backend
 
@@ -73,13 +74,14 @@ def test_long_chunks_keep_the_layers(
     quantized_gguf: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A chunk too long for the decode kernel (torch's fused attention) goes layer by layer."""
+    """A chunk too long for the decode kernel (torch's fused attention) goes layer by layer:
+    more queries than the kernel always takes, and more query-key pairs than it takes."""
     path, _ = quantized_gguf
     model = load_model(path, torch.float32, "cpu").model
     monkeypatch.setattr("deepinfer.kernels.paged_attention_cpu.NATIVE_MAX_CHUNK_PAIRS", 100)
     bind_fresh_caches(model, num_blocks=64, block_size=4)
     calls = _counting(monkeypatch)
-    prompt = list(range(1, 30))
+    prompt = list(range(1, NATIVE_ALWAYS_ROWS + 10))
     (got,) = run_step(model, SequentialBlocks(4), [(0, prompt, 0)], True)
     assert calls[0] == 0 and model.native_stack() is not None
     model.native_layers = False
