@@ -8,7 +8,9 @@ KV sits past `num_computed_tokens`: never registered in the prefix cache (which 
 fully computed blocks), overwritten by the request's next step.
 
 Drafts are asked for only where verifying them cannot change the output (`can_speculate`):
-greedy requests with no penalties, no token suppression left (`min_tokens` reached), no grammar.
+greedy requests with no penalties, no token suppression left (`min_tokens` reached), no grammar,
+and no stop strings (the text layer finds those after the tokens: a verified run could carry
+tokens past one into the output's ids and usage).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def can_speculate(request: Request) -> bool:
         p.greedy
         and not p.needs_penalties
         and p.structured is None
+        and not p.stop  # the text layer ends at a stop string: its tokens and usage stop there
         and len(request.output_token_ids) >= p.min_tokens
     )
 

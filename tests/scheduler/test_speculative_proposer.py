@@ -79,6 +79,7 @@ def test_only_plain_greedy_requests_speculate() -> None:
         {"repetition_penalty": 1.2},
         {"presence_penalty": 0.5},
         {"structured": StructuredSpec(StructuredKind.JSON_OBJECT)},
+        {"stop": ("###",)},
     ):
         request = make_request("x", [1, 2], temperature=0.0)
         request.sampling = dataclasses.replace(request.sampling, **change)  # type: ignore[arg-type]
