@@ -292,7 +292,10 @@ class DisaggScheduler:
         """The drafts each decoder's step verifies: the proposer's, cut by the gate."""
         if self.proposer is None:
             return {}
-        proposals = [self._propose(r) for r in self.decoding]
+        worth = self.gate.worth_proposing(self.decoding)
+        proposals = [
+            self._propose(r) if w else () for r, w in zip(self.decoding, worth, strict=True)
+        ]
         if not any(proposals):
             return {}
         candidates = [(r, len(d)) for r, d in zip(self.decoding, proposals, strict=True)]
@@ -439,6 +442,8 @@ class DisaggScheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.gate.forget(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if self.split_pools:
             self.decode_kv.free(request)
         self.queue.finish(self.kv, request, reason)

@@ -46,6 +46,10 @@ class Proposer(Protocol):
         """At most `max_tokens` tokens (maybe none) likely to follow `request.all_token_ids`."""
         ...
 
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what the proposer kept for it."""
+        ...
+
 
 def can_speculate(request: Request) -> bool:
     """Whether verifying drafts leaves this request's tokens exactly as plain decoding picks
@@ -68,30 +72,54 @@ class NgramProposer:
 
     def __init__(self, min_n: int = 2, max_n: int = 4, window: int = 4096) -> None:
         self.min_n, self.max_n, self.window = min_n, max_n, window
+        self._seen: dict[str, array[int]] = {}
+        """Each request's tokens as packed int64s, extended by the new ones each step."""
 
     def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
         if max_tokens <= 0:
             return ()
         tokens = request.all_token_ids
-        return ngram_lookup(tokens[-self.window :], self.min_n, self.max_n, max_tokens)
+        packed = self._seen.setdefault(request.request_id, array("q"))
+        if len(packed) > len(tokens):  # recomputed after preemption: start over
+            del packed[:]
+        packed.extend(tokens[len(packed) :])
+        start = max(0, len(tokens) - self.window)
+        return ngram_lookup(tokens, self.min_n, self.max_n, max_tokens, packed, start)
+
+    def forget(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
 
 
-def ngram_lookup(tokens: Sequence[int], min_n: int, max_n: int, max_tokens: int) -> tuple[int, ...]:
+def ngram_lookup(
+    tokens: Sequence[int],
+    min_n: int,
+    max_n: int,
+    max_tokens: int,
+    packed: array[int] | None = None,
+    start: int = 0,
+) -> tuple[int, ...]:
     """The tokens after the latest earlier match of the longest suffix n-gram (min_n <= n <=
-    max_n), at most `max_tokens`; () when no suffix of those lengths occurred before.
-    (The search runs over the tokens' bytes, in C: `bytes.rfind`, kept to whole tokens.)"""
+    max_n), at most `max_tokens`; () when no suffix of those lengths occurred at or after
+    `start`. The search runs over the tokens packed as int64 bytes (`packed`, when the caller
+    keeps them), in C (`bytes.rfind`), kept to whole tokens."""
     end = len(tokens)
-    data = array("q", tokens).tobytes()
-    width = array("q").itemsize
-    for n in range(min(max_n, end - 1), min_n - 1, -1):
-        needle = data[(end - n) * width :]
+    data = memoryview(packed if packed is not None else array("q", tokens)).cast("B")
+    width = 8
+    for n in range(min(max_n, end - 1 - start), min_n - 1, -1):
+        needle = bytes(data[(end - n) * width : end * width])
         limit = (end - 1) * width  # so that a match starts before the suffix itself
-        while (at := data.rfind(needle, 0, limit)) >= 0:
+        while (at := _rfind(data, needle, start * width, limit)) >= 0:
             if at % width == 0:
                 i = at // width
                 return tuple(tokens[i + n : i + n + max_tokens])
             limit = at - 1 + len(needle)
     return ()
+
+
+def _rfind(data: memoryview, needle: bytes, lo: int, hi: int) -> int:
+    """bytes.rfind over data[lo:hi] (without copying the bytes before `lo`... nor after)."""
+    found = data[lo:hi].tobytes().rfind(needle) if hi > lo else -1
+    return found + lo if found >= 0 else -1
 
 
 @dataclass
@@ -132,6 +160,21 @@ class DraftGate:
         base = (g.accepted + k * self.prior_rate) / (g.trials + k)
         own = self._rates.get(request_id, _Rate())
         return (own.accepted + k * base) / (own.trials + k)
+
+    def worth_proposing(self, requests: Sequence[Request]) -> list[bool]:
+        """Whether a first draft of each request could pay in a step of all of them (if not,
+        the proposer is not even asked)."""
+        if not self.enabled:
+            return [True] * len(requests)
+        cost = self.cost_model
+        chunks = [ChunkShape(1, r.num_computed_tokens) for r in requests]
+        per_second = len(requests) / max(cost.predict(chunks), 1e-9)
+        out = []
+        for r in requests:
+            ctx = r.num_computed_tokens
+            extra = max(cost.chunk_cost_s(2, ctx) - cost.chunk_cost_s(1, ctx), 1e-12)
+            out.append(self.rate(r.request_id) / extra > per_second)
+        return out
 
     def choose(self, candidates: Sequence[tuple[Request, int]]) -> list[int]:
         """For each (request, drafts available), how many to verify. Every request of the step

@@ -131,6 +131,9 @@ class FakeProposer:
             tokens.append(drafts[-1])
         return tuple(drafts)
 
+    def forget(self, request_id: str) -> None:
+        pass
+
 
 def run_trial(
     seed: int,

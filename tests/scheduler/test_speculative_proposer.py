@@ -48,6 +48,22 @@ def test_proposer_continues_the_latest_match() -> None:
     assert NgramProposer().propose(make_request("s", [1, 2, 3, 4]), 5) == ()
 
 
+def test_proposer_keeps_up_with_a_growing_request() -> None:
+    """Its packed copy of the tokens grows with the request (and starts over when the request
+    is shorter, as after preemption): every proposal is a fresh lookup's."""
+    rng = random.Random(5)
+    proposer = NgramProposer(window=16)
+    request = make_request("r", [rng.randrange(4) for _ in range(6)], temperature=0.0)
+    for step in range(60):
+        want = ngram_lookup(request.all_token_ids[-16:], 2, 4, 3)
+        assert proposer.propose(request, 3) == want, step
+        request.output_token_ids.append(rng.randrange(4))
+        if step == 30:
+            del request.output_token_ids[:]
+    proposer.forget("r")
+    assert proposer.propose(request, 3) == ngram_lookup(request.all_token_ids[-16:], 2, 4, 3)
+
+
 def _chunk(drafts: tuple[int, ...]) -> ScheduledChunk:
     request = make_request("r", [1, 2, 3])
     return ScheduledChunk(request, 2, 1 + len(drafts), (1,), True, drafts)
@@ -135,6 +151,7 @@ def test_gate_verifies_what_pays_for_its_rows() -> None:
     assert gate.choose([(hard, 5)]) == [0]  # drafts that always fail are never verified
     assert gate.choose([(easy, 5), (hard, 3)]) == [5, 0]
     assert gate.choose([(easy, 0)]) == [0]
+    assert gate.worth_proposing([easy, hard]) == [True, False]  # never asked for hard's drafts
     # 32 streams of middling drafts: each row costs as much as the step's tokens earn
     middling = [make_request(f"m{i}", [3] * 40) for i in range(32)]
     for r in middling:
