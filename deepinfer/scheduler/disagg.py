@@ -43,6 +43,9 @@ from deepinfer.scheduler.speculative import DraftGate, Proposer, SpeculativeCoun
 from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import token_delta
 
+_PLAIN_STEPS_OBSERVED = 16
+"""One decode step in this many without drafts feeds the gate's cost model."""
+
 
 class DisaggScheduler:
     def __init__(
@@ -342,8 +345,11 @@ class DisaggScheduler:
 
     def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         self._pop_in_flight(StepKind.DECODE, so)
-        shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
-        self.gate.cost_model.observe(shapes, out.elapsed_s)
+        if self.proposer is not None and (
+            any(c.draft_token_ids for c in so.chunks) or so.step % _PLAIN_STEPS_OBSERVED == 0
+        ):  # the gate's cost model: every step with drafts, and some without (a fit is ~0.5 ms)
+            shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
+            self.gate.cost_model.observe(shapes, out.elapsed_s)
         deltas: list[TokenDelta] = []
         for chunk in so.chunks:
             request = chunk.request
