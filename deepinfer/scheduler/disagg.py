@@ -348,11 +348,7 @@ class DisaggScheduler:
         if self.proposer is not None and (
             any(c.draft_token_ids for c in so.chunks) or so.step % _PLAIN_STEPS_OBSERVED == 0
         ):  # the gate's cost model: every step with drafts, and some without (a fit is ~0.5 ms)
-            shapes = [
-                ChunkShape(1, c.start_position + i)
-                for c in so.chunks
-                for i in range(c.num_new_tokens)
-            ]  # one row each, as the decode kernel attends them (see DraftGate)
+            shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
             self.gate.cost_model.observe(shapes, out.elapsed_s)
         deltas: list[TokenDelta] = []
         for chunk in so.chunks:

@@ -137,10 +137,8 @@ class DraftGate:
     `prior_strength` pseudo-trials. Positions are added best first while the tokens a step is
     expected to produce per second of predicted step time grows: a position of acceptance q
     and marginal cost dc is worth it when q / dc exceeds the step's current tokens / cost.
-    Step costs come from the decode lane's own `StepCostModel`, which sees every query row as
-    a one-token chunk at its own position: the decode attention kernel reads each row's whole
-    context (a draft at a long context costs as much as another request there).
-    `enabled=False` verifies every draft (the baseline).
+    Step costs come from the decode lane's own `StepCostModel` (a draft is one more query row
+    of its request's chunk). `enabled=False` verifies every draft (the baseline).
     """
 
     def __init__(
@@ -173,7 +171,8 @@ class DraftGate:
         per_second = len(requests) / max(cost.predict(chunks), 1e-9)
         out = []
         for r in requests:
-            extra = max(cost.chunk_cost_s(1, r.num_computed_tokens + 1), 1e-12)
+            ctx = r.num_computed_tokens
+            extra = max(cost.chunk_cost_s(2, ctx) - cost.chunk_cost_s(1, ctx), 1e-12)
             out.append(self.rate(r.request_id) / extra > per_second)
         return out
 
@@ -191,7 +190,7 @@ class DraftGate:
         def option(i: int) -> tuple[float, float, float, int]:
             """(-gain, expected tokens, seconds) of request i's next position."""
             j, ctx = chosen[i], candidates[i][0].num_computed_tokens
-            extra = max(cost.chunk_cost_s(1, ctx + j + 1), 1e-12)
+            extra = max(cost.chunk_cost_s(j + 2, ctx) - cost.chunk_cost_s(j + 1, ctx), 1e-12)
             q = rates[i] ** (j + 1)
             return (-q / extra, q, extra, i)
 
