@@ -86,7 +86,7 @@ class DisaggScheduler:
         """Speculative decoding: proposes draft tokens for decode steps; None: off."""
         self.num_draft_tokens = num_draft_tokens
         self.gate = gate if gate is not None else DraftGate(StepCostModel(), enabled=False)
-        """Which drafts a step verifies; its cost model learns from every decode step."""
+        """Which drafts a step verifies; its cost model learns from decode steps (update_decode)."""
         self.num_drafted = 0
         """Draft tokens verified so far (speculative decoding)."""
         self.num_accepted = 0
