@@ -9,6 +9,7 @@ from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.scheduler.speculative import DraftGate, build_proposer
@@ -35,13 +36,19 @@ def build_scheduler(
         max_len,
         StepCostModel(CostModelConfig(prior=cost_prior(device))),
         decode_kv,
-        build_proposer(config.speculative),
-        config.speculative.num_draft_tokens,
-        DraftGate(
-            StepCostModel(CostModelConfig(prior=decode_cost_prior(device), prior_weight=0.5)),
-            enabled=config.speculative.speculative_gate == "on",
-        ),
+        build_drafter(config, device),
     )
+
+
+def build_drafter(config: Config, device: torch.device) -> Drafter | None:
+    """Speculative decoding's drafter: the configured proposer and its gate; None when off."""
+    spec = config.speculative
+    proposer = build_proposer(spec)
+    if proposer is None:
+        return None
+    cost = StepCostModel(CostModelConfig(prior=decode_cost_prior(device), prior_weight=0.5))
+    gate = DraftGate(cost, enabled=spec.speculative_gate == "on")
+    return Drafter(proposer, gate, spec.num_draft_tokens)
 
 
 CPU_DECODE_COST_PRIOR = CostCoefficients(

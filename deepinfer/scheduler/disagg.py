@@ -28,23 +28,21 @@ from __future__ import annotations
 
 from collections import deque
 
-from deepinfer.cache.free_queue import require
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
-from deepinfer.scheduler.cost_model import ChunkShape, StepCostModel
+from deepinfer.scheduler.cost_model import StepCostModel
+from deepinfer.scheduler.disagg_integrity import check_disagg_integrity
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
-from deepinfer.scheduler.speculative import DraftGate, Proposer, SpeculativeCounts, can_speculate
+from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import token_delta
-
-_PLAIN_STEPS_OBSERVED = 16
-"""One decode step in this many without drafts feeds the gate's cost model."""
 
 
 class DisaggScheduler:
@@ -56,9 +54,7 @@ class DisaggScheduler:
         max_model_len: int,
         cost_model: StepCostModel | None = None,
         decode_kv: KVCacheManager | None = None,
-        proposer: Proposer | None = None,
-        num_draft_tokens: int = 0,
-        gate: DraftGate | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.kv = kv
@@ -82,17 +78,8 @@ class DisaggScheduler:
         self._deferred_aborts: set[str] = set()
         self._steps = {StepKind.PREFILL: 0, StepKind.DECODE: 0}
         self.num_preemptions = 0
-        self.proposer = proposer
-        """Speculative decoding: proposes draft tokens for decode steps; None: off."""
-        self.num_draft_tokens = num_draft_tokens
-        self.gate = gate if gate is not None else DraftGate(StepCostModel(), enabled=False)
-        """Which drafts a step verifies; its cost model learns from decode steps (update_decode)."""
-        self.num_drafted = 0
-        """Draft tokens verified so far (speculative decoding)."""
-        self.num_accepted = 0
-        """Draft tokens the model agreed with."""
-        self.num_verified = 0
-        """Request-steps that verified drafts."""
+        self.drafter = drafter
+        """Speculative decoding's drafts for decode steps; None: off."""
 
     # -- queries --
     @property
@@ -135,8 +122,7 @@ class DisaggScheduler:
         return self.queue.counts()
 
     def speculative_counts(self) -> SpeculativeCounts:
-        name = self.proposer.name if self.proposer is not None else "none"
-        return SpeculativeCounts(name, self.num_drafted, self.num_accepted, self.num_verified)
+        return self.drafter.counts() if self.drafter is not None else SpeculativeCounts()
 
     # -- requests --
     def add_request(self, request: Request) -> None:
@@ -262,15 +248,16 @@ class DisaggScheduler:
         self._steps[StepKind.DECODE] += 1
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
-        drafted = self._draft_plan()
+        d = self.drafter
+        drafted = d.plan(self.decoding, self.max_request_tokens) if d is not None else {}
         i = 0
         while i < len(self.decoding):
             request = self.decoding[i]
             drafts = drafted.get(request.request_id, ())
             if drafts and self._allocate_drafts(request, drafts, len(self.decoding) - i - 1):
                 chunks.append(self._decode_chunk(request, drafts))
-                self.num_drafted += len(drafts)
-                self.num_verified += 1
+                assert d is not None
+                d.scheduled(len(drafts))
                 i += 1
                 continue
             while not self.decode_kv.allocate_slots(request, 1):
@@ -290,35 +277,6 @@ class DisaggScheduler:
         )
         self._in_flight[StepKind.DECODE] = (so, None)
         return so
-
-    def _draft_plan(self) -> dict[str, tuple[int, ...]]:
-        """The drafts each decoder's step verifies: the proposer's, cut by the gate."""
-        if self.proposer is None:
-            return {}
-        worth = self.gate.worth_proposing(self.decoding)
-        proposals = [
-            self._propose(r) if w else () for r, w in zip(self.decoding, worth, strict=True)
-        ]
-        if not any(proposals):
-            return {}
-        candidates = [(r, len(d)) for r, d in zip(self.decoding, proposals, strict=True)]
-        keep = self.gate.choose(candidates)
-        return {
-            r.request_id: d[:k]
-            for r, d, k in zip(self.decoding, proposals, keep, strict=True)
-            if k > 0
-        }
-
-    def _propose(self, request: Request) -> tuple[int, ...]:
-        assert self.proposer is not None
-        if not can_speculate(request):
-            return ()
-        room = min(
-            self.num_draft_tokens,
-            request.sampling.max_tokens - len(request.output_token_ids) - 1,
-            self.max_request_tokens - request.num_tokens,
-        )
-        return self.proposer.propose(request, room) if room > 0 else ()
 
     def _allocate_drafts(
         self, request: Request, drafts: tuple[int, ...], decoders_after: int
@@ -345,20 +303,16 @@ class DisaggScheduler:
 
     def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         self._pop_in_flight(StepKind.DECODE, so)
-        if self.proposer is not None and (
-            any(c.draft_token_ids for c in so.chunks) or so.step % _PLAIN_STEPS_OBSERVED == 0
-        ):  # the gate's cost model: every step with drafts, and some without (a fit is ~0.5 ms)
-            shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
-            self.gate.cost_model.observe(shapes, out.elapsed_s)
+        if self.drafter is not None:
+            self.drafter.observe_step(so, out)
         deltas: list[TokenDelta] = []
         for chunk in so.chunks:
             request = chunk.request
             if request.request_id in self._deferred_aborts:
                 continue
             taken, reason = self._take(request, out)
-            accepted = len(out.accepted.get(request.request_id, ()))
-            self.num_accepted += accepted
-            self.gate.observe(request.request_id, len(chunk.draft_token_ids), accepted)
+            if self.drafter is not None:
+                self.drafter.observe_request(request.request_id, len(chunk.draft_token_ids), out)
             request.num_computed_tokens = chunk.start_position + len(taken)
             self.decode_kv.cache_blocks(request)
             if reason is not None:
@@ -447,59 +401,24 @@ class DisaggScheduler:
         self.num_preemptions += 1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.gate.forget(request.request_id)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         if self.split_pools:
             self.decode_kv.free(request)
         self.queue.finish(self.kv, request, reason)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests; prefilling ones hold blocks for their whole
-        prompt and match the planner; decoders have computed all but their last token."""
-        self.kv.check_integrity()
-        if self.split_pools:
-            self.decode_kv.check_integrity()
-        self.planner.check_integrity()
-        decoding = [r.request_id for r in self.decoding]
-        ids = decoding + list(self.prefilling) + [r.request_id for r in self.waiting]
-        ids += [r.request_id for r in self.handoff_waiting] + list(self.handing_off)
-        require(len(ids) == len(set(ids)), "a request is queued twice")
-        require(set(ids) == set(self._requests), "queues and the request table disagree")
-        require(self.num_running <= self.max_num_seqs, "more running requests than max_num_seqs")
-        planned = self.planner.queued_ids() | self._in_flight_prefill_ids()
-        require(set(self.prefilling) == planned, "prefilling requests and the planner disagree")
-        bs = self.kv.block_size
-        for r in self.prefilling.values():
-            require(r.status is RequestStatus.RUNNING, f"{r.request_id} prefills as {r.status}")
-            short = self.kv.num_blocks_of(r.request_id) < -(-r.num_tokens // bs)
-            require(not short, f"{r.request_id} holds too few blocks for its prompt")
-        for r in self.decoding:
-            require(r.status is RequestStatus.RUNNING, f"{r.request_id} decodes as {r.status}")
-            require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
-            stale = self.split_pools and self.kv.num_blocks_of(r.request_id) > 0
-            require(not stale, f"{r.request_id} decodes holding prefill blocks")
-        self._check_handoffs()
-        self.queue.check_integrity()
-        for r in self.waiting:
-            require(self.decode_kv.num_blocks_of(r.request_id) == 0, "waiting with decode blocks")
+        prompt and match the planner; decoders have computed all but their last token; requests
+        between the pools hold the blocks their copy needs (`disagg_integrity.py`)."""
+        check_disagg_integrity(self)
 
-    def _check_handoffs(self) -> None:
-        """Requests between the pools hold their prompt's prefill blocks; those with a copy
-        ordered also hold exactly as many decode blocks."""
-        bs = self.kv.block_size
-        for r in [*self.handoff_waiting, *self.handing_off.values()]:
-            require(r.status is RequestStatus.RUNNING, f"{r.request_id} hands off as {r.status}")
-            require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
-            num_blocks = -(-r.num_computed_tokens // bs)
-            require(self.kv.num_blocks_of(r.request_id) >= num_blocks, "handoff source freed")
-            ordered = r.request_id in self.handing_off
-            expected = num_blocks if ordered else 0
-            require(self.decode_kv.num_blocks_of(r.request_id) == expected, "handoff blocks")
-        ordered_ids = {h.request_id for h in self._handoffs}
-        require(ordered_ids <= set(self.handing_off), "a copy ordered for no handoff")
+    @property
+    def ordered_handoff_ids(self) -> set[str]:
+        """Requests whose KV copy is ordered and not yet drained."""
+        return {h.request_id for h in self._handoffs}
 
-    def _in_flight_prefill_ids(self) -> set[str]:
+    def in_flight_prefill_ids(self) -> set[str]:
         """Requests whose last prefill chunk is planned but not yet applied."""
         entry = self._in_flight.get(StepKind.PREFILL)
         return {c.request_id for c in entry[0].chunks if c.sample} if entry else set()

@@ -166,32 +166,33 @@ class DraftGate:
         the proposer is not even asked)."""
         if not self.enabled:
             return [True] * len(requests)
-        cost = self.cost_model
+        per_second = len(requests) / self._plain_step_s(requests)
+        return [self.rate(r.request_id) / self._draft_s(r, 0) > per_second for r in requests]
+
+    def _plain_step_s(self, requests: Sequence[Request]) -> float:
+        """Predicted seconds of a step of `requests` without drafts."""
         chunks = [ChunkShape(1, r.num_computed_tokens) for r in requests]
-        per_second = len(requests) / max(cost.predict(chunks), 1e-9)
-        out = []
-        for r in requests:
-            ctx = r.num_computed_tokens
-            extra = max(cost.chunk_cost_s(2, ctx) - cost.chunk_cost_s(1, ctx), 1e-12)
-            out.append(self.rate(r.request_id) / extra > per_second)
-        return out
+        return max(self.cost_model.predict(chunks), 1e-9)
+
+    def _draft_s(self, request: Request, j: int) -> float:
+        """Predicted seconds that a request's (j + 1)-th draft adds to its chunk."""
+        cost, ctx = self.cost_model, request.num_computed_tokens
+        return max(cost.chunk_cost_s(j + 2, ctx) - cost.chunk_cost_s(j + 1, ctx), 1e-12)
 
     def choose(self, candidates: Sequence[tuple[Request, int]]) -> list[int]:
         """For each (request, drafts available), how many to verify. Every request of the step
         is listed (those without drafts with 0): the step's cost depends on all of them."""
         if not self.enabled:
             return [n for _, n in candidates]
-        cost = self.cost_model
-        chunks = [ChunkShape(1, r.num_computed_tokens) for r, _ in candidates]
-        tokens, seconds = float(len(candidates)), max(cost.predict(chunks), 1e-9)
+        tokens = float(len(candidates))
+        seconds = self._plain_step_s([r for r, _ in candidates])
         chosen = [0] * len(candidates)
         rates = [self.rate(r.request_id) for r, _ in candidates]
 
         def option(i: int) -> tuple[float, float, float, int]:
             """(-gain, expected tokens, seconds) of request i's next position."""
-            j, ctx = chosen[i], candidates[i][0].num_computed_tokens
-            extra = max(cost.chunk_cost_s(j + 2, ctx) - cost.chunk_cost_s(j + 1, ctx), 1e-12)
-            q = rates[i] ** (j + 1)
+            extra = self._draft_s(candidates[i][0], chosen[i])
+            q = rates[i] ** (chosen[i] + 1)
             return (-q / extra, q, extra, i)
 
         heap = [option(i) for i, (_, n) in enumerate(candidates) if n > 0]

@@ -25,6 +25,7 @@ from deepinfer.request import FinishReason, Request
 from deepinfer.runner.speculative import verify_drafts
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
 from deepinfer.scheduler.speculative import DraftGate
@@ -155,9 +156,11 @@ def run_trial(
         max_model_len=60,
         cost_model=StepCostModel(CostModelConfig(prior=prior)),
         decode_kv=decode_kv,
-        proposer=FakeProposer(rng) if speculative else None,
-        num_draft_tokens=5,
-        gate=DraftGate(StepCostModel(), enabled=seed % 2 == 0),
+        drafter=(
+            Drafter(FakeProposer(rng), DraftGate(StepCostModel(), enabled=seed % 2 == 0), 5)
+            if speculative
+            else None
+        ),
     )
     prefill, decode = sched.lanes()
     runner = ConcurrentFakeRunner(block_size, split_pools)
@@ -236,7 +239,8 @@ def test_speculative_decoding_matches_reference(
         seed, *config, abort_rate=0.03, split_pools=split_pools, speculative=True
     )
     assert len(done) >= 12
-    assert sched.num_drafted > 0 and 0 < sched.num_accepted < sched.num_drafted
+    counts = sched.speculative_counts()
+    assert counts.num_drafted > 0 and 0 < counts.num_accepted < counts.num_drafted
     for req, got in done.values():
         assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
         assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

@@ -1,0 +1,78 @@
+"""`Drafter`: the decode lane's speculative decoding, one object the scheduler holds (None: off).
+
+It asks the proposer for each decoder's drafts where the gate says a first one could pay, cuts
+them to what the gate chooses, learns from each applied step (acceptances, and the step's time
+for the gate's cost model), and counts what was drafted and accepted. The scheduler allocates
+the slots and builds the chunks (`DisaggScheduler.schedule_decode`); see
+`scheduler/speculative.py` for the proposers and the gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.outputs import RunnerOutput
+from deepinfer.request import Request
+from deepinfer.scheduler.cost_model import ChunkShape
+from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.speculative import DraftGate, Proposer, SpeculativeCounts, can_speculate
+
+PLAIN_STEPS_OBSERVED = 16
+"""One decode step in this many without drafts feeds the gate's cost model (a fit is ~0.5 ms
+on the loop; every step with drafts does)."""
+
+
+class Drafter:
+    def __init__(self, proposer: Proposer, gate: DraftGate, num_draft_tokens: int) -> None:
+        self.proposer = proposer
+        self.gate = gate
+        self.num_draft_tokens = num_draft_tokens
+        self._drafted = self._accepted = self._verified = 0
+
+    def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The drafts each decoder's next step verifies (`max_tokens`: the most a request may
+        hold): the proposer's, cut by the gate; requests without drafts are left out."""
+        worth = self.gate.worth_proposing(decoding)
+        proposals = [
+            self._propose(r, max_tokens) if w else () for r, w in zip(decoding, worth, strict=True)
+        ]
+        if not any(proposals):
+            return {}
+        keep = self.gate.choose([(r, len(d)) for r, d in zip(decoding, proposals, strict=True)])
+        return {
+            r.request_id: d[:k] for r, d, k in zip(decoding, proposals, keep, strict=True) if k > 0
+        }
+
+    def _propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+        if not can_speculate(request):
+            return ()
+        room = min(
+            self.num_draft_tokens,
+            request.sampling.max_tokens - len(request.output_token_ids) - 1,
+            max_tokens - request.num_tokens,
+        )
+        return self.proposer.propose(request, room) if room > 0 else ()
+
+    def scheduled(self, num_drafts: int) -> None:
+        """A request's step verifies `num_drafts` drafts."""
+        self._drafted += num_drafts
+        self._verified += 1
+
+    def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
+        """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without)."""
+        if any(c.draft_token_ids for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
+            shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
+            self.gate.cost_model.observe(shapes, out.elapsed_s)
+
+    def observe_request(self, request_id: str, num_drafts: int, out: RunnerOutput) -> None:
+        """How many of a request's `num_drafts` the step accepted."""
+        accepted = len(out.accepted.get(request_id, ()))
+        self._accepted += accepted
+        self.gate.observe(request_id, num_drafts, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.gate.forget(request_id)
+        self.proposer.forget(request_id)
+
+    def counts(self) -> SpeculativeCounts:
+        return SpeculativeCounts(self.proposer.name, self._drafted, self._accepted, self._verified)
