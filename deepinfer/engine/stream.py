@@ -7,6 +7,7 @@ fewer, larger deltas and memory stays bounded by the request's own output.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,10 +69,28 @@ class RequestStream:
         if self.finished:
             return False
         try:
-            return self._merge(delta)
+            return any(self._merge(part) for part in self._parts(delta))
         except BaseException:
             self._finish = None
             raise
+
+    def _parts(self, delta: TokenDelta) -> list[TokenDelta]:
+        """A delta of several tokens (a speculative step's verified run) as one delta a token
+        where stop strings are watched: the stream ends at the token completing a stop, and
+        the tokens after it are neither output nor counted, as without speculation."""
+        n = len(delta.token_ids)
+        if self._matcher is None or n <= 1:
+            return [delta]
+        return [
+            dataclasses.replace(
+                delta,
+                token_ids=(token_id,),
+                logprobs=delta.logprobs[i : i + 1],
+                finish_reason=delta.finish_reason if i == n - 1 else None,
+                num_output_tokens=delta.num_output_tokens - (n - 1 - i),
+            )
+            for i, token_id in enumerate(delta.token_ids)
+        ]
 
     def _merge(self, delta: TokenDelta) -> bool:
         if delta.num_prompt_tokens:

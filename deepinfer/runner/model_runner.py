@@ -16,13 +16,13 @@ from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
 from deepinfer.runner.cuda_graphs import DecodeGraphs
-from deepinfer.runner.speculative import verify_drafts
+from deepinfer.runner.speculative import DrawnStreams, verify_drafts
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
 from deepinfer.sampling.mask_fill import MaskFiller
 from deepinfer.sampling.matchers import MatcherTable
 from deepinfer.sampling.sampler import Sampler, SamplingRow
-from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 
 
 class ModelRunner:
@@ -68,9 +68,11 @@ class ModelRunner:
             requests = [by_id[rid] for rid in sampled_ids]
             with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
                 logits = self._forward(batch)  # [B_sample, V]
-                rows = [self._row(r) for r in requests]
+                rows = [row for c in so.chunks if c.sample for row in self._rows(c)]
+                streams = DrawnStreams.save(so.chunks, self._generators)
                 tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
             sampled, accepted = verify_drafts(so.chunks, tokens)
+            streams.keep_used(accepted)
         else:
             self._forward(batch)
         elapsed = time.perf_counter() - start
@@ -81,18 +83,27 @@ class ModelRunner:
             return logits
         return self.model(batch)
 
-    def _row(self, request: Request) -> SamplingRow:
-        params = request.sampling
-        suppress: frozenset[int] = frozenset()
-        if len(request.output_token_ids) < params.min_tokens:
-            suppress = request.stop_token_ids
-        return SamplingRow(
-            params=params,
-            output_token_ids=request.output_token_ids,
-            prompt_token_ids=request.prompt_token_ids,
-            generator=self._generator(request),
-            suppress_token_ids=suppress,
-        )
+    def _rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
+        """The sampling rows of a sampling chunk: one, or with drafts one per position, each
+        seeing the outputs before it (the drafts before its position count as outputs: they
+        are, whenever the row's pick is kept)."""
+        request, drafts = chunk.request, chunk.draft_token_ids
+        params, outputs = request.sampling, request.output_token_ids
+        generator = self._generator(request)
+        rows = []
+        for j in range(1 + len(drafts)):
+            seen = [*outputs, *drafts[:j]] if j else outputs
+            suppress = request.stop_token_ids if len(seen) < params.min_tokens else frozenset()
+            rows.append(
+                SamplingRow(
+                    params=params,
+                    output_token_ids=seen,
+                    prompt_token_ids=request.prompt_token_ids,
+                    generator=generator,
+                    suppress_token_ids=suppress,
+                )
+            )
+        return rows
 
     def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.sampling.seed

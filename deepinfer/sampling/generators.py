@@ -70,8 +70,13 @@ def uniform_draws(
     for i, generator in enumerate(generators):
         if generator is not None:
             assert generator.device.type == device.type, "generator on the wrong device"
-            draws[i] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
+            draws[i] = draw_one(generator)
     return draws
+
+
+def draw_one(generator: torch.Generator) -> torch.Tensor:
+    """One U[0, 1) float64 from a request's generator: the number one sampled step uses."""
+    return torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)[0]
 
 
 def inverse_cdf_pick(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

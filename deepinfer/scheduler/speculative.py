@@ -7,10 +7,12 @@ picks agree with, plus the model's pick after them (`runner/speculative.py`). Re
 KV sits past `num_computed_tokens`: never registered in the prefix cache (which registers only
 fully computed blocks), overwritten by the request's next step.
 
-Drafts are asked for only where verifying them cannot change the output (`can_speculate`):
-greedy requests with no penalties, no token suppression left (`min_tokens` reached), no grammar,
-and no stop strings (the text layer finds those after the tokens: a verified run could carry
-tokens past one into the output's ids and usage).
+Drafts are asked for wherever verifying them cannot change the output (`can_speculate`): any
+sampling (greedy, or sampled with the request's own random numbers, penalties, `min_tokens`;
+`runner/speculative.py` says why the picks stay the plain ones) and stop strings (the stream
+reads a verified run token by token and ends at the one completing a stop, the tokens after it
+neither output nor counted: `engine/stream.py`), but no grammar (its matcher would have to walk
+the drafts).
 """
 
 from __future__ import annotations
@@ -53,15 +55,8 @@ class Proposer(Protocol):
 
 def can_speculate(request: Request) -> bool:
     """Whether verifying drafts leaves this request's tokens exactly as plain decoding picks
-    them: greedy, and nothing in its sampling reads the tokens being verified."""
-    p = request.sampling
-    return (
-        p.greedy
-        and not p.needs_penalties
-        and p.structured is None
-        and not p.stop  # the text layer ends at a stop string: its tokens and usage stop there
-        and len(request.output_token_ids) >= p.min_tokens
-    )
+    them (see the module docstring)."""
+    return request.sampling.structured is None
 
 
 class NgramProposer:

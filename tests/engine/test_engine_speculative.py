@@ -1,6 +1,6 @@
-"""Speculative decoding (`--speculative ngram`) through the engine: the same greedy tokens as
-plain decoding, on the tiny random model and on the real one, alone and batched, with the
-drafts counted in the engine's stats and `/metrics` names."""
+"""Speculative decoding (`--speculative ngram`) through the engine: the same tokens as plain
+decoding (greedy, and seeded sampling), on the tiny random model and on the real one, alone and
+batched, with the drafts counted in the engine's stats and `/metrics` names."""
 
 from __future__ import annotations
 
@@ -52,8 +52,39 @@ async def test_tiny_model_gives_the_plain_tokens(
     assert counts.num_accepted <= counts.num_drafted
 
 
-async def _greedy(engine: AsyncEngine, prompt: object, max_tokens: int) -> list[int]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+SAMPLED = [
+    SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.02, repetition_penalty=1.1, seed=12, min_tokens=30),
+    SamplingParams(max_tokens=40, temperature=0.05, presence_penalty=0.5, seed=13, logprobs=1),
+]
+"""Random output at 0.8 (drafts rarely match), close to the model's repetitive greedy path at
+0.02 and 0.05 (they often do)."""
+
+
+async def test_tiny_model_sampled_requests_keep_their_seeded_tokens(tiny_llama_dir: Path) -> None:
+    """Seeded sampling with penalties and `min_tokens`: the tokens (and logprobs) plain decoding
+    gives, alone and batched."""
+    config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)
+    prompts = _repetitive_prompts()[:6]
+
+    async def each(engine: AsyncEngine) -> list[list[int]]:
+        runs = [run_all(engine, prompts, p) for p in SAMPLED]
+        return [ids for batch in await asyncio.gather(*runs) for ids in batch]
+
+    async with AsyncEngine(config) as plain:
+        want = await each(plain)
+    async with AsyncEngine(_with_ngram(config)) as engine:
+        got = await each(engine)
+        counts = engine.stats().speculative
+        engine.check_integrity()
+    assert got == want
+    assert counts.num_accepted > 0 and counts.num_accepted < counts.num_drafted
+
+
+async def _tokens(
+    engine: AsyncEngine, prompt: object, max_tokens: int, params: SamplingParams | None = None
+) -> list[int]:
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
     ids: list[int] = []
     async for out in engine.generate(prompt, params):  # type: ignore[arg-type]
         ids.extend(out.token_ids)
@@ -73,12 +104,45 @@ REAL_PROMPTS = [
 async def test_real_model_gives_the_plain_tokens(real_engine: AsyncEngine) -> None:
     """Against the session's plain engine, on the same settings but `--speculative ngram`:
     alone and four at once, the same tokens; and drafts were accepted."""
-    want = [await _greedy(real_engine, p, 64) for p in REAL_PROMPTS]
+    want = [await _tokens(real_engine, p, 64) for p in REAL_PROMPTS]
+    seeded = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.95, seed=5)
+    want_sampled = [await _tokens(real_engine, p, 0, seeded) for p in REAL_PROMPTS]
     async with AsyncEngine(_with_ngram(real_config())) as engine:
-        alone = [await _greedy(engine, p, 64) for p in REAL_PROMPTS]
-        together = await asyncio.gather(*(_greedy(engine, p, 64) for p in REAL_PROMPTS))
+        alone = [await _tokens(engine, p, 64) for p in REAL_PROMPTS]
+        together = await asyncio.gather(*(_tokens(engine, p, 64) for p in REAL_PROMPTS))
+        sampled = await asyncio.gather(*(_tokens(engine, p, 0, seeded) for p in REAL_PROMPTS))
         counts = engine.stats().speculative
         engine.check_integrity()
     assert alone == want
     assert list(together) == want
+    assert list(sampled) == want_sampled
     assert counts.num_accepted > 0, counts
+
+
+async def test_tiny_model_stop_strings_end_where_plain_decoding_ends(tiny_llama_dir: Path) -> None:
+    """A stop string inside a verified run: the same text, tokens, finish and usage as plain
+    decoding (the run's tokens after the stop are neither output nor counted)."""
+    config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)
+    prompts = _repetitive_prompts()[:4]
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def outputs(
+        engine: AsyncEngine, prompt: list[int], params: SamplingParams
+    ) -> tuple[object, ...]:
+        text, ids, last = "", list[int](), None
+        async for out in engine.generate(prompt, params):
+            text, ids, last = text + out.text, ids + list(out.token_ids), out
+        assert last is not None
+        usage = last.usage  # cached tokens differ: the plain engine saw each prompt before
+        return text, ids, last.finish_reason, last.stop_reason, usage.completion_tokens
+
+    async with AsyncEngine(config) as plain:
+        full = [(await outputs(plain, p, base))[0] for p in prompts]
+        stops = [dataclasses.replace(base, stop=(t[len(t) // 2 : len(t) // 2 + 3],)) for t in full]
+        want = [await outputs(plain, p, s) for p, s in zip(prompts, stops, strict=True)]
+    async with AsyncEngine(_with_ngram(config)) as engine:
+        got = [await outputs(engine, p, s) for p, s in zip(prompts, stops, strict=True)]
+        counts = engine.stats().speculative
+    assert got == want
+    assert all(w[3] is not None for w in want)  # every request ended at its stop string
+    assert counts.num_accepted > 0

@@ -87,23 +87,19 @@ def test_verification_keeps_the_agreed_run(
     assert (None if got is None else tuple(s.token_id for s in got)) == after
 
 
-def test_only_plain_greedy_requests_speculate() -> None:
-    greedy = make_request("g", [1, 2], temperature=0.0)
-    assert can_speculate(greedy)
+def test_requests_speculate_unless_grammar() -> None:
     for change in (
-        {"temperature": 0.7},
-        {"repetition_penalty": 1.2},
-        {"presence_penalty": 0.5},
-        {"structured": StructuredSpec(StructuredKind.JSON_OBJECT)},
+        {},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"repetition_penalty": 1.2, "presence_penalty": 0.5},
+        {"min_tokens": 3},
         {"stop": ("###",)},
     ):
         request = make_request("x", [1, 2], temperature=0.0)
         request.sampling = dataclasses.replace(request.sampling, **change)  # type: ignore[arg-type]
-        assert not can_speculate(request), change
-    early = make_request("m", [1, 2], temperature=0.0, min_tokens=3)
-    assert not can_speculate(early)  # stop tokens still suppressed
-    early.output_token_ids.extend([4, 5, 6])
-    assert can_speculate(early)
+        assert can_speculate(request), change
+    request = make_request("x", [1, 2], structured=StructuredSpec(StructuredKind.JSON_OBJECT))
+    assert not can_speculate(request)
 
 
 def test_config_refuses_what_is_not_built() -> None:

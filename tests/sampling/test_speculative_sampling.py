@@ -1,0 +1,138 @@
+"""Speculative verification of sampled requests, on a model whose next-token distribution is
+known exactly: a Markov chain over 6 tokens (the logits row of a position is a table row chosen
+by the position's input token).
+
+- Each seeded request gives the same tokens with drafts as without, step for step, whatever
+  the drafts (good, bad, or mixed), with temperature, top-k, penalties and `min_tokens`.
+- The tokens follow the target distribution: a chi-square test of every transition's counts
+  against the table's softmax, over thousands of tokens made with drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from scipy import stats
+
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.request import Request, SamplingParams
+from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
+
+VOCAB = 6
+ARCH = ModelArch(
+    architecture="llama", num_layers=1, hidden_size=8, intermediate_size=8, num_heads=1,
+    num_kv_heads=1, head_dim=8, vocab_size=VOCAB, rope_theta=1e4, rms_norm_eps=1e-6,
+    max_position_embeddings=4096, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+class MarkovLM:
+    """Logits of a position: `table[input token]` (no KV, no attention: enough for the runner)."""
+
+    arch = ARCH
+
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(VOCAB, VOCAB, generator=g) * 1.2
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.table[batch.input_ids[batch.logits_indices]].clone()
+
+
+Drafter = Callable[[Request], tuple[int, ...]]
+
+
+def _run(
+    runner: ModelRunner, params: Sequence[SamplingParams], drafter: Drafter | None, steps: int
+) -> list[list[int]]:
+    """Each request's outputs after a prefill step and `steps` decode steps (all requests in
+    each step), with the drafts `drafter` proposes (None: plain decoding)."""
+    requests = [Request(f"r{i}", [i % VOCAB, 0], p) for i, p in enumerate(params)]
+    blocks = tuple(range(8))
+    for step in range(steps + 1):
+        chunks = []
+        for r in requests:
+            start = 0 if step == 0 else r.num_tokens - 1
+            drafts = drafter(r) if drafter is not None and step > 0 else ()
+            chunks.append(
+                ScheduledChunk(r, start, r.num_tokens - start + len(drafts), blocks, True, drafts)
+            )
+        out = runner.execute(ScheduleOutput(step, tuple(chunks), kind=StepKind.DECODE))
+        for r in requests:
+            new = [out.sampled[r.request_id], *out.accepted.get(r.request_id, ())]
+            r.output_token_ids.extend(t.token_id for t in new)
+    return [r.output_token_ids for r in requests]
+
+
+def _runner() -> ModelRunner:
+    return ModelRunner(MarkovLM(), block_size=64, device=torch.device("cpu"), seed=7)  # type: ignore[arg-type]
+
+
+def _likely(model: MarkovLM, length: int) -> Drafter:
+    """Drafts that follow the chain's most likely path (mostly accepted at low temperature)."""
+
+    def drafts(r: Request) -> tuple[int, ...]:
+        out, t = [], r.all_token_ids[-1]
+        for _ in range(length):
+            t = int(model.table[t].argmax())
+            out.append(t)
+        return tuple(out)
+
+    return drafts
+
+
+def _mixed(r: Request) -> tuple[int, ...]:
+    """Drafts of every quality: a length and tokens that vary with the request and the step."""
+    n = r.num_tokens
+    return tuple((n * 7 + j * (1 + n % 3)) % VOCAB for j in range(n % 5))
+
+
+PARAMS = [
+    SamplingParams(max_tokens=64, temperature=1.0, seed=1),
+    SamplingParams(max_tokens=64, temperature=0.5, top_k=3, seed=2),
+    SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=3),
+    SamplingParams(max_tokens=64, temperature=1.2, presence_penalty=0.7, min_tokens=9, seed=4),
+    SamplingParams(max_tokens=64, temperature=0.0, frequency_penalty=0.4),
+    SamplingParams(max_tokens=64, temperature=0.7, seed=5, logprobs=2),
+]
+
+
+@pytest.mark.parametrize("which", ["likely", "mixed"])
+def test_seeded_requests_keep_their_plain_tokens(which: str) -> None:
+    """Same seed, same tokens, with and without drafts: every pick is the plain step's, and the
+    numbers drawn for rejected positions are given back."""
+    drafter = _likely(MarkovLM(), 4) if which == "likely" else _mixed
+    params = [dataclasses.replace(p, seed=(p.seed or 0) + s) for s in range(4) for p in PARAMS]
+    plain = _run(_runner(), params, None, steps=24)
+    drafted = _run(_runner(), params, drafter, steps=24)
+    for want, got in zip(plain, drafted, strict=True):
+        assert got[: len(want)] == want
+    assert sum(len(g) for g in drafted) > sum(len(w) for w in plain)  # drafts were accepted
+
+
+def test_tokens_follow_the_target_distribution() -> None:
+    """2,000 unseeded requests (the shared generator: not the plain draws) at temperature 1,
+    drafts on every step: each transition's counts against softmax(table[prev])."""
+    model = MarkovLM()
+    params = [SamplingParams(max_tokens=64, temperature=1.0)] * 2000
+    runner = ModelRunner(model, block_size=64, device=torch.device("cpu"), seed=11)  # type: ignore[arg-type]
+    outputs = _run(runner, params, _mixed, steps=6)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for out in outputs:
+        for prev, nxt in itertools.pairwise(out):
+            counts[prev, nxt] += 1
+    probs = model.table.softmax(dim=1)
+    for prev in range(VOCAB):
+        row = counts[prev]
+        assert row.sum() > 200
+        expected = probs[prev] * row.sum()
+        _, p_value = stats.chisquare(row.numpy(), expected.numpy())
+        assert p_value > 1e-4, (prev, row.tolist(), expected.tolist())
+    drafted_runs = sum(len(o) for o in outputs) - 7 * len(outputs)
+    assert drafted_runs > 1000  # many tokens came from accepted drafts
