@@ -100,6 +100,30 @@ def _speculative_metrics(c: SpeculativeCounts) -> Iterator[Metric]:
         family = CounterMetricFamily(f"deepinfer_speculative_{name}", doc, labels=["proposer"])
         family.add_metric([c.proposer], value)
         yield family
+    mean = GaugeMetricFamily(
+        "deepinfer_speculative_mean_accepted_length",
+        "Draft tokens accepted per request-step that verified drafts",
+        labels=["proposer"],
+    )
+    mean.add_metric([c.proposer], c.mean_accepted_length)
+    yield mean
+    yield from _calibration_metrics(c)
+
+
+def _calibration_metrics(c: SpeculativeCounts) -> Iterator[Metric]:
+    """The gate's calibration by bucket of predicted acceptance (`bucket`: its lower edge):
+    positions observed, the sum of their predictions, and how many were accepted."""
+    for name, doc, values in (
+        ("trials", "Draft positions observed", [b.num_trials for b in c.calibration]),
+        ("predicted", "Sum of the predicted acceptance", [b.predicted for b in c.calibration]),
+        ("accepted", "Draft positions accepted", [b.accepted for b in c.calibration]),
+    ):
+        family = CounterMetricFamily(
+            f"deepinfer_speculative_gate_{name}", doc, labels=["proposer", "bucket"]
+        )
+        for b, value in zip(c.calibration, values, strict=True):
+            family.add_metric([c.proposer, f"{b.lower:.1f}"], value)
+        yield family
 
 
 def _disk_metrics(d: DiskTierStats) -> Iterator[Metric]:

@@ -9,10 +9,11 @@ from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.draft_gate import DraftGate
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
 from deepinfer.scheduler.scheduler import Scheduler
-from deepinfer.scheduler.speculative import DraftGate, build_proposer
+from deepinfer.scheduler.speculative import build_proposer
 
 CPU_COST_PRIOR = CostCoefficients(step_s=0.01, token_s=6e-3, attention_s=5e-8)
 """A prefill step on one CPU core, roughly (SmolLM2-135M): the model refines it within steps."""
@@ -47,7 +48,9 @@ def build_drafter(config: Config, device: torch.device) -> Drafter | None:
     if proposer is None:
         return None
     cost = StepCostModel(CostModelConfig(prior=decode_cost_prior(device), prior_weight=0.5))
-    gate = DraftGate(cost, enabled=spec.speculative_gate == "on")
+    gate = DraftGate(
+        cost, proposer.num_signals, spec.num_draft_tokens, enabled=spec.speculative_gate == "on"
+    )
     return Drafter(proposer, gate, spec.num_draft_tokens)
 
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from deepinfer.outputs import RunnerOutput
 from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import ChunkShape
+from deepinfer.scheduler.draft_gate import Draft, DraftGate
 from deepinfer.scheduler.output import ScheduleOutput
-from deepinfer.scheduler.speculative import DraftGate, Proposer, SpeculativeCounts, can_speculate
+from deepinfer.scheduler.speculative import Proposer, SpeculativeCounts, can_speculate
 
 PLAIN_STEPS_OBSERVED = 16
 """One decode step in this many without drafts feeds the gate's cost model (a fit is ~0.5 ms
@@ -34,24 +35,27 @@ class Drafter:
         hold): the proposer's, cut by the gate; requests without drafts are left out."""
         worth = self.gate.worth_proposing(decoding)
         proposals = [
-            self._propose(r, max_tokens) if w else () for r, w in zip(decoding, worth, strict=True)
+            self._propose(r, max_tokens) if w else Draft()
+            for r, w in zip(decoding, worth, strict=True)
         ]
-        if not any(proposals):
+        if not any(d.token_ids for d in proposals):
             return {}
-        keep = self.gate.choose([(r, len(d)) for r, d in zip(decoding, proposals, strict=True)])
+        keep = self.gate.choose(list(zip(decoding, proposals, strict=True)))
         return {
-            r.request_id: d[:k] for r, d, k in zip(decoding, proposals, keep, strict=True) if k > 0
+            r.request_id: d.token_ids[:k]
+            for r, d, k in zip(decoding, proposals, keep, strict=True)
+            if k > 0
         }
 
-    def _propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+    def _propose(self, request: Request, max_tokens: int) -> Draft:
         if not can_speculate(request):
-            return ()
+            return Draft()
         room = min(
             self.num_draft_tokens,
             request.sampling.max_tokens - len(request.output_token_ids) - 1,
             max_tokens - request.num_tokens,
         )
-        return self.proposer.propose(request, room) if room > 0 else ()
+        return self.proposer.propose(request, room) if room > 0 else Draft()
 
     def scheduled(self, num_drafts: int) -> None:
         """A request's step verifies `num_drafts` drafts."""
@@ -75,4 +79,10 @@ class Drafter:
         self.proposer.forget(request_id)
 
     def counts(self) -> SpeculativeCounts:
-        return SpeculativeCounts(self.proposer.name, self._drafted, self._accepted, self._verified)
+        return SpeculativeCounts(
+            self.proposer.name,
+            self._drafted,
+            self._accepted,
+            self._verified,
+            self.gate.model.calibration(),
+        )

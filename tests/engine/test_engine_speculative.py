@@ -12,6 +12,7 @@ import pytest
 from conftest import real_config
 from tiny_engine import run_all, tiny_config
 
+from deepinfer.api.metrics import ApiMetrics
 from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.request import SamplingParams
@@ -44,12 +45,26 @@ async def test_tiny_model_gives_the_plain_tokens(
         together = await run_all(engine, prompts, params)
         alone = [(await run_all(engine, [p], params))[0] for p in prompts[:3]]
         counts = engine.stats().speculative
+        metrics = ApiMetrics(engine).render().decode()
         engine.check_integrity()
         assert engine.stats().num_blocks_used == 0
     assert together == want
     assert alone == want[:3]
     assert counts.proposer == "ngram" and counts.num_drafted > 0 and counts.num_verified > 0
     assert counts.num_accepted <= counts.num_drafted
+    lines = metrics.splitlines()
+    for name, value in (
+        ("drafted", counts.num_drafted),
+        ("accepted", counts.num_accepted),
+        ("verified", counts.num_verified),
+    ):
+        assert f'deepinfer_speculative_{name}_total{{proposer="ngram"}} {float(value)}' in lines
+    mean = counts.num_accepted / counts.num_verified
+    assert f'deepinfer_speculative_mean_accepted_length{{proposer="ngram"}} {mean}' in lines
+    # every accepted position was observed, plus at most one rejected one per request-step
+    trials = sum(b.num_trials for b in counts.calibration)
+    assert counts.num_accepted < trials <= counts.num_accepted + counts.num_verified
+    assert 'deepinfer_speculative_gate_trials_total{bucket="0.5",proposer="ngram"}' in metrics
 
 
 SAMPLED = [

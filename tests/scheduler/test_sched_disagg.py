@@ -25,10 +25,10 @@ from deepinfer.request import FinishReason, Request
 from deepinfer.runner.speculative import verify_drafts
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
+from deepinfer.scheduler.draft_gate import Draft, DraftGate
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
-from deepinfer.scheduler.speculative import DraftGate
 
 Slot = tuple[str, int, int]
 """(pool, block id, offset)"""
@@ -118,11 +118,12 @@ class FakeProposer:
     """Drafts that follow the fake model for a random number of tokens, then go astray."""
 
     name = "fake"
+    num_signals = 0
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
 
-    def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+    def propose(self, request: Request, max_tokens: int) -> Draft:
         rng, tokens, drafts = self.rng, list(request.all_token_ids), []
         k = rng.randint(0, max_tokens)
         good = rng.randint(0, k)
@@ -130,7 +131,7 @@ class FakeProposer:
             right = next_token(prefix_digests(tokens)[-1], VOCAB)
             drafts.append(right if j < good else rng.choice([right, rng.randrange(VOCAB)]))
             tokens.append(drafts[-1])
-        return tuple(drafts)
+        return Draft(tuple(drafts))
 
     def forget(self, request_id: str) -> None:
         pass

@@ -1,5 +1,5 @@
 """The n-gram proposer's lookup against a plain-Python search, draft verification, and which
-requests may speculate at all."""
+requests may speculate at all (the gate: `test_draft_gate.py`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from deepinfer.config import Config, ConfigError, SpeculativeConfig, WorkersConf
 from deepinfer.outputs import SampledToken
 from deepinfer.request import StructuredKind, StructuredSpec
 from deepinfer.runner.speculative import verify_drafts
-from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.output import ScheduledChunk
-from deepinfer.scheduler.speculative import DraftGate, NgramProposer, can_speculate, ngram_lookup
+from deepinfer.scheduler.speculative import NgramProposer, can_speculate, ngram_lookup
 
 
 def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
@@ -37,15 +37,22 @@ def test_lookup_matches_a_plain_search(seed: int) -> None:
         vocab = rng.choice([2, 3, 7, 300, 70_000, 1 << 40])
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 50))]
         for min_n, max_n, k in [(2, 4, 5), (1, 3, 2), (3, 3, 1)]:
-            got = ngram_lookup(tokens, min_n, max_n, k)
+            got, n = ngram_lookup(tokens, min_n, max_n, k)
             assert got == _reference(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+            assert (min_n <= n <= max_n) if got else n == 0
+            assert not got or tokens[len(tokens) - n :] in _windows(tokens[:-1], n)
+
+
+def _windows(tokens: list[int], n: int) -> list[list[int]]:
+    return [tokens[i : i + n] for i in range(len(tokens) - n + 1)]
 
 
 def test_proposer_continues_the_latest_match() -> None:
     request = make_request("r", [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 3, 5, 6, 7], temperature=0.0)
-    assert NgramProposer().propose(request, 3) == (9, 3, 5)  # the latest "5 6 7" is followed by 9
-    assert NgramProposer().propose(request, 0) == ()
-    assert NgramProposer().propose(make_request("s", [1, 2, 3, 4]), 5) == ()
+    # the latest "5 6 7" is followed by 9; the match is 3 of at most 4 tokens
+    assert NgramProposer().propose(request, 3) == Draft((9, 3, 5), (0.75,))
+    assert NgramProposer().propose(request, 0) == Draft()
+    assert NgramProposer().propose(make_request("s", [1, 2, 3, 4]), 5) == Draft()
 
 
 def test_proposer_keeps_up_with_a_growing_request() -> None:
@@ -55,13 +62,14 @@ def test_proposer_keeps_up_with_a_growing_request() -> None:
     proposer = NgramProposer(window=16)
     request = make_request("r", [rng.randrange(4) for _ in range(6)], temperature=0.0)
     for step in range(60):
-        want = ngram_lookup(request.all_token_ids[-16:], 2, 4, 3)
-        assert proposer.propose(request, 3) == want, step
+        want, _ = ngram_lookup(request.all_token_ids[-16:], 2, 4, 3)
+        assert proposer.propose(request, 3).token_ids == want, step
         request.output_token_ids.append(rng.randrange(4))
         if step == 30:
             del request.output_token_ids[:]
     proposer.forget("r")
-    assert proposer.propose(request, 3) == ngram_lookup(request.all_token_ids[-16:], 2, 4, 3)
+    want, _ = ngram_lookup(request.all_token_ids[-16:], 2, 4, 3)
+    assert proposer.propose(request, 3).token_ids == want
 
 
 def _chunk(drafts: tuple[int, ...]) -> ScheduledChunk:
@@ -112,48 +120,3 @@ def test_config_refuses_what_is_not_built() -> None:
             speculative=SpeculativeConfig(speculative="ngram"),
             workers=WorkersConfig(colocated=True),
         )
-
-
-def _gate(step_s: float = 8e-3, token_s: float = 1.5e-3) -> DraftGate:
-    prior = CostCoefficients(step_s=step_s, token_s=token_s, attention_s=0.0)
-    return DraftGate(StepCostModel(CostModelConfig(prior=prior)))
-
-
-def test_gate_rates_converge_on_synthetic_acceptance_streams() -> None:
-    """Each request's drafts accepted position by position with its own probability: the
-    gate's estimates land near them (and the global rate between)."""
-    rng = random.Random(0)
-    gate = _gate()
-    truth = {"easy": 0.85, "hard": 0.15}
-    for _ in range(400):
-        for rid, p in truth.items():
-            verified = 5
-            accepted = 0
-            while accepted < verified and rng.random() < p:
-                accepted += 1
-            gate.observe(rid, verified, accepted)
-    for rid, p in truth.items():
-        assert abs(gate.rate(rid) - p) < 0.05, (rid, gate.rate(rid))
-    assert 0.15 < gate.rate("new") < 0.85  # a new request starts from the global rate
-
-
-def test_gate_verifies_what_pays_for_its_rows() -> None:
-    gate = _gate()
-    easy, hard = make_request("easy", [1] * 40), make_request("hard", [2] * 40)
-    for _ in range(200):
-        gate.observe("easy", 5, 5)
-        gate.observe("hard", 5, 0)
-    assert gate.choose([(easy, 5)]) == [5]  # alone: a weight pass is the cost, rows are cheap
-    assert gate.choose([(hard, 5)]) == [0]  # drafts that always fail are never verified
-    assert gate.choose([(easy, 5), (hard, 3)]) == [5, 0]
-    assert gate.choose([(easy, 0)]) == [0]
-    assert gate.worth_proposing([easy, hard]) == [True, False]  # never asked for hard's drafts
-    # 32 streams of middling drafts: each row costs as much as the step's tokens earn
-    middling = [make_request(f"m{i}", [3] * 40) for i in range(32)]
-    for r in middling:
-        for _ in range(50):
-            gate.observe(r.request_id, 2, 1)
-    assert gate.choose([(middling[0], 5)])[0] > 0  # alone, half-right drafts pay
-    assert sum(gate.choose([(r, 5) for r in middling])) == 0  # beside 31 others, they do not
-    off = DraftGate(StepCostModel(), enabled=False)
-    assert off.choose([(hard, 4), (easy, 2)]) == [4, 2]

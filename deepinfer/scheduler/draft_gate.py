@@ -1,0 +1,242 @@
+"""The confidence gate of speculative decoding: how many of each request's drafts a step verifies.
+
+For each request and draft position j, an estimate of the chance that the draft is accepted
+given that the ones before it were: a logistic model per proposer (`AcceptanceModel`) over
+
+- the request's own observed acceptance rate, pulled toward the proposer's rate over all
+  requests by a few pseudo-trials (as a logit: a new request starts from the proposer's rate),
+- the position in the draft (0 for the first draft, 1 for the last a step may verify),
+- the proposer's own signals for the draft (`Draft.signals`, each in [0, 1]: for prompt
+  lookup, the length of the n-gram that matched).
+
+Its weights start at the prior "the request's rate is the answer" (1 on the rate's logit, 0
+elsewhere) and are fitted online to the latest 4,096 observed positions (the accepted ones and
+the first rejected one of each verified draft: later positions were never put to the test),
+penalized toward the prior (an L2 pull of weight 1: it decides while observations are few): one Newton step each time new
+observations arrived (a 4,096 x 5 product, about 0.1 ms, once per step). `calibration()` keeps predicted against observed acceptance by
+bucket of prediction (`/metrics`).
+
+A position j of acceptance q_j (the product of the conditional estimates up to j) costs the
+extra query row it adds to its request's chunk (the decode lane's `StepCostModel`). Positions
+are added best first while the tokens the step is expected to produce per second of predicted
+step time grows: a position is worth it when q_j / dc_j exceeds the step's current tokens / cost.
+`enabled=False` verifies every draft (the baseline), still learning and keeping calibration.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer.request import Request
+from deepinfer.scheduler.cost_model import ChunkShape, StepCostModel
+
+NUM_CALIBRATION_BUCKETS = 10
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposer's draft for one request: the tokens, and its confidence signals (each in
+    [0, 1], the same number for every draft of a proposer; see the proposer)."""
+
+    token_ids: tuple[int, ...] = ()
+    signals: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class CalibrationBucket:
+    """Observed positions whose predicted acceptance fell in [lower, lower + 0.1)."""
+
+    lower: float
+    num_trials: int
+    predicted: float
+    """Sum of the predictions (mean: predicted / num_trials)."""
+    accepted: int
+
+
+class AcceptanceModel:
+    """Logistic regression of a draft position's acceptance, fitted online (module docstring):
+    the recent observations kept in a ring, one Newton step of the penalized likelihood before
+    the first prediction after new ones (so once per step)."""
+
+    def __init__(self, num_signals: int, window: int = 4096, prior_strength: float = 1.0) -> None:
+        self.prior = np.array([0.0, 1.0, 0.0, *([0.0] * num_signals)])
+        """Weights of (bias, logit of the request's rate, position, *signals)."""
+        self.weights = self.prior.copy()
+        self.prior_strength = prior_strength
+        """The L2 pull toward the prior, in observations' worth."""
+        self._x = np.zeros((window, len(self.prior)))
+        self._y = np.zeros(window)
+        self.num_updates = 0
+        self._stale = False
+        self._trials = [0] * NUM_CALIBRATION_BUCKETS
+        self._predicted = [0.0] * NUM_CALIBRATION_BUCKETS
+        self._accepted = [0] * NUM_CALIBRATION_BUCKETS
+
+    def predict(self, x: Sequence[float]) -> float:
+        if self._stale:
+            self._refit()
+        z = float(np.dot(self.weights, x))
+        return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
+
+    def update(self, x: Sequence[float], accepted: bool, predicted: float) -> None:
+        """An observed position: its features, outcome, and the prediction the step used."""
+        p = predicted
+        bucket = min(int(p * NUM_CALIBRATION_BUCKETS), NUM_CALIBRATION_BUCKETS - 1)
+        self._trials[bucket] += 1
+        self._predicted[bucket] += p
+        self._accepted[bucket] += int(accepted)
+        row = self.num_updates % len(self._y)
+        self._x[row], self._y[row] = x, float(accepted)
+        self.num_updates += 1
+        self._stale = True
+
+    def _refit(self) -> None:
+        """One Newton step toward the penalized maximum likelihood of the kept observations."""
+        self._stale = False
+        n = min(self.num_updates, len(self._y))
+        x, y, w = self._x[:n], self._y[:n], self.weights
+        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30.0, 30.0)))
+        gradient = x.T @ (y - p) - self.prior_strength * (w - self.prior)
+        hessian = (x.T * (p * (1.0 - p))) @ x + self.prior_strength * np.eye(len(w))
+        self.weights = w + np.linalg.solve(hessian, gradient)
+
+    def calibration(self) -> tuple[CalibrationBucket, ...]:
+        return tuple(
+            CalibrationBucket(b / NUM_CALIBRATION_BUCKETS, n, p, a)
+            for b, (n, p, a) in enumerate(
+                zip(self._trials, self._predicted, self._accepted, strict=True)
+            )
+        )
+
+
+@dataclass
+class _Rate:
+    accepted: float = 0.0
+    trials: float = 0.0
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 0.02), 0.98)
+    return math.log(p / (1.0 - p))
+
+
+class DraftGate:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        num_signals: int = 0,
+        max_drafts: int = 5,
+        enabled: bool = True,
+        prior_rate: float = 0.5,
+        prior_strength: float = 4.0,
+    ) -> None:
+        self.cost_model = cost_model
+        self.model = AcceptanceModel(num_signals)
+        self.max_drafts = max_drafts
+        self.enabled = enabled
+        self.prior_rate, self.prior_strength = prior_rate, prior_strength
+        self._global = _Rate()
+        self._rates: dict[str, _Rate] = {}
+        self._chosen: dict[str, list[tuple[list[float], float]]] = {}
+        """Each request's positions its latest step verifies: features and prediction."""
+
+    def rate(self, request_id: str) -> float:
+        """The request's observed rate of acceptance, pulled toward the proposer's."""
+        g, k = self._global, self.prior_strength
+        base = (g.accepted + k * self.prior_rate) / (g.trials + k)
+        own = self._rates.get(request_id, _Rate())
+        return (own.accepted + k * base) / (own.trials + k)
+
+    def features(self, request_id: str, position: int, signals: Sequence[float]) -> list[float]:
+        where = position / max(self.max_drafts - 1, 1)
+        return [1.0, _logit(self.rate(request_id)), where, *signals]
+
+    def acceptance(self, request_id: str, draft: Draft) -> list[float]:
+        """The chance that each draft position is accepted (the product up to it)."""
+        out, q = [], 1.0
+        for j in range(len(draft.token_ids)):
+            q *= self.model.predict(self.features(request_id, j, draft.signals))
+            out.append(q)
+        return out
+
+    def worth_proposing(self, requests: Sequence[Request]) -> list[bool]:
+        """Whether a first draft of each request could pay in a step of all of them, with the
+        most favourable signals (if not, the proposer is not even asked)."""
+        if not self.enabled:
+            return [True] * len(requests)
+        per_second = len(requests) / self._plain_step_s(requests)
+        best = [1.0 if w > 0 else 0.0 for w in self.model.weights[3:]]
+        return [
+            self.model.predict(self.features(r.request_id, 0, best)) / self._draft_s(r, 0)
+            > per_second
+            for r in requests
+        ]
+
+    def _plain_step_s(self, requests: Sequence[Request]) -> float:
+        """Predicted seconds of a step of `requests` without drafts."""
+        chunks = [ChunkShape(1, r.num_computed_tokens) for r in requests]
+        return max(self.cost_model.predict(chunks), 1e-9)
+
+    def _draft_s(self, request: Request, j: int) -> float:
+        """Predicted seconds that a request's (j + 1)-th draft adds to its chunk."""
+        cost, ctx = self.cost_model, request.num_computed_tokens
+        return max(cost.chunk_cost_s(j + 2, ctx) - cost.chunk_cost_s(j + 1, ctx), 1e-12)
+
+    def choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
+        """For each (request, draft), how many drafts to verify. Every request of the step is
+        listed (those without drafts with an empty one): the step's cost depends on all."""
+        chosen = (
+            self._choose(candidates) if self.enabled else [len(d.token_ids) for _, d in candidates]
+        )
+        for (r, d), k in zip(candidates, chosen, strict=True):
+            features = [self.features(r.request_id, j, d.signals) for j in range(k)]
+            self._chosen[r.request_id] = [(x, self.model.predict(x)) for x in features]
+        return chosen
+
+    def _choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
+        tokens = float(len(candidates))
+        seconds = self._plain_step_s([r for r, _ in candidates])
+        chosen = [0] * len(candidates)
+        survive = [self.acceptance(r.request_id, d) for r, d in candidates]
+
+        def option(i: int) -> tuple[float, float, float, int]:
+            """(-gain, expected tokens, seconds) of request i's next position."""
+            extra = self._draft_s(candidates[i][0], chosen[i])
+            q = survive[i][chosen[i]]
+            return (-q / extra, q, extra, i)
+
+        heap = [option(i) for i, (_, d) in enumerate(candidates) if d.token_ids]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, q, extra, i = heapq.heappop(heap)
+            if -neg_gain <= tokens / seconds:
+                break  # the best position left would lower tokens per second
+            tokens, seconds = tokens + q, seconds + extra
+            chosen[i] += 1
+            if chosen[i] < len(candidates[i][1].token_ids):
+                heapq.heappush(heap, option(i))
+        return chosen
+
+    def observe(self, request_id: str, verified: int, accepted: int) -> None:
+        """A step verified `verified` drafts of a request and the model agreed with the first
+        `accepted`: the positions tried are the accepted ones and the first rejected one."""
+        features = self._chosen.pop(request_id, [])
+        if verified <= 0:
+            return
+        trials = accepted + (1 if accepted < verified else 0)
+        for j, (x, predicted) in enumerate(features[:trials]):
+            self.model.update(x, j < accepted, predicted)
+        for rate in (self._global, self._rates.setdefault(request_id, _Rate())):
+            rate.accepted += accepted
+            rate.trials += trials
+
+    def forget(self, request_id: str) -> None:
+        self._rates.pop(request_id, None)
+        self._chosen.pop(request_id, None)

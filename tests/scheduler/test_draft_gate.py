@@ -1,0 +1,114 @@
+"""The confidence gate: its rates and its logistic model converge on synthetic acceptance
+streams (and its calibration buckets say so), and it verifies only the drafts that pay."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from sched_fakes import make_request
+
+from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.draft_gate import AcceptanceModel, Draft, DraftGate
+
+
+def _gate(step_s: float = 8e-3, token_s: float = 1.5e-3, num_signals: int = 0) -> DraftGate:
+    prior = CostCoefficients(step_s=step_s, token_s=token_s, attention_s=0.0)
+    return DraftGate(StepCostModel(CostModelConfig(prior=prior)), num_signals)
+
+
+def _drafts(n: int, signal: float | None = None) -> Draft:
+    return Draft(tuple(range(n)), () if signal is None else (signal,))
+
+
+def _verify(gate: DraftGate, rid: str, draft: Draft, accepts: list[bool]) -> None:
+    """One step verifying all of `draft` (the gate off decides nothing), accepted while
+    `accepts` says so."""
+    request = make_request(rid, [1] * 40)
+    enabled, gate.enabled = gate.enabled, False
+    gate.choose([(request, draft)])
+    gate.enabled = enabled
+    accepted = 0
+    while accepted < len(draft.token_ids) and accepts[accepted]:
+        accepted += 1
+    gate.observe(rid, len(draft.token_ids), accepted)
+
+
+def test_gate_rates_converge_on_synthetic_acceptance_streams() -> None:
+    """Each request's drafts accepted position by position with its own probability: the
+    gate's estimates land near them (and the global rate between)."""
+    rng = random.Random(0)
+    gate = _gate()
+    truth = {"easy": 0.85, "hard": 0.15}
+    for _ in range(400):
+        for rid, p in truth.items():
+            _verify(gate, rid, _drafts(5), [rng.random() < p for _ in range(5)])
+    for rid, p in truth.items():
+        assert abs(gate.rate(rid) - p) < 0.05, (rid, gate.rate(rid))
+        predicted = gate.acceptance(rid, _drafts(1))[0]
+        assert abs(predicted - p) < 0.08, (rid, predicted)
+    assert 0.15 < gate.rate("new") < 0.85  # a new request starts from the global rate
+
+
+def test_logistic_model_learns_signals_and_positions() -> None:
+    """Acceptance that grows with the match length and falls with the position, the same for
+    every request: the model's predictions come to follow it, and its calibration buckets
+    agree with what was observed."""
+    rng = random.Random(1)
+    gate = _gate(num_signals=1)
+
+    def truth(j: int, signal: float) -> float:
+        return 1 / (1 + math.exp(-(-1.0 + 3.0 * signal - 1.5 * j / 4)))
+
+    for step in range(8000):
+        signal = rng.choice([0.5, 0.75, 1.0])
+        accepts = [rng.random() < truth(j, signal) for j in range(5)]
+        _verify(gate, f"r{step % 50}", _drafts(5, signal), accepts)
+        if step == 3999:
+            learning = gate.model.calibration()
+    for signal in (0.5, 0.75, 1.0):
+        for j in range(5):
+            x = gate.features("new", j, (signal,))
+            # the later positions of weak matches are seldom reached: fewer observations
+            tolerance = 0.06 if j < 3 else 0.13
+            assert abs(gate.model.predict(x) - truth(j, signal)) < tolerance, (signal, j)
+    assert gate.model.weights[3] > 1.5 and gate.model.weights[2] < -0.7
+    # the buckets are counters since start: the second half's are the later minus the earlier
+    late = [
+        (b.lower, b.num_trials - a.num_trials, b.predicted - a.predicted, b.accepted - a.accepted)
+        for a, b in zip(learning, gate.model.calibration(), strict=True)
+    ]
+    buckets = [b for b in late if b[1] >= 300]
+    assert len(buckets) >= 3
+    for lower, n, predicted, accepted in buckets:
+        assert lower <= predicted / n < lower + 0.1
+        assert abs(accepted / n - predicted / n) < 0.06, (lower, n, predicted, accepted)
+
+
+def test_model_starts_from_the_request_rate() -> None:
+    model = AcceptanceModel(num_signals=2)
+    for p in (0.1, 0.5, 0.9):
+        x = [1.0, math.log(p / (1 - p)), 0.5, 0.3, 0.7]
+        assert abs(model.predict(x) - p) < 1e-9
+
+
+def test_gate_verifies_what_pays_for_its_rows() -> None:
+    gate = _gate()
+    easy, hard = make_request("easy", [1] * 40), make_request("hard", [2] * 40)
+    for _ in range(200):
+        gate.observe("easy", 5, 5)
+        gate.observe("hard", 5, 0)
+    assert gate.choose([(easy, _drafts(5))]) == [5]  # alone: a weight pass costs, rows are cheap
+    assert gate.choose([(hard, _drafts(5))]) == [0]  # drafts that always fail are never verified
+    assert gate.choose([(easy, _drafts(5)), (hard, _drafts(3))]) == [5, 0]
+    assert gate.choose([(easy, Draft())]) == [0]
+    assert gate.worth_proposing([easy, hard]) == [True, False]  # never asked for hard's drafts
+    # 32 streams of middling drafts: each row costs as much as the step's tokens earn
+    middling = [make_request(f"m{i}", [3] * 40) for i in range(32)]
+    for r in middling:
+        for _ in range(50):
+            gate.observe(r.request_id, 2, 1)
+    assert gate.choose([(middling[0], _drafts(5))])[0] > 0  # alone, half-right drafts pay
+    assert sum(gate.choose([(r, _drafts(5)) for r in middling])) == 0  # beside 31, they do not
+    off = DraftGate(StepCostModel(), enabled=False)
+    assert off.choose([(hard, _drafts(4)), (easy, _drafts(2))]) == [4, 2]
