@@ -1,18 +1,22 @@
 """Speculative decoding against plain decoding, engine only (the embedding API, no HTTP), on
-SmolLM2 with greedy requests, three workloads:
+SmolLM2 with greedy requests, four workloads:
 
 - agent: a tool-using session's turn that quotes and edits a file from its context (the model
   rewrites a ~30-line file with one change);
 - code: completing a Python module from its first functions;
-- chat: open questions (serve.py's kind of prompt).
+- chat: open questions (serve.py's kind of prompt);
+- mixed: all nine prompts of the three, run only with several streams.
 
 For each method (`none`, each proposer) a fresh engine runs every workload one request at a time
-(single stream: decode tokens/s from the first token to the last) and 8 at once (aggregate
-tokens/s), and reports drafted and accepted tokens and the mean accepted run. The outputs of
-every method are checked equal to plain decoding's, token for token.
+(single stream: decode tokens/s from the first token to the last) and then 8 and 32 at once
+(aggregate tokens/s), and reports drafted and accepted tokens and the mean accepted run. Every
+method runs once per round (`--rounds`): the ratios to plain decoding are each round's, and the
+table gives their medians (the machine drifts between rounds; within one, methods follow each
+other closely). The single-stream outputs of every method are checked equal to plain
+decoding's, token for token.
 
     python bench/speculative.py
-    python bench/speculative.py --methods none,ngram,ngram:off --max-tokens 128 --streams 8
+    python bench/speculative.py --methods none,ngram,ngram:off --max-tokens 128 --streams 8,32
 
 A method is a proposer with the confidence gate on (`ngram`) or off (`ngram:off`: every draft
 verified).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import statistics
 import time
 
 import uvloop
@@ -32,6 +37,7 @@ import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
 from deepinfer.config import Config, DiskCacheConfig, SpeculativeConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.request import SamplingParams
+from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.text.messages import ChatMessage
 
 FILE = '''import json
@@ -90,14 +96,21 @@ CHAT = [
     [ChatMessage("user", "What makes a good cup of tea? Answer in a few sentences.")],
     [ChatMessage("user", "Describe a lighthouse at night for a children's story.")],
 ]
-WORKLOADS = {"agent": AGENT, "code": CODE, "chat": CHAT}
+WORKLOADS = {"agent": AGENT, "code": CODE, "chat": CHAT, "mixed": AGENT + CODE + CHAT}
+"""`mixed` runs only with several streams: every prompt of the others, in turn."""
 
 
 @dataclasses.dataclass
 class Run:
     tokens: list[list[int]]
+    """The single-stream outputs, in prompt order (checked against plain decoding)."""
     single_tok_s: float
-    multi_tok_s: float
+    multi_tok_s: dict[int, float]
+    """Aggregate tokens/s by number of streams."""
+
+
+Counts = tuple[int, int, int]
+"""Drafted, accepted, and request-steps that verified drafts."""
 
 
 async def one(
@@ -114,23 +127,36 @@ async def one(
     return ids, first, last
 
 
-async def run_workload(engine: AsyncEngine, prompts: list, max_tokens: int, streams: int) -> Run:
+async def single_stream(engine: AsyncEngine, prompts: list, max_tokens: int) -> tuple[list, float]:
     tokens, decode_s, decoded = [], 0.0, 0
-    for prompt in prompts:  # one stream
+    for prompt in prompts:
         ids, first, last = await one(engine, prompt, max_tokens)
         tokens.append(ids)
         decode_s += last - first
         decoded += len(ids) - 1
+    return tokens, decoded / decode_s
+
+
+async def many_streams(engine: AsyncEngine, prompts: list, max_tokens: int, streams: int) -> float:
     batch = [prompts[i % len(prompts)] for i in range(streams)]
     start = time.perf_counter()
     outs = await asyncio.gather(*(one(engine, p, max_tokens) for p in batch))
-    wall = time.perf_counter() - start
-    return Run(tokens, decoded / decode_s, sum(len(ids) for ids, _, _ in outs) / wall)
+    return sum(len(ids) for ids, _, _ in outs) / (time.perf_counter() - start)
+
+
+def _delta(before: SpeculativeCounts, after: SpeculativeCounts) -> Counts:
+    return (
+        after.num_drafted - before.num_drafted,
+        after.num_accepted - before.num_accepted,
+        after.num_verified - before.num_verified,
+    )
 
 
 async def run_method(
-    method: str, max_tokens: int, streams: int
-) -> tuple[dict[str, Run], dict[str, tuple[int, int, int]]]:
+    method: str, max_tokens: int, streams: list[int]
+) -> tuple[dict[str, Run], dict[str, Counts]]:
+    """One engine with the method: every workload single-stream, then at each stream count
+    (the mixed workload only there); the speculative counts of each workload's runs."""
     name, _, gate = method.partition(":")
     config = Config(
         disk_cache=DiskCacheConfig(enabled=False),
@@ -139,45 +165,74 @@ async def run_method(
     runs, counts = {}, {}
     async with AsyncEngine(config) as engine:
         await one(engine, CHAT[0], 8)  # warm-up
-        for name, prompts in WORKLOADS.items():
+        for workload, prompts in WORKLOADS.items():
             before = engine.stats().speculative
-            runs[name] = await run_workload(engine, prompts, max_tokens, streams)
-            after = engine.stats().speculative
-            counts[name] = (
-                after.num_drafted - before.num_drafted,
-                after.num_accepted - before.num_accepted,
-                after.num_verified - before.num_verified,
-            )
+            tokens, single = [], 0.0
+            if workload != "mixed":
+                tokens, single = await single_stream(engine, prompts, max_tokens)
+            multi = {n: await many_streams(engine, prompts, max_tokens, n) for n in streams}
+            runs[workload] = Run(tokens, single, multi)
+            counts[workload] = _delta(before, engine.stats().speculative)
     return runs, counts
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--methods", default="none,ngram,ngram:off")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=2, help="every method once per round")
     ns = ap.parse_args()
     methods = ns.methods.split(",")
-    results = {m: uvloop.run(run_method(m, ns.max_tokens, ns.streams)) for m in methods}
-    plain = results.get("none")
+    streams = [int(n) for n in ns.streams.split(",")]
+    rounds = [
+        {m: uvloop.run(run_method(m, ns.max_tokens, streams)) for m in methods}
+        for _ in range(ns.rounds)
+    ]
     print(provenance())
     print()
+    multi_cols = " | ".join(f"{n} streams tok/s | vs plain" for n in streams)
     print(
-        f"| workload | method | 1 stream tok/s | vs plain | {ns.streams} streams tok/s | vs plain | drafted | accepted | mean accepted run | same tokens |"
+        f"| workload | method | 1 stream tok/s | vs plain | {multi_cols} | drafted | accepted "
+        "| mean accepted run | same tokens |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for name in WORKLOADS:
+    print("|---|---|---:|---:|" + "---:|---:|" * len(streams) + "---:|---:|---:|---|")
+    for workload in WORKLOADS:
         for m in methods:
-            runs, counts = results[m]
-            r, (drafted, accepted, verified) = runs[name], counts[name]
-            base = plain[0][name] if plain else r
-            same = "yes" if r.tokens == base.tokens else "NO"
-            mean_run = f"{accepted / verified:.2f}" if verified else "-"
-            print(
-                f"| {name} | {m} | {r.single_tok_s:.1f} | {r.single_tok_s / base.single_tok_s:.2f}x | "
-                f"{r.multi_tok_s:.1f} | {r.multi_tok_s / base.multi_tok_s:.2f}x | {drafted} | "
-                f"{accepted} | {mean_run} | {same} |"
-            )
+            print(_row(workload, m, rounds, streams))
+    print()
+    print(f"Ratios are medians over {ns.rounds} rounds of each round's ratio to plain decoding.")
+
+
+def _row(workload: str, method: str, rounds: list, streams: list[int]) -> str:
+    runs = [r[method][0][workload] for r in rounds]
+    plains = [
+        r["none"][0][workload] if "none" in r else run for r, run in zip(rounds, runs, strict=False)
+    ]
+    drafted, accepted, verified = (sum(r[method][1][workload][i] for r in rounds) for i in range(3))
+    same = all(run.tokens == plain.tokens for run, plain in zip(runs, plains, strict=False))
+    cells = [f"| {workload} | {method} "]
+    if workload == "mixed":
+        cells.append("| - | - ")
+    else:
+        single = _median([run.single_tok_s for run in runs])
+        ratio = _median(
+            [run.single_tok_s / p.single_tok_s for run, p in zip(runs, plains, strict=False)]
+        )
+        cells.append(f"| {single:.1f} | {ratio:.2f}x ")
+    for n in streams:
+        tok_s = _median([run.multi_tok_s[n] for run in runs])
+        ratio = _median(
+            [run.multi_tok_s[n] / p.multi_tok_s[n] for run, p in zip(runs, plains, strict=False)]
+        )
+        cells.append(f"| {tok_s:.1f} | {ratio:.2f}x ")
+    mean_run = f"{accepted / verified:.2f}" if verified else "-"
+    cells.append(f"| {drafted} | {accepted} | {mean_run} | {'yes' if same else 'NO'} |")
+    return "".join(cells)
 
 
 if __name__ == "__main__":
