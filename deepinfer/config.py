@@ -203,8 +203,8 @@ MAX_DRAFT_TOKENS = 32
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: each decode step verifies a request's draft tokens along with its
-    next token, in one forward pass, and keeps the drafts the model agrees with (greedy requests;
-    the output is the same tokens as without it). Disaggregated workers only, for now."""
+    next token, in one forward pass, and keeps the drafts the model agrees with (the output is
+    the same tokens as without it, greedy or seeded; requests with a grammar never draft)."""
 
     speculative: Literal["none", "ngram"] = "none"
     """How drafts are proposed: `none`, or `ngram` (prompt lookup: the request's own context
@@ -213,8 +213,8 @@ class SpeculativeConfig:
     """Most draft tokens a request verifies in one step."""
     speculative_gate: Literal["on", "off"] = "on"
     """`on`: each step verifies only the drafts expected to pay for their cost (acceptance
-    rates observed per request, step costs from the decode lane's cost model); `off`: every
-    draft (the baseline)."""
+    predicted by a logistic model fitted online, step costs from the decode cost model); `off`:
+    every draft (the baseline)."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ class Config:
 
 def _validate(config: Config) -> None:
     _validate_workers(config.workers)
-    _validate_speculative(config.speculative, config.workers)
+    _validate_speculative(config.speculative)
     c, s = config.cache, config.scheduler
     if c.block_size <= 0 or c.block_size & (c.block_size - 1):
         raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")
@@ -335,7 +335,7 @@ def _validate(config: Config) -> None:
     _validate_server(config.server)
 
 
-def _validate_speculative(s: SpeculativeConfig, w: WorkersConfig) -> None:
+def _validate_speculative(s: SpeculativeConfig) -> None:
     if s.speculative not in SPECULATIVE_METHODS:
         raise ConfigError(
             f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {s.speculative!r}"
@@ -346,8 +346,6 @@ def _validate_speculative(s: SpeculativeConfig, w: WorkersConfig) -> None:
         )
     if s.speculative_gate not in ("on", "off"):
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
-    if s.speculative != "none" and w.colocated:
-        raise ConfigError("speculative decoding needs the disaggregated workers (not --colocated)")
 
 
 def _validate_server(s: ServerConfig) -> None:

@@ -29,7 +29,7 @@ def build_scheduler(
     """The colocated scheduler (`--colocated`), else the disaggregated one; `decode_kv` is the
     decode pool when it is separate (None: decode uses `kv`)."""
     if config.workers.colocated:
-        return Scheduler(config.scheduler, kv, max_len)
+        return Scheduler(config.scheduler, kv, max_len, build_drafter(config, device))
     return DisaggScheduler(
         config.scheduler,
         planner_config(config, device),

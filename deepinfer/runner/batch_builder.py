@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.model.forward_batch import BatchChunk, ForwardBatch, build_forward_batch
-from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 
 
 def schedule_to_batch(
@@ -13,9 +13,18 @@ def schedule_to_batch(
 ) -> tuple[ForwardBatch, list[str]]:
     """The model input for one step, and the request of each row of logits that comes back, in
     order (a request verifying drafts has one row per drafted position and its last token's)."""
-    chunks = [
-        BatchChunk(c.token_ids(), c.start_position, c.block_ids, c.sample, c.num_logits)
-        for c in so.chunks
-    ]
+    chunks = [part for c in so.chunks for part in _batch_chunks(c)]
     sampled_ids = [c.request_id for c in so.chunks if c.sample for _ in range(c.num_logits)]
     return build_forward_batch(chunks, block_size, device), sampled_ids
+
+
+def _batch_chunks(chunk: ScheduledChunk) -> list[BatchChunk]:
+    """A chunk as the model computes it. A decode verifying drafts becomes one decode row per
+    position, each attending to the positions up to its own (their KV is written before any
+    row attends, layer by layer): a step of decodes and verifications stays a decode step (the
+    decode kernels, no switch to the prefill path for a few extra rows), and each row is
+    computed exactly as the plain decode at its position would be."""
+    tokens, start = chunk.token_ids(), chunk.start_position
+    if not chunk.draft_token_ids:
+        return [BatchChunk(tokens, start, chunk.block_ids, chunk.sample, chunk.num_logits)]
+    return [BatchChunk([t], start + j, chunk.block_ids, True, 1) for j, t in enumerate(tokens)]

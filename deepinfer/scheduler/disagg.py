@@ -30,7 +30,7 @@ from collections import deque
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
-from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
+from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
@@ -42,7 +42,7 @@ from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
 from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.scheduler.stop import check_finished
-from deepinfer.scheduler.token_delta import token_delta
+from deepinfer.scheduler.token_delta import take_tokens, token_delta
 
 
 class DisaggScheduler:
@@ -310,7 +310,7 @@ class DisaggScheduler:
             request = chunk.request
             if request.request_id in self._deferred_aborts:
                 continue
-            taken, reason = self._take(request, out)
+            taken, reason = take_tokens(request, out, self.max_model_len)
             if self.drafter is not None:
                 self.drafter.observe_request(request.request_id, len(chunk.draft_token_ids), out)
             request.num_computed_tokens = chunk.start_position + len(taken)
@@ -322,21 +322,6 @@ class DisaggScheduler:
             self.decoding = [r for r in self.decoding if not r.is_finished]
         self._apply_deferred_aborts(so)
         return deltas
-
-    def _take(
-        self, request: Request, out: RunnerOutput
-    ) -> tuple[list[SampledToken], FinishReason | None]:
-        """Append the step's tokens for `request` (its pick, then any verified run) up to the
-        first that finishes it; the tokens appended and the finish reason."""
-        rid = request.request_id
-        taken: list[SampledToken] = []
-        for sampled in (out.sampled[rid], *out.accepted.get(rid, ())):
-            request.output_token_ids.append(sampled.token_id)
-            taken.append(sampled)
-            reason = check_finished(request, self.max_model_len)
-            if reason is not None:
-                return taken, reason
-        return taken, None
 
     # -- both lanes --
     def fail_step(self, kind: StepKind, so: ScheduleOutput) -> list[str]:

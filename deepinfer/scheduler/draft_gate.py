@@ -3,18 +3,22 @@
 For each request and draft position j, an estimate of the chance that the draft is accepted
 given that the ones before it were: a logistic model per proposer (`AcceptanceModel`) over
 
-- the request's own observed acceptance rate, pulled toward the proposer's rate over all
-  requests by a few pseudo-trials (as a logit: a new request starts from the proposer's rate),
-- the position in the draft (0 for the first draft, 1 for the last a step may verify),
-- the proposer's own signals for the draft (`Draft.signals`, each in [0, 1]: for prompt
-  lookup, the length of the n-gram that matched).
+- the request's own recent acceptance rate (each verification weighs 0.9 of the next one),
+  pulled toward the proposer's rate over all requests by two pseudo-trials (as a logit: a new
+  request starts from the proposer's rate),
+- the position in the draft (-0.5 for the first draft, 0.5 for the last a step may verify),
+- the proposer's own signals for the draft (`Draft.signals`, each in [0, 1], centred: for
+  prompt lookup, the length of the n-gram that matched).
 
 Its weights start at the prior "the request's rate is the answer" (1 on the rate's logit, 0
 elsewhere) and are fitted online to the latest 4,096 observed positions (the accepted ones and
 the first rejected one of each verified draft: later positions were never put to the test),
-penalized toward the prior (an L2 pull of weight 1: it decides while observations are few): one Newton step each time new
-observations arrived (a 4,096 x 5 product, about 0.1 ms, once per step). `calibration()` keeps predicted against observed acceptance by
-bucket of prediction (`/metrics`).
+penalized toward the prior (an L2 pull worth ten observations on the bias and the rate's
+weight, one on the slopes: the prior decides while observations are few): one Newton step
+each time new observations arrived (a 4,096 x 5 product, about 0.1 ms, once per step).
+`calibration()` keeps predicted against observed acceptance by bucket of prediction
+(`/metrics`). A request whose drafts the gate turned down for `EXPLORE_EVERY` steps verifies
+one anyway, so that a request that starts badly is seen when its drafts get better.
 
 A position j of acceptance q_j (the product of the conditional estimates up to j) costs the
 extra query row it adds to its request's chunk (the decode lane's `StepCostModel`). Positions
@@ -36,6 +40,10 @@ from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import ChunkShape, StepCostModel
 
 NUM_CALIBRATION_BUCKETS = 10
+EXPLORE_EVERY = 16
+"""A request whose drafts went unverified this many steps verifies its next first draft
+anyway: without a look now and then, a request whose drafts failed early would never be seen
+to do better (a row in 16 steps: a fraction of a percent of a step)."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +71,19 @@ class AcceptanceModel:
     the recent observations kept in a ring, one Newton step of the penalized likelihood before
     the first prediction after new ones (so once per step)."""
 
-    def __init__(self, num_signals: int, window: int = 4096, prior_strength: float = 1.0) -> None:
+    def __init__(
+        self,
+        num_signals: int,
+        window: int = 4096,
+        prior_strength: tuple[float, float] = (10.0, 1.0),
+    ) -> None:
         self.prior = np.array([0.0, 1.0, 0.0, *([0.0] * num_signals)])
         """Weights of (bias, logit of the request's rate, position, *signals)."""
         self.weights = self.prior.copy()
-        self.prior_strength = prior_strength
-        """The L2 pull toward the prior, in observations' worth."""
+        self.pull = np.array([prior_strength[0]] * 2 + [prior_strength[1]] * (1 + num_signals))
+        """The L2 pull toward the prior, in observations' worth: strong on the bias and the
+        rate's weight (the first few observations already moved the rate: letting them move
+        the bias as much would count them twice), light on the slopes."""
         self._x = np.zeros((window, len(self.prior)))
         self._y = np.zeros(window)
         self.num_updates = 0
@@ -101,8 +116,8 @@ class AcceptanceModel:
         n = min(self.num_updates, len(self._y))
         x, y, w = self._x[:n], self._y[:n], self.weights
         p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30.0, 30.0)))
-        gradient = x.T @ (y - p) - self.prior_strength * (w - self.prior)
-        hessian = (x.T * (p * (1.0 - p))) @ x + self.prior_strength * np.eye(len(w))
+        gradient = x.T @ (y - p) - self.pull * (w - self.prior)
+        hessian = (x.T * (p * (1.0 - p))) @ x + np.diag(self.pull)
         self.weights = w + np.linalg.solve(hessian, gradient)
 
     def calibration(self) -> tuple[CalibrationBucket, ...]:
@@ -135,17 +150,23 @@ class DraftGate:
         max_drafts: int = 5,
         enabled: bool = True,
         prior_rate: float = 0.5,
-        prior_strength: float = 4.0,
+        prior_strength: float = 2.0,
+        recency: float = 0.9,
     ) -> None:
         self.cost_model = cost_model
         self.model = AcceptanceModel(num_signals)
         self.max_drafts = max_drafts
         self.enabled = enabled
         self.prior_rate, self.prior_strength = prior_rate, prior_strength
+        self.recency = recency
+        """A request's past verifications count this much less at each new one: what it
+        does now (quoting a file, or chatting) says more than what it did."""
         self._global = _Rate()
         self._rates: dict[str, _Rate] = {}
         self._chosen: dict[str, list[tuple[list[float], float]]] = {}
         """Each request's positions its latest step verifies: features and prediction."""
+        self._idle: dict[str, int] = {}
+        """Steps since each request last verified a draft (`EXPLORE_EVERY`)."""
 
     def rate(self, request_id: str) -> float:
         """The request's observed rate of acceptance, pulled toward the proposer's."""
@@ -155,8 +176,10 @@ class DraftGate:
         return (own.accepted + k * base) / (own.trials + k)
 
     def features(self, request_id: str, position: int, signals: Sequence[float]) -> list[float]:
+        """(1, logit of the rate, position, *signals), the last ones centred on 0 (so the prior
+        weights, 0 on them, leave the rate alone and the pull keeps the bias where it is)."""
         where = position / max(self.max_drafts - 1, 1)
-        return [1.0, _logit(self.rate(request_id)), where, *signals]
+        return [1.0, _logit(self.rate(request_id)), where - 0.5, *(v - 0.5 for v in signals)]
 
     def acceptance(self, request_id: str, draft: Draft) -> list[float]:
         """The chance that each draft position is accepted (the product up to it)."""
@@ -173,11 +196,12 @@ class DraftGate:
             return [True] * len(requests)
         per_second = len(requests) / self._plain_step_s(requests)
         best = [1.0 if w > 0 else 0.0 for w in self.model.weights[3:]]
-        return [
-            self.model.predict(self.features(r.request_id, 0, best)) / self._draft_s(r, 0)
-            > per_second
-            for r in requests
-        ]
+        worth = []
+        for r in requests:
+            idle = self._idle[r.request_id] = self._idle.get(r.request_id, 0) + 1
+            q = self.model.predict(self.features(r.request_id, 0, best))
+            worth.append(idle >= EXPLORE_EVERY or q / self._draft_s(r, 0) > per_second)
+        return worth
 
     def _plain_step_s(self, requests: Sequence[Request]) -> float:
         """Predicted seconds of a step of `requests` without drafts."""
@@ -198,6 +222,8 @@ class DraftGate:
         for (r, d), k in zip(candidates, chosen, strict=True):
             features = [self.features(r.request_id, j, d.signals) for j in range(k)]
             self._chosen[r.request_id] = [(x, self.model.predict(x)) for x in features]
+            if k > 0:
+                self._idle[r.request_id] = 0
         return chosen
 
     def _choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
@@ -222,6 +248,9 @@ class DraftGate:
             chosen[i] += 1
             if chosen[i] < len(candidates[i][1].token_ids):
                 heapq.heappush(heap, option(i))
+        for i, (r, d) in enumerate(candidates):
+            if d.token_ids and not chosen[i] and self._idle.get(r.request_id, 0) >= EXPLORE_EVERY:
+                chosen[i] = 1  # a look now and then: a request's drafts may have got better
         return chosen
 
     def observe(self, request_id: str, verified: int, accepted: int) -> None:
@@ -233,10 +262,13 @@ class DraftGate:
         trials = accepted + (1 if accepted < verified else 0)
         for j, (x, predicted) in enumerate(features[:trials]):
             self.model.update(x, j < accepted, predicted)
-        for rate in (self._global, self._rates.setdefault(request_id, _Rate())):
-            rate.accepted += accepted
-            rate.trials += trials
+        self._global.accepted += accepted
+        self._global.trials += trials
+        own = self._rates.setdefault(request_id, _Rate())
+        own.accepted = own.accepted * self.recency + accepted
+        own.trials = own.trials * self.recency + trials
 
     def forget(self, request_id: str) -> None:
         self._rates.pop(request_id, None)
         self._chosen.pop(request_id, None)
+        self._idle.pop(request_id, None)

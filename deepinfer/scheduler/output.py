@@ -48,10 +48,11 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """One token after the prompt's whole context was computed (else prompt work: a prefill
-        chunk, or recomputation after preemption)."""
+        """One token (and its drafts) after the prompt's whole context was computed (else
+        prompt work: a prefill chunk, or recomputation after preemption)."""
         request = self.request
-        return self.num_new_tokens == 1 and self.start_position >= request.num_prompt_tokens
+        one = self.num_new_tokens - len(self.draft_token_ids) == 1
+        return one and self.start_position >= request.num_prompt_tokens
 
     @property
     def num_logits(self) -> int:

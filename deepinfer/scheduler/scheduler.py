@@ -29,16 +29,20 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.speculative import SpeculativeCounts
-from deepinfer.scheduler.stop import check_finished
-from deepinfer.scheduler.token_delta import token_delta
+from deepinfer.scheduler.token_delta import take_tokens, token_delta
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, kv: KVCacheManager, max_model_len: int
+        self,
+        scheduler_config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        drafter: Drafter | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -50,6 +54,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._step = 0
         self.num_preemptions = 0
+        self.drafter = drafter
+        """Speculative decoding's drafts for the decodes of a step; None: off."""
 
     @property
     def waiting(self) -> deque[Request]:
@@ -106,9 +112,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        drafted = self._plan_drafts()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            drafts = drafted.get(request.request_id, ())
+            if drafts and self._allocate_drafts(request, drafts, budget):
+                chunks.append(self._chunk(request, 1 + len(drafts), drafts))
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.kv.allocate_slots(request, num_new):
@@ -125,20 +138,47 @@ class Scheduler:
             self._admit(budget, chunks)
         return ScheduleOutput(step=self._step, chunks=tuple(chunks), preempted_ids=tuple(preempted))
 
+    def _plan_drafts(self) -> dict[str, tuple[int, ...]]:
+        """The drafts of the running decoders (their last token alone left to compute)."""
+        if self.drafter is None:
+            return {}
+        decoders = [
+            r
+            for r in self.running
+            if r.num_computed_tokens == r.num_tokens - 1
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        ]
+        return self.drafter.plan(decoders, self.max_request_tokens) if decoders else {}
+
+    def _allocate_drafts(self, request: Request, drafts: tuple[int, ...], budget: int) -> bool:
+        """Slots for a decoder's token and drafts within the step's budget, without preempting
+        anyone (drafts are never worth another request's KV); False: none allocated."""
+        n = 1 + len(drafts)
+        if n > budget or not self.kv.can_allocate(request, n):
+            return False
+        allocated = self.kv.allocate_slots(request, n)
+        assert allocated, "can_allocate promised room"
+        assert self.drafter is not None
+        self.drafter.scheduled(len(drafts))
+        return True
+
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         room = self.max_num_seqs - len(self.running)
         for request, num_new in self.queue.admit(room, token_budget=budget):
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
             request=request,
             start_position=start,
             num_new_tokens=num_new,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new - len(drafts) == request.num_tokens,
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -149,8 +189,7 @@ class Scheduler:
         return self.queue.counts()
 
     def speculative_counts(self) -> SpeculativeCounts:
-        """Speculative decoding is not built into colocated steps: nothing drafted."""
-        return SpeculativeCounts()
+        return self.drafter.counts() if self.drafter is not None else SpeculativeCounts()
 
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         """Apply a step's results: advance computed prefixes, register newly computed blocks in
@@ -159,6 +198,8 @@ class Scheduler:
         assert so.step == self._step, "update() must follow the schedule() that made `so`"
         deltas: list[TokenDelta] = []
         finished = False
+        if self.drafter is not None:
+            self.drafter.observe_step(so, out)
         for chunk in so.chunks:
             request = chunk.request
             if self._requests.get(request.request_id) is not request:
@@ -167,17 +208,22 @@ class Scheduler:
             assert chunk.start_position == request.num_computed_tokens, "chunk out of order"
             if not chunk.is_decode:
                 self.queue.computed(chunk.num_new_tokens)
-            request.num_computed_tokens = chunk.end_position
-            self.kv.cache_blocks(request)
             if not chunk.sample:
+                request.num_computed_tokens = chunk.end_position
+                self.kv.cache_blocks(request)
                 continue
-            sampled = out.sampled[request.request_id]
-            request.output_token_ids.append(sampled.token_id)
-            reason = check_finished(request, self.max_model_len)
+            taken, reason = take_tokens(request, out, self.max_model_len)
+            if self.drafter is not None:
+                self.drafter.observe_request(request.request_id, len(chunk.draft_token_ids), out)
+            # computed: the chunk's tokens but its drafts, then the accepted drafts (the tokens
+            # taken after the first); a rejected draft's KV lies past them, never cached
+            computed = chunk.end_position - len(chunk.draft_token_ids) + len(taken) - 1
+            request.num_computed_tokens = computed
+            self.kv.cache_blocks(request)
             if reason is not None:
                 self._finish(request, reason)
                 finished = True
-            deltas.append(token_delta(request, (sampled,), reason))
+            deltas.append(token_delta(request, taken, reason))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas
@@ -199,6 +245,8 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.queue.finish(self.kv, request, reason)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
 
     def check_integrity(self) -> None:
         """Queues partition the live requests, statuses match queues, budgets hold, and the

@@ -1,11 +1,28 @@
-"""The `TokenDelta` a scheduler emits when a request gets a token."""
+"""A sampling step's tokens appended to a request, and the `TokenDelta` a scheduler emits."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deepinfer.outputs import SampledToken, TokenDelta
+from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
 from deepinfer.request import FinishReason, Request
+from deepinfer.scheduler.stop import check_finished
+
+
+def take_tokens(
+    request: Request, out: RunnerOutput, max_model_len: int
+) -> tuple[list[SampledToken], FinishReason | None]:
+    """Append a sampling step's tokens for `request` (its pick, then any verified run) up to
+    the first that finishes it; the tokens appended and the finish reason."""
+    rid = request.request_id
+    taken: list[SampledToken] = []
+    for sampled in (out.sampled[rid], *out.accepted.get(rid, ())):
+        request.output_token_ids.append(sampled.token_id)
+        taken.append(sampled)
+        reason = check_finished(request, max_model_len)
+        if reason is not None:
+            return taken, reason
+    return taken, None
 
 
 def token_delta(

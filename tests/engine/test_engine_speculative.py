@@ -32,11 +32,11 @@ def _repetitive_prompts() -> list[list[int]]:
     return [b * (2 + i % 3) + b[: i % 3] for i, b in enumerate(base)]
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 5])
+@pytest.mark.parametrize(("num_draft_tokens", "colocated"), [(1, False), (5, False), (5, True)])
 async def test_tiny_model_gives_the_plain_tokens(
-    tiny_llama_dir: Path, num_draft_tokens: int
+    tiny_llama_dir: Path, num_draft_tokens: int, colocated: bool
 ) -> None:
-    config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)
+    config = tiny_config(tiny_llama_dir, WorkersConfig(colocated=colocated), num_blocks=160)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = _repetitive_prompts()
     async with AsyncEngine(config) as plain:
@@ -76,10 +76,13 @@ SAMPLED = [
 0.02 and 0.05 (they often do)."""
 
 
-async def test_tiny_model_sampled_requests_keep_their_seeded_tokens(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_tiny_model_sampled_requests_keep_their_seeded_tokens(
+    tiny_llama_dir: Path, colocated: bool
+) -> None:
     """Seeded sampling with penalties and `min_tokens`: the tokens (and logprobs) plain decoding
-    gives, alone and batched."""
-    config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)
+    gives, batched, in both worker modes."""
+    config = tiny_config(tiny_llama_dir, WorkersConfig(colocated=colocated), num_blocks=160)
     prompts = _repetitive_prompts()[:6]
 
     async def each(engine: AsyncEngine) -> list[list[int]]:
@@ -118,7 +121,8 @@ REAL_PROMPTS = [
 @pytest.mark.slow
 async def test_real_model_gives_the_plain_tokens(real_engine: AsyncEngine) -> None:
     """Against the session's plain engine, on the same settings but `--speculative ngram`:
-    alone and four at once, the same tokens; and drafts were accepted."""
+    alone and four at once, greedy and seeded, the same tokens; and drafts were accepted. In
+    colocated mode too (four at once)."""
     want = [await _tokens(real_engine, p, 64) for p in REAL_PROMPTS]
     seeded = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.95, seed=5)
     want_sampled = [await _tokens(real_engine, p, 0, seeded) for p in REAL_PROMPTS]
@@ -132,6 +136,14 @@ async def test_real_model_gives_the_plain_tokens(real_engine: AsyncEngine) -> No
     assert list(together) == want
     assert list(sampled) == want_sampled
     assert counts.num_accepted > 0, counts
+    colocated = _with_ngram(real_config().replace(workers=WorkersConfig(colocated=True)))
+    async with AsyncEngine(colocated) as engine:
+        together = await asyncio.gather(*(_tokens(engine, p, 64) for p in REAL_PROMPTS))
+        sampled = await asyncio.gather(*(_tokens(engine, p, 0, seeded) for p in REAL_PROMPTS))
+        assert engine.stats().speculative.num_accepted > 0
+        engine.check_integrity()
+    assert list(together) == want
+    assert list(sampled) == want_sampled
 
 
 async def test_tiny_model_stop_strings_end_where_plain_decoding_ends(tiny_llama_dir: Path) -> None:

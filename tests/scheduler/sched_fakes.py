@@ -9,10 +9,13 @@ a wrong block, a block reused while still in use, or a lost write all fail here.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request, SamplingParams
+from deepinfer.runner.speculative import verify_drafts
+from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.output import ScheduleOutput
 
 _MOD = (1 << 61) - 1
@@ -58,10 +61,10 @@ class FakeRunner:
         bs = self.block_size
         before = dict(self.kv)
         written: set[tuple[int, int]] = set()
-        sampled: dict[str, SampledToken] = {}
+        picks: list[SampledToken] = []
         for chunk in so.chunks:
-            tokens = chunk.request.all_token_ids
-            digests = prefix_digests(tokens[: chunk.end_position])
+            context = chunk.request.all_token_ids[: chunk.start_position] + chunk.token_ids()
+            digests = prefix_digests(context)  # drafts included: rejected ones write wrong KV
             table = chunk.block_ids
             assert len(table) >= -(-chunk.end_position // bs), "block table too short"
             assert 0 not in table, "the null block was handed out"
@@ -74,11 +77,36 @@ class FakeRunner:
                 assert slot not in written, f"two chunks write slot {slot} in one step"
                 written.add(slot)
                 self.kv[slot] = (p, digests[p])
-            if chunk.sample:
-                tok = next_token(digests[-1], self.vocab)
-                sampled[chunk.request_id] = SampledToken(tok, logprob=-1.0)
+            if chunk.sample:  # one pick per row of logits: the last token's, or every draft's
+                rows = digests[len(digests) - chunk.num_logits :]
+                picks += [SampledToken(next_token(d, self.vocab), logprob=-1.0) for d in rows]
+        sampled, accepted = verify_drafts(so.chunks, picks)
         self.num_steps += 1
-        return RunnerOutput(step=so.step, sampled=sampled)
+        elapsed = 0.001 * so.num_batched_tokens + 0.002
+        return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=elapsed, accepted=accepted)
+
+
+class FakeProposer:
+    """Drafts that follow the fake model for a random number of tokens, then go astray."""
+
+    name = "fake"
+    num_signals = 0
+
+    def __init__(self, rng: random.Random, vocab: int) -> None:
+        self.rng, self.vocab = rng, vocab
+
+    def propose(self, request: Request, max_tokens: int) -> Draft:
+        rng, tokens, drafts = self.rng, list(request.all_token_ids), []
+        k = rng.randint(0, max_tokens)
+        good = rng.randint(0, k)
+        for j in range(k):
+            right = next_token(prefix_digests(tokens)[-1], self.vocab)
+            drafts.append(right if j < good else rng.choice([right, rng.randrange(self.vocab)]))
+            tokens.append(drafts[-1])
+        return Draft(tuple(drafts))
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 def make_request(

@@ -15,7 +15,7 @@ import dataclasses
 import random
 
 import pytest
-from sched_fakes import make_request, next_token, prefix_digests, reference_output
+from sched_fakes import FakeProposer, make_request, next_token, prefix_digests, reference_output
 from test_sched_randomized import MAX_REQUEST_TOKENS, VOCAB, random_requests
 
 from deepinfer.cache.manager import KVCacheManager
@@ -25,7 +25,7 @@ from deepinfer.request import FinishReason, Request
 from deepinfer.runner.speculative import verify_drafts
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
-from deepinfer.scheduler.draft_gate import Draft, DraftGate
+from deepinfer.scheduler.draft_gate import DraftGate
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
@@ -114,29 +114,6 @@ def planner_config(block_size: int, budget_tokens: int) -> PrefillPlannerConfig:
     )
 
 
-class FakeProposer:
-    """Drafts that follow the fake model for a random number of tokens, then go astray."""
-
-    name = "fake"
-    num_signals = 0
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def propose(self, request: Request, max_tokens: int) -> Draft:
-        rng, tokens, drafts = self.rng, list(request.all_token_ids), []
-        k = rng.randint(0, max_tokens)
-        good = rng.randint(0, k)
-        for j in range(k):
-            right = next_token(prefix_digests(tokens)[-1], VOCAB)
-            drafts.append(right if j < good else rng.choice([right, rng.randrange(VOCAB)]))
-            tokens.append(drafts[-1])
-        return Draft(tuple(drafts))
-
-    def forget(self, request_id: str) -> None:
-        pass
-
-
 def run_trial(
     seed: int,
     block_size: int,
@@ -158,7 +135,7 @@ def run_trial(
         cost_model=StepCostModel(CostModelConfig(prior=prior)),
         decode_kv=decode_kv,
         drafter=(
-            Drafter(FakeProposer(rng), DraftGate(StepCostModel(), enabled=seed % 2 == 0), 5)
+            Drafter(FakeProposer(rng, VOCAB), DraftGate(StepCostModel(), enabled=seed % 2 == 0), 5)
             if speculative
             else None
         ),

@@ -11,11 +11,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_fakes import FakeRunner, make_request, reference_output
+from sched_fakes import FakeProposer, FakeRunner, make_request, reference_output
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.request import FinishReason, Request
+from deepinfer.scheduler.cost_model import StepCostModel
+from deepinfer.scheduler.draft_gate import DraftGate
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.scheduler import Scheduler
 
 VOCAB = 40
@@ -58,11 +61,17 @@ def run_trial(
     max_num_seqs: int,
     caching: bool,
     abort_rate: float,
+    gate: bool | None = None,
 ) -> tuple[dict[str, tuple[Request, list[int]]], int]:
+    """`gate`: speculative decoding with drafts of every quality, the gate on or off (None:
+    no drafts)."""
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, f"model-{seed}", caching)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    sched = Scheduler(cfg, kv, max_model_len=60)
+    drafter = None
+    if gate is not None:
+        drafter = Drafter(FakeProposer(rng, VOCAB), DraftGate(StepCostModel(), enabled=gate), 5)
+    sched = Scheduler(cfg, kv, max_model_len=60, drafter=drafter)
     runner = FakeRunner(block_size, VOCAB)
     assert kv.capacity_tokens >= MAX_REQUEST_TOKENS
     requests = random_requests(rng, 24)
@@ -117,6 +126,22 @@ def test_random_schedules_match_reference(
     config: tuple[int, int, int, int, bool], seed: int
 ) -> None:
     done, _ = run_trial(seed, *config, abort_rate=0.05)
+    assert len(done) >= 12
+    for req, got in done.values():
+        assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
+        assert req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("gate", [True, False])
+def test_speculative_decoding_matches_reference(
+    config: tuple[int, int, int, int, bool], gate: bool
+) -> None:
+    """Colocated steps verifying drafts of every quality (within the token budget, never
+    preempting for them), aborts anywhere, tiny pools: the outputs are the fake model's own,
+    every KV position read is right (a rejected draft's KV is never a prefix hit), and no block
+    leaks."""
+    done, _ = run_trial(5, *config, abort_rate=0.05, gate=gate)
     assert len(done) >= 12
     for req, got in done.values():
         assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id

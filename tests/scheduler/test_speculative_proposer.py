@@ -110,13 +110,11 @@ def test_requests_speculate_unless_grammar() -> None:
     assert not can_speculate(request)
 
 
-def test_config_refuses_what_is_not_built() -> None:
+def test_config_refuses_what_is_not_built_only() -> None:
     with pytest.raises(ConfigError, match="speculative must be one of"):
         Config(speculative=SpeculativeConfig(speculative="medusa"))
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         Config(speculative=SpeculativeConfig(speculative="ngram", num_draft_tokens=0))
-    with pytest.raises(ConfigError, match="disaggregated"):
-        Config(
-            speculative=SpeculativeConfig(speculative="ngram"),
-            workers=WorkersConfig(colocated=True),
-        )
+    Config(  # both worker modes draft
+        speculative=SpeculativeConfig(speculative="ngram"), workers=WorkersConfig(colocated=True)
+    )
