@@ -196,7 +196,7 @@ class WorkersConfig:
     more throughput at 32 streams (bench/RESULTS.md)."""
 
 
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "layers")
 MAX_DRAFT_TOKENS = 32
 
 
@@ -206,11 +206,15 @@ class SpeculativeConfig:
     next token, in one forward pass, and keeps the drafts the model agrees with (the output is
     the same tokens as without it, greedy or seeded; requests with a grammar never draft)."""
 
-    speculative: Literal["none", "ngram"] = "none"
-    """How drafts are proposed: `none`, or `ngram` (prompt lookup: the request's own context
-    continues its longest recent n-gram match; no extra model)."""
+    speculative: Literal["none", "ngram", "layers"] = "none"
+    """How drafts are proposed: `none`; `ngram` (prompt lookup: the request's own context
+    continues its longest recent n-gram match; no extra model); `layers` (self-speculation: the
+    model's first `draft_layers` layers, its final norm and LM head draft greedily, on the
+    worker, at the start of the step that verifies them)."""
     num_draft_tokens: int = 5
     """Most draft tokens a request verifies in one step."""
+    draft_layers: int = 8
+    """`layers`: how many of the model's first layers draft (fewer than it has)."""
     speculative_gate: Literal["on", "off"] = "on"
     """`on`: each step verifies only the drafts expected to pay for their cost (acceptance
     predicted by a logistic model fitted online, step costs from the decode cost model); `off`:
@@ -344,6 +348,8 @@ def _validate_speculative(s: SpeculativeConfig) -> None:
         raise ConfigError(
             f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {s.num_draft_tokens}"
         )
+    if s.draft_layers < 1:
+        raise ConfigError(f"draft_layers must be at least 1, got {s.draft_layers}")
     if s.speculative_gate not in ("on", "off"):
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
 

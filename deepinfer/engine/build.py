@@ -21,18 +21,20 @@ from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
 from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.cache.host.tier import HostTier
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.config import Config, DiskCacheConfig, Retention
+from deepinfer.config import Config, ConfigError, DiskCacheConfig, Retention
 from deepinfer.engine.build_replicas import Replica, Replicas, build_replicas, capture_graphs
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.model.loader import LoadedModel, model_fingerprint
+from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.device import resolve_device
 from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
 from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.self_draft import SelfDrafter
 from deepinfer.sampling.constraints import ConstraintCompiler
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.scheduler.disagg import DisaggScheduler
@@ -240,13 +242,27 @@ def build_runners(
     whichever runs decode steps."""
     block_size, seed = config.cache.block_size, config.runtime.seed
     prefill, decode = replicas.prefill, replicas.decode
+    drafter = _self_drafter(config, decode.model, decode.device)
     if not replicas.split:
-        runner = ModelRunner(prefill.model, block_size, prefill.device, seed, graphs, constraints)
+        runner = ModelRunner(
+            prefill.model, block_size, prefill.device, seed, graphs, constraints, drafter
+        )
         return runner, runner
     return (
         ModelRunner(prefill.model, block_size, prefill.device, seed, None, constraints),
-        ModelRunner(decode.model, block_size, decode.device, seed, graphs, constraints),
+        ModelRunner(decode.model, block_size, decode.device, seed, graphs, constraints, drafter),
     )
+
+
+def _self_drafter(config: Config, model: CausalLM, device: torch.device) -> SelfDrafter | None:
+    """The decode runner's draft maker for `--speculative layers`; None for other methods."""
+    spec = config.speculative
+    if spec.speculative != "layers":
+        return None
+    try:
+        return SelfDrafter(model, spec.draft_layers, config.cache.block_size, device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def build_copier(replicas: Replicas) -> KVCopier | None:

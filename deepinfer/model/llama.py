@@ -235,28 +235,39 @@ class LlamaForCausalLM(nn.Module):
         for steps whose attention is all native rows (bit-identical; False: layer by layer)."""
         self._stack: NativeLayerStack | str | None = None
         """The native stack once built, or why it cannot be (None: not tried yet)."""
+        self._prefix_stacks: dict[int, NativeLayerStack] = {}
+        """Stacks of the first layers only, by their number (self-speculation's drafts)."""
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Replace the kernel backend (chosen once at start-up, before serving)."""
         self.attention_backend = backend
         self._stack = None
+        self._prefix_stacks = {}
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """Attach one (k_cache, v_cache) per layer (see `kv_layout.allocate_kv_caches`)."""
         check_kv_caches(self.arch, kv_caches)
         self.kv_caches = kv_caches
         self._stack = None
+        self._prefix_stacks = {}
 
-    def native_stack(self) -> NativeLayerStack | None:
-        """The decoder stack as one native call, where this model and its caches qualify."""
+    def native_stack(self, num_layers: int | None = None) -> NativeLayerStack | None:
+        """The decoder stack (or its first `num_layers` layers) as one native call, where this
+        model and its caches qualify."""
         if self._stack is None:
             try:
                 self._stack = self._build_stack()
             except ValueError as exc:
                 self._stack = str(exc)
-        return self._stack if isinstance(self._stack, NativeLayerStack) else None
+        if not isinstance(self._stack, NativeLayerStack):
+            return None
+        if num_layers is None or num_layers == len(self.layers):
+            return self._stack
+        if num_layers not in self._prefix_stacks:
+            self._prefix_stacks[num_layers] = self._build_stack(num_layers)
+        return self._prefix_stacks[num_layers]
 
-    def _build_stack(self) -> NativeLayerStack:
+    def _build_stack(self, num_layers: int | None = None) -> NativeLayerStack:
         a = self.arch
         if self.attention_backend.name != "cpu" or self.kv_caches is None:
             raise ValueError("needs the cpu attention backend and bound caches")
@@ -266,6 +277,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
             layers.append(_layer_weights(layer, kv_cache))
+        layers = layers[:num_layers]
         shape = StackShape(
             a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
             a.rms_norm_eps, a.head_dim**-0.5,
@@ -277,8 +289,11 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.forward_hidden(batch))
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, hidden]
-        """Final-normed hidden states of the `logits_indices` rows."""
+    def forward_hidden(
+        self, batch: ForwardBatch, num_layers: int | None = None
+    ) -> torch.Tensor:  # [B_sample, hidden]
+        """Final-normed hidden states of the `logits_indices` rows; with `num_layers`, of the
+        first layers only (self-speculation's draft: they write their layers' KV alone)."""
         if self.kv_caches is None:
             raise RuntimeError("call bind_kv_caches() before running the model")
         ops = self.attention_backend
@@ -288,11 +303,12 @@ class LlamaForCausalLM(nn.Module):
         step = StepContext(batch, ops, self.cos_sin, plan)
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
-        stack = self.native_stack() if self.native_layers else None
+        stack = self.native_stack(num_layers) if self.native_layers else None
         if stack is not None and plan is not None and step_applies(plan, h.shape[0]):
             h, residual = stack.run(h, batch.positions, batch.slot_mapping, plan)
         else:
-            for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
+            layers = list(zip(self.layers, self.kv_caches, strict=True))[:num_layers]
+            for layer, kv_cache in layers:
                 h, residual = layer(h, residual, kv_cache, step)
         assert residual is not None
         h, residual = h[batch.logits_indices], residual[batch.logits_indices]  # [B_sample, hidden]

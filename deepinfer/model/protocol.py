@@ -24,8 +24,9 @@ class CausalLM(Protocol):
 
     def __call__(self, batch: ForwardBatch) -> Any: ...
 
-    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final-normed hidden states `[B_sample, hidden]` of the `logits_indices` rows."""
+    def forward_hidden(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
+        """Final-normed hidden states `[B_sample, hidden]` of the `logits_indices` rows (after
+        the first `num_layers` layers only, when given)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

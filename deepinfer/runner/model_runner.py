@@ -16,6 +16,7 @@ from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
 from deepinfer.runner.cuda_graphs import DecodeGraphs
+from deepinfer.runner.self_draft import SelfDrafter
 from deepinfer.runner.speculative import DrawnStreams, verify_drafts
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
@@ -41,6 +42,7 @@ class ModelRunner:
         seed: int,
         graphs: DecodeGraphs | None = None,
         constraints: ConstraintCompiler | None = None,
+        self_drafter: SelfDrafter | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -54,12 +56,16 @@ class ModelRunner:
         """Grammar matchers of constrained requests, advanced by their steps' mask fills."""
         self.masks = MaskFiller(self.matchers, device)
         """Fills a step's masks while its forward pass runs."""
+        self.self_drafter = self_drafter
+        """Makes the drafts of chunks that ask the worker for them (`--speculative layers`)."""
 
     @torch.inference_mode()
     def execute(self, so: ScheduleOutput) -> RunnerOutput:
         start = time.perf_counter()
         if so.is_empty:
             return RunnerOutput(step=so.step)
+        if self.self_drafter is not None:
+            so = self.self_drafter.fill(so)
         batch, sampled_ids = schedule_to_batch(so, self.block_size, self.device)
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] = {}

@@ -35,6 +35,7 @@ from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
 from deepinfer.scheduler.disagg_integrity import check_disagg_integrity
+from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
@@ -253,11 +254,12 @@ class DisaggScheduler:
         i = 0
         while i < len(self.decoding):
             request = self.decoding[i]
-            drafts = drafted.get(request.request_id, ())
-            if drafts and self._allocate_drafts(request, drafts, len(self.decoding) - i - 1):
-                chunks.append(self._decode_chunk(request, drafts))
+            draft = drafted.get(request.request_id)
+            after = len(self.decoding) - i - 1
+            if draft is not None and self._allocate_drafts(request, draft.size, after):
+                chunks.append(self._decode_chunk(request, draft))
                 assert d is not None
-                d.scheduled(len(drafts))
+                d.scheduled(draft.size)
                 i += 1
                 continue
             while not self.decode_kv.allocate_slots(request, 1):
@@ -278,27 +280,27 @@ class DisaggScheduler:
         self._in_flight[StepKind.DECODE] = (so, None)
         return so
 
-    def _allocate_drafts(
-        self, request: Request, drafts: tuple[int, ...], decoders_after: int
-    ) -> bool:
+    def _allocate_drafts(self, request: Request, num_drafts: int, decoders_after: int) -> bool:
         """Slots for the request's token and drafts, keeping a block for each decoder after it;
         False (nothing allocated) when there is no such room."""
-        if not self.decode_kv.can_allocate(request, 1 + len(drafts), reserve_blocks=decoders_after):
+        if not self.decode_kv.can_allocate(request, 1 + num_drafts, reserve_blocks=decoders_after):
             return False
-        allocated = self.decode_kv.allocate_slots(request, 1 + len(drafts))
+        allocated = self.decode_kv.allocate_slots(request, 1 + num_drafts)
         assert allocated, "can_allocate promised room"
         return True
 
-    def _decode_chunk(self, request: Request, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _decode_chunk(self, request: Request, draft: Draft | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
+        draft = draft or Draft()
         assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
         return ScheduledChunk(
             request=request,
             start_position=start,
-            num_new_tokens=1 + len(drafts),
+            num_new_tokens=1 + draft.size,
             block_ids=self.decode_kv.block_ids(request.request_id),
             sample=True,
-            draft_token_ids=drafts,
+            draft_token_ids=draft.token_ids,
+            num_worker_drafts=draft.num_worker_tokens,
         )
 
     def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
@@ -312,7 +314,7 @@ class DisaggScheduler:
                 continue
             taken, reason = take_tokens(request, out, self.max_model_len)
             if self.drafter is not None:
-                self.drafter.observe_request(request.request_id, len(chunk.draft_token_ids), out)
+                self.drafter.observe_request(request.request_id, chunk.num_drafts, out)
             request.num_computed_tokens = chunk.start_position + len(taken)
             self.decode_kv.cache_blocks(request)
             if reason is not None:

@@ -49,10 +49,23 @@ to do better (a row in 16 steps: a fraction of a percent of a step)."""
 @dataclass(frozen=True)
 class Draft:
     """A proposer's draft for one request: the tokens, and its confidence signals (each in
-    [0, 1], the same number for every draft of a proposer; see the proposer)."""
+    [0, 1], the same number for every draft of a proposer; see the proposer). A proposer that
+    drafts on the worker (a model) gives no tokens but how many it may draft there
+    (`num_worker_tokens`): the step reserves their slots and the runner fills them in."""
 
     token_ids: tuple[int, ...] = ()
     signals: tuple[float, ...] = ()
+    num_worker_tokens: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.token_ids) or self.num_worker_tokens
+
+    def cut(self, n: int) -> Draft:
+        """The first `n` positions."""
+        if self.num_worker_tokens:
+            return Draft(signals=self.signals, num_worker_tokens=min(n, self.num_worker_tokens))
+        return Draft(self.token_ids[:n], self.signals)
 
 
 @dataclass(frozen=True)
@@ -184,7 +197,7 @@ class DraftGate:
     def acceptance(self, request_id: str, draft: Draft) -> list[float]:
         """The chance that each draft position is accepted (the product up to it)."""
         out, q = [], 1.0
-        for j in range(len(draft.token_ids)):
+        for j in range(draft.size):
             q *= self.model.predict(self.features(request_id, j, draft.signals))
             out.append(q)
         return out
@@ -216,9 +229,7 @@ class DraftGate:
     def choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
         """For each (request, draft), how many drafts to verify. Every request of the step is
         listed (those without drafts with an empty one): the step's cost depends on all."""
-        chosen = (
-            self._choose(candidates) if self.enabled else [len(d.token_ids) for _, d in candidates]
-        )
+        chosen = self._choose(candidates) if self.enabled else [d.size for _, d in candidates]
         for (r, d), k in zip(candidates, chosen, strict=True):
             features = [self.features(r.request_id, j, d.signals) for j in range(k)]
             self._chosen[r.request_id] = [(x, self.model.predict(x)) for x in features]
@@ -238,7 +249,7 @@ class DraftGate:
             q = survive[i][chosen[i]]
             return (-q / extra, q, extra, i)
 
-        heap = [option(i) for i, (_, d) in enumerate(candidates) if d.token_ids]
+        heap = [option(i) for i, (_, d) in enumerate(candidates) if d.size]
         heapq.heapify(heap)
         while heap:
             neg_gain, q, extra, i = heapq.heappop(heap)
@@ -246,10 +257,10 @@ class DraftGate:
                 break  # the best position left would lower tokens per second
             tokens, seconds = tokens + q, seconds + extra
             chosen[i] += 1
-            if chosen[i] < len(candidates[i][1].token_ids):
+            if chosen[i] < candidates[i][1].size:
                 heapq.heappush(heap, option(i))
         for i, (r, d) in enumerate(candidates):
-            if d.token_ids and not chosen[i] and self._idle.get(r.request_id, 0) >= EXPLORE_EVERY:
+            if d.size and not chosen[i] and self._idle.get(r.request_id, 0) >= EXPLORE_EVERY:
                 chosen[i] = 1  # a look now and then: a request's drafts may have got better
         return chosen
 

@@ -30,7 +30,7 @@ class Drafter:
         self.num_draft_tokens = num_draft_tokens
         self._drafted = self._accepted = self._verified = 0
 
-    def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, tuple[int, ...]]:
+    def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, Draft]:
         """The drafts each decoder's next step verifies (`max_tokens`: the most a request may
         hold): the proposer's, cut by the gate; requests without drafts are left out."""
         worth = self.gate.worth_proposing(decoding)
@@ -38,11 +38,11 @@ class Drafter:
             self._propose(r, max_tokens) if w else Draft()
             for r, w in zip(decoding, worth, strict=True)
         ]
-        if not any(d.token_ids for d in proposals):
+        if not any(d.size for d in proposals):
             return {}
         keep = self.gate.choose(list(zip(decoding, proposals, strict=True)))
         return {
-            r.request_id: d.token_ids[:k]
+            r.request_id: d.cut(k)
             for r, d, k in zip(decoding, proposals, keep, strict=True)
             if k > 0
         }
@@ -64,7 +64,7 @@ class Drafter:
 
     def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
         """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without)."""
-        if any(c.draft_token_ids for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
+        if any(c.num_drafts for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
             shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
             self.gate.cost_model.observe(shapes, out.elapsed_s)
 

@@ -37,6 +37,13 @@ class ScheduledChunk:
     """Speculative decoding (a decode chunk): proposed tokens after the request's last one,
     computed in the same chunk (`num_new_tokens` counts them) and verified against the model's
     own picks; only the agreed ones become the request's tokens."""
+    num_worker_drafts: int = 0
+    """Drafts the runner makes at the start of the step (a model proposer), with slots here;
+    the runner verifies the chunk with them as `draft_token_ids`."""
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids) + self.num_worker_drafts
 
     @property
     def request_id(self) -> str:
@@ -51,13 +58,13 @@ class ScheduledChunk:
         """One token (and its drafts) after the prompt's whole context was computed (else
         prompt work: a prefill chunk, or recomputation after preemption)."""
         request = self.request
-        one = self.num_new_tokens - len(self.draft_token_ids) == 1
+        one = self.num_new_tokens - self.num_drafts == 1
         return one and self.start_position >= request.num_prompt_tokens
 
     @property
     def num_logits(self) -> int:
         """Rows of logits the chunk needs: its last token's, or with drafts one per position."""
-        return 1 + len(self.draft_token_ids) if self.sample else 0
+        return 1 + self.num_drafts if self.sample else 0
 
     def token_ids(self) -> list[int]:
         if self.draft_token_ids:

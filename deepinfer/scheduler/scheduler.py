@@ -29,6 +29,7 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
+from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
@@ -116,10 +117,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            drafts = drafted.get(request.request_id, ())
-            if drafts and self._allocate_drafts(request, drafts, budget):
-                chunks.append(self._chunk(request, 1 + len(drafts), drafts))
-                budget -= 1 + len(drafts)
+            draft = drafted.get(request.request_id)
+            if draft is not None and self._allocate_drafts(request, draft.size, budget):
+                chunks.append(self._chunk(request, 1 + draft.size, draft))
+                budget -= 1 + draft.size
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -138,7 +139,7 @@ class Scheduler:
             self._admit(budget, chunks)
         return ScheduleOutput(step=self._step, chunks=tuple(chunks), preempted_ids=tuple(preempted))
 
-    def _plan_drafts(self) -> dict[str, tuple[int, ...]]:
+    def _plan_drafts(self) -> dict[str, Draft]:
         """The drafts of the running decoders (their last token alone left to compute)."""
         if self.drafter is None:
             return {}
@@ -150,16 +151,16 @@ class Scheduler:
         ]
         return self.drafter.plan(decoders, self.max_request_tokens) if decoders else {}
 
-    def _allocate_drafts(self, request: Request, drafts: tuple[int, ...], budget: int) -> bool:
+    def _allocate_drafts(self, request: Request, num_drafts: int, budget: int) -> bool:
         """Slots for a decoder's token and drafts within the step's budget, without preempting
         anyone (drafts are never worth another request's KV); False: none allocated."""
-        n = 1 + len(drafts)
+        n = 1 + num_drafts
         if n > budget or not self.kv.can_allocate(request, n):
             return False
         allocated = self.kv.allocate_slots(request, n)
         assert allocated, "can_allocate promised room"
         assert self.drafter is not None
-        self.drafter.scheduled(len(drafts))
+        self.drafter.scheduled(num_drafts)
         return True
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> None:
@@ -168,17 +169,17 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
 
-    def _chunk(
-        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
-    ) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, draft: Draft | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
+        draft = draft or Draft()
         return ScheduledChunk(
             request=request,
             start_position=start,
             num_new_tokens=num_new,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new - len(drafts) == request.num_tokens,
-            draft_token_ids=drafts,
+            sample=start + num_new - draft.size == request.num_tokens,
+            draft_token_ids=draft.token_ids,
+            num_worker_drafts=draft.num_worker_tokens,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -214,10 +215,10 @@ class Scheduler:
                 continue
             taken, reason = take_tokens(request, out, self.max_model_len)
             if self.drafter is not None:
-                self.drafter.observe_request(request.request_id, len(chunk.draft_token_ids), out)
+                self.drafter.observe_request(request.request_id, chunk.num_drafts, out)
             # computed: the chunk's tokens but its drafts, then the accepted drafts (the tokens
             # taken after the first); a rejected draft's KV lies past them, never cached
-            computed = chunk.end_position - len(chunk.draft_token_ids) + len(taken) - 1
+            computed = chunk.end_position - chunk.num_drafts + len(taken) - 1
             request.num_computed_tokens = computed
             self.kv.cache_blocks(request)
             if reason is not None:

@@ -100,3 +100,22 @@ def test_capture_modes_off_cuda(tiny_llama_dir: Path) -> None:
     assert capture_decode_graphs("off", model, cpu, 8, 4) is None
     with pytest.raises(ConfigError, match="need a CUDA device"):
         capture_decode_graphs("on", model, cpu, 8, 4)
+
+
+def test_a_verifying_step_replays_the_decode_graphs() -> None:
+    """Two decodes, one verifying three drafts: six decode rows, replayed at size 8."""
+    from deepinfer.request import Request, SamplingParams
+    from deepinfer.runner.batch_builder import schedule_to_batch
+    from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
+
+    requests = [Request(f"r{i}", list(range(100, 130)), SamplingParams()) for i in range(2)]
+    chunks = (
+        ScheduledChunk(requests[0], 29, 4, (1, 2, 3), True, (7, 8, 9)),
+        ScheduledChunk(requests[1], 29, 1, (4, 5, 6), True),
+    )
+    so = ScheduleOutput(1, chunks, kind=StepKind.DECODE)
+    batch, rows = schedule_to_batch(so, BLOCK, torch.device("cpu"))
+    assert rows == ["r0"] * 4 + ["r1"]
+    assert batch.is_decode_only and batch.context_lens.tolist() == [30, 31, 32, 33, 30]
+    assert batch.input_ids.tolist() == [129, 7, 8, 9, 129]
+    assert replay_size(batch, (1, 2, 4, 8), 8) == 8

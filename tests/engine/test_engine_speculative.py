@@ -13,7 +13,7 @@ from conftest import real_config
 from tiny_engine import run_all, tiny_config
 
 from deepinfer.api.metrics import ApiMetrics
-from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
+from deepinfer.config import Config, ConfigError, SpeculativeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
@@ -23,6 +23,12 @@ NGRAM = SpeculativeConfig(speculative="ngram")
 
 def _with_ngram(config: Config, num_draft_tokens: int = 5) -> Config:
     spec = dataclasses.replace(NGRAM, num_draft_tokens=num_draft_tokens)
+    return config.replace(speculative=spec)
+
+
+def _with_layers(config: Config, draft_layers: int, gate: str = "off") -> Config:
+    """Self-speculation; the gate off by default, so that every step drafts and verifies."""
+    spec = SpeculativeConfig(speculative="layers", draft_layers=draft_layers, speculative_gate=gate)  # type: ignore[arg-type]
     return config.replace(speculative=spec)
 
 
@@ -144,6 +150,58 @@ async def test_real_model_gives_the_plain_tokens(real_engine: AsyncEngine) -> No
         engine.check_integrity()
     assert list(together) == want
     assert list(sampled) == want_sampled
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_tiny_model_self_speculation_gives_the_plain_tokens(
+    tiny_llama_dir: Path, colocated: bool
+) -> None:
+    """`--speculative layers` (its first layer of two drafts): greedy and seeded sampling, the
+    plain tokens, in both worker modes; drafts made and some accepted."""
+    config = tiny_config(tiny_llama_dir, WorkersConfig(colocated=colocated), num_blocks=160)
+    prompts = _repetitive_prompts()[:6]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    async def each(engine: AsyncEngine) -> list[list[int]]:
+        runs = [run_all(engine, prompts, p) for p in (greedy, *SAMPLED[1:])]
+        return [ids for batch in await asyncio.gather(*runs) for ids in batch]
+
+    async with AsyncEngine(config) as plain:
+        want = await each(plain)
+    async with AsyncEngine(_with_layers(config, 1)) as engine:
+        got = await each(engine)
+        counts = engine.stats().speculative
+        engine.check_integrity()
+        assert engine.stats().num_blocks_used == 0
+    assert got == want
+    assert counts.proposer == "layers"
+    assert 0 < counts.num_accepted < counts.num_drafted
+
+
+async def test_self_speculation_needs_fewer_draft_layers_than_the_model(
+    tiny_llama_dir: Path,
+) -> None:
+    config = _with_layers(tiny_config(tiny_llama_dir, WorkersConfig()), 2)
+    with pytest.raises(ConfigError, match=r"draft_layers must be in \[1, 1\]"):
+        async with AsyncEngine(config):
+            pass
+
+
+@pytest.mark.slow
+async def test_real_model_self_speculation_gives_the_plain_tokens(real_engine: AsyncEngine) -> None:
+    """`--speculative layers` on SmolLM2 (its first 8 layers of 30 draft, every draft verified):
+    greedy and seeded, alone and together, the plain tokens."""
+    seeded = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=5)
+    want = [await _tokens(real_engine, p, 32) for p in REAL_PROMPTS]
+    want_sampled = [await _tokens(real_engine, p, 0, seeded) for p in REAL_PROMPTS]
+    async with AsyncEngine(_with_layers(real_config(), 8)) as engine:
+        alone = [await _tokens(engine, p, 32) for p in REAL_PROMPTS]
+        sampled = await asyncio.gather(*(_tokens(engine, p, 0, seeded) for p in REAL_PROMPTS))
+        counts = engine.stats().speculative
+        engine.check_integrity()
+    assert alone == want
+    assert list(sampled) == want_sampled
+    assert counts.num_accepted > 0, counts
 
 
 async def test_tiny_model_stop_strings_end_where_plain_decoding_ends(tiny_llama_dir: Path) -> None:

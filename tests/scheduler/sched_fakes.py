@@ -9,6 +9,7 @@ a wrong block, a block reused while still in use, or a lost write all fail here.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -62,6 +63,7 @@ class FakeRunner:
         before = dict(self.kv)
         written: set[tuple[int, int]] = set()
         picks: list[SampledToken] = []
+        so = fill_worker_drafts(so, self.vocab)
         for chunk in so.chunks:
             context = chunk.request.all_token_ids[: chunk.start_position] + chunk.token_ids()
             digests = prefix_digests(context)  # drafts included: rejected ones write wrong KV
@@ -87,26 +89,48 @@ class FakeRunner:
 
 
 class FakeProposer:
-    """Drafts that follow the fake model for a random number of tokens, then go astray."""
+    """Drafts that follow the fake model for a random number of tokens, then go astray; with
+    `on_worker`, the room for them only (the fake runner drafts: `fill_worker_drafts`)."""
 
     name = "fake"
     num_signals = 0
 
-    def __init__(self, rng: random.Random, vocab: int) -> None:
-        self.rng, self.vocab = rng, vocab
+    def __init__(self, rng: random.Random, vocab: int, on_worker: bool = False) -> None:
+        self.rng, self.vocab, self.on_worker = rng, vocab, on_worker
 
     def propose(self, request: Request, max_tokens: int) -> Draft:
-        rng, tokens, drafts = self.rng, list(request.all_token_ids), []
-        k = rng.randint(0, max_tokens)
-        good = rng.randint(0, k)
-        for j in range(k):
-            right = next_token(prefix_digests(tokens)[-1], self.vocab)
-            drafts.append(right if j < good else rng.choice([right, rng.randrange(self.vocab)]))
-            tokens.append(drafts[-1])
-        return Draft(tuple(drafts))
+        k = self.rng.randint(0, max_tokens)
+        if self.on_worker:
+            return Draft(num_worker_tokens=k)
+        return Draft(fake_drafts(request.all_token_ids, k, self.vocab, self.rng))
 
     def forget(self, request_id: str) -> None:
         pass
+
+
+def fake_drafts(tokens: Sequence[int], k: int, vocab: int, rng: random.Random) -> tuple[int, ...]:
+    """k drafts after `tokens`: the fake model's own for a random number, then maybe not."""
+    context, drafts = list(tokens), []
+    good = rng.randint(0, k)
+    for j in range(k):
+        right = next_token(prefix_digests(context)[-1], vocab)
+        drafts.append(right if j < good else rng.choice([right, rng.randrange(vocab)]))
+        context.append(drafts[-1])
+    return tuple(drafts)
+
+
+def fill_worker_drafts(so: ScheduleOutput, vocab: int) -> ScheduleOutput:
+    """The runner's part for a worker proposer: each chunk's asked-for drafts made (seeded by
+    the step and the request, so a rerun drafts the same)."""
+    chunks = []
+    for c in so.chunks:
+        if c.num_worker_drafts:
+            rng = random.Random(f"{so.step}:{c.request_id}")
+            context = c.request.all_token_ids[: c.start_position + 1]
+            drafts = fake_drafts(context, c.num_worker_drafts, vocab, rng)
+            c = dataclasses.replace(c, draft_token_ids=drafts, num_worker_drafts=0)
+        chunks.append(c)
+    return dataclasses.replace(so, chunks=tuple(chunks))
 
 
 def make_request(

@@ -15,7 +15,14 @@ import dataclasses
 import random
 
 import pytest
-from sched_fakes import FakeProposer, make_request, next_token, prefix_digests, reference_output
+from sched_fakes import (
+    FakeProposer,
+    fill_worker_drafts,
+    make_request,
+    next_token,
+    prefix_digests,
+    reference_output,
+)
 from test_sched_randomized import MAX_REQUEST_TOKENS, VOCAB, random_requests
 
 from deepinfer.cache.manager import KVCacheManager
@@ -53,6 +60,7 @@ class ConcurrentFakeRunner:
         writes: dict[Slot, tuple[int, int]] = {}
         pool = self.pools[so.kind]
         picks: list[SampledToken] = []
+        so = fill_worker_drafts(so, VOCAB)
         for chunk in so.chunks:
             context = chunk.request.all_token_ids[: chunk.start_position] + chunk.token_ids()
             digests = prefix_digests(context)  # drafts included: rejected ones write wrong KV
@@ -122,6 +130,7 @@ def run_trial(
     abort_rate: float,
     split_pools: bool = False,
     speculative: bool = False,
+    on_worker: bool = False,
 ):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, f"model-{seed}", True)
@@ -135,7 +144,11 @@ def run_trial(
         cost_model=StepCostModel(CostModelConfig(prior=prior)),
         decode_kv=decode_kv,
         drafter=(
-            Drafter(FakeProposer(rng, VOCAB), DraftGate(StepCostModel(), enabled=seed % 2 == 0), 5)
+            Drafter(
+                FakeProposer(rng, VOCAB, on_worker),
+                DraftGate(StepCostModel(), enabled=seed % 2 == 0),
+                5,
+            )
             if speculative
             else None
         ),
@@ -205,16 +218,23 @@ def test_concurrent_lanes_match_reference(config: tuple[int, int, int], seed: in
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("split_pools", [False, True])
+@pytest.mark.parametrize(
+    ("split_pools", "on_worker"), [(False, False), (True, False), (True, True)]
+)
 def test_speculative_decoding_matches_reference(
-    config: tuple[int, int, int], split_pools: bool
+    config: tuple[int, int, int], split_pools: bool, on_worker: bool
 ) -> None:
     """Drafts of every quality verified in decode steps, aborts anywhere, tiny pools: the
     outputs are the fake model's own, every KV position read is right (a block holding a
     rejected draft's KV is never a prefix hit), and no block leaks."""
     seed = 2 + split_pools  # the gate is on for even seeds, off for odd ones
     done, sched = run_trial(
-        seed, *config, abort_rate=0.03, split_pools=split_pools, speculative=True
+        seed,
+        *config,
+        abort_rate=0.03,
+        split_pools=split_pools,
+        speculative=True,
+        on_worker=on_worker,
     )
     assert len(done) >= 12
     counts = sched.speculative_counts()

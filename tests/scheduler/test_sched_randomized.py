@@ -62,15 +62,17 @@ def run_trial(
     caching: bool,
     abort_rate: float,
     gate: bool | None = None,
+    on_worker: bool = False,
 ) -> tuple[dict[str, tuple[Request, list[int]]], int]:
     """`gate`: speculative decoding with drafts of every quality, the gate on or off (None:
-    no drafts)."""
+    no drafts); `on_worker`: drafted by the runner (a model proposer's way)."""
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, f"model-{seed}", caching)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     drafter = None
     if gate is not None:
-        drafter = Drafter(FakeProposer(rng, VOCAB), DraftGate(StepCostModel(), enabled=gate), 5)
+        proposer = FakeProposer(rng, VOCAB, on_worker)
+        drafter = Drafter(proposer, DraftGate(StepCostModel(), enabled=gate), 5)
     sched = Scheduler(cfg, kv, max_model_len=60, drafter=drafter)
     runner = FakeRunner(block_size, VOCAB)
     assert kv.capacity_tokens >= MAX_REQUEST_TOKENS
@@ -133,15 +135,15 @@ def test_random_schedules_match_reference(
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize(("gate", "on_worker"), [(True, False), (False, False), (True, True)])
 def test_speculative_decoding_matches_reference(
-    config: tuple[int, int, int, int, bool], gate: bool
+    config: tuple[int, int, int, int, bool], gate: bool, on_worker: bool
 ) -> None:
     """Colocated steps verifying drafts of every quality (within the token budget, never
-    preempting for them), aborts anywhere, tiny pools: the outputs are the fake model's own,
-    every KV position read is right (a rejected draft's KV is never a prefix hit), and no block
-    leaks."""
-    done, _ = run_trial(5, *config, abort_rate=0.05, gate=gate)
+    preempting for them; drafted by the proposer or by the runner), aborts anywhere, tiny pools:
+    the outputs are the fake model's own, every KV position read is right (a rejected draft's KV
+    is never a prefix hit), and no block leaks."""
+    done, _ = run_trial(5, *config, abort_rate=0.05, gate=gate, on_worker=on_worker)
     assert len(done) >= 12
     for req, got in done.values():
         assert got == reference_output(req, VOCAB) == req.output_token_ids, req.request_id
