@@ -16,10 +16,10 @@ other closely). The single-stream outputs of every method are checked equal to p
 decoding's, token for token.
 
     python bench/speculative.py
-    python bench/speculative.py --methods none,ngram,ngram:off --max-tokens 128 --streams 8,32
+    python bench/speculative.py --methods none,ngram,ngram:off,layers --max-tokens 128 --streams 8,32
 
-A method is a proposer with the confidence gate on (`ngram`) or off (`ngram:off`: every draft
-verified).
+A method is a proposer with the confidence gate on (`ngram`, `layers`) or off (`ngram:off`:
+every draft verified).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _median(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--methods", default="none,ngram,ngram:off")
+    ap.add_argument("--methods", default="none,ngram,ngram:off,layers")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=2, help="every method once per round")
