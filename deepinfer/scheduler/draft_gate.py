@@ -11,11 +11,10 @@ given that the ones before it were: a logistic model per proposer (`AcceptanceMo
   prompt lookup, the length of the n-gram that matched).
 
 Its weights start at the prior "the request's rate is the answer" (1 on the rate's logit, 0
-elsewhere) and are fitted online to the latest 4,096 observed positions (the accepted ones and
-the first rejected one of each verified draft: later positions were never put to the test),
-penalized toward the prior (an L2 pull worth ten observations on the bias and the rate's
-weight, one on the slopes: the prior decides while observations are few): one Newton step
-each time new observations arrived (a 4,096 x 5 product, about 0.1 ms, once per step).
+elsewhere, worth ten observations on the bias and the rate's weight and one on the slopes: the
+prior decides while observations are few) and are fitted online, one Bayesian (Laplace) update
+per observed position: the accepted ones and the first rejected one of each verified draft
+(later positions were never put to the test), older observations fading over about 4,096.
 `calibration()` keeps predicted against observed acceptance by bucket of prediction
 (`/metrics`). A request whose drafts the gate turned down for `EXPLORE_EVERY` steps times the
 number of decoders verifies one anyway, so that a request that starts badly is seen when its
@@ -34,8 +33,6 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import ChunkShape, StepCostModel
@@ -83,8 +80,10 @@ class CalibrationBucket:
 
 class AcceptanceModel:
     """Logistic regression of a draft position's acceptance, fitted online (module docstring):
-    the recent observations kept in a ring, one Newton step of the penalized likelihood before
-    the first prediction after new ones (so once per step)."""
+    a Gaussian belief over the weights (mean `weights`, covariance `_cov`), updated by one
+    Laplace step per observation (the extended Kalman filter's way: O(d^2), pure Python), its
+    covariance inflated by 1 / `forget` each time so old observations fade (a window of about
+    `window` of them)."""
 
     def __init__(
         self,
@@ -92,48 +91,46 @@ class AcceptanceModel:
         window: int = 4096,
         prior_strength: tuple[float, float] = (10.0, 1.0),
     ) -> None:
-        self.prior = np.array([0.0, 1.0, 0.0, *([0.0] * num_signals)])
+        self.prior = (0.0, 1.0, 0.0, *([0.0] * num_signals))
         """Weights of (bias, logit of the request's rate, position, *signals)."""
-        self.weights = self.prior.copy()
-        self.pull = np.array([prior_strength[0]] * 2 + [prior_strength[1]] * (1 + num_signals))
-        """The L2 pull toward the prior, in observations' worth: strong on the bias and the
-        rate's weight (the first few observations already moved the rate: letting them move
-        the bias as much would count them twice), light on the slopes."""
-        self._x = np.zeros((window, len(self.prior)))
-        self._y = np.zeros(window)
+        self.weights = list(self.prior)
+        pull = [prior_strength[0]] * 2 + [prior_strength[1]] * (1 + num_signals)
+        """The prior's precision, in observations' worth: strong on the bias and the rate's
+        weight (the first few observations already moved the rate: letting them move the bias
+        as much would count them twice), light on the slopes."""
+        n = len(self.prior)
+        self._cov = [[(1.0 / pull[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
+        self.forget = 1.0 - 1.0 / window
         self.num_updates = 0
-        self._stale = False
         self._trials = [0] * NUM_CALIBRATION_BUCKETS
         self._predicted = [0.0] * NUM_CALIBRATION_BUCKETS
         self._accepted = [0] * NUM_CALIBRATION_BUCKETS
 
     def predict(self, x: Sequence[float]) -> float:
-        if self._stale:
-            self._refit()
-        z = float(np.dot(self.weights, x))
+        z = sum(w * v for w, v in zip(self.weights, x, strict=True))
         return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
 
     def update(self, x: Sequence[float], accepted: bool, predicted: float) -> None:
-        """An observed position: its features, outcome, and the prediction the step used."""
-        p = predicted
-        bucket = min(int(p * NUM_CALIBRATION_BUCKETS), NUM_CALIBRATION_BUCKETS - 1)
+        """An observed position: its features, outcome, and the prediction the step used (for
+        the calibration buckets; the fit uses the current weights')."""
+        bucket = min(int(predicted * NUM_CALIBRATION_BUCKETS), NUM_CALIBRATION_BUCKETS - 1)
         self._trials[bucket] += 1
-        self._predicted[bucket] += p
+        self._predicted[bucket] += predicted
         self._accepted[bucket] += int(accepted)
-        row = self.num_updates % len(self._y)
-        self._x[row], self._y[row] = x, float(accepted)
         self.num_updates += 1
-        self._stale = True
-
-    def _refit(self) -> None:
-        """One Newton step toward the penalized maximum likelihood of the kept observations."""
-        self._stale = False
-        n = min(self.num_updates, len(self._y))
-        x, y, w = self._x[:n], self._y[:n], self.weights
-        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30.0, 30.0)))
-        gradient = x.T @ (y - p) - self.pull * (w - self.prior)
-        hessian = (x.T * (p * (1.0 - p))) @ x + np.diag(self.pull)
-        self.weights = w + np.linalg.solve(hessian, gradient)
+        p = self.predict(x)
+        cov, n = self._cov, len(x)
+        # covariance inflated (forgetting), then the rank-one Laplace update of one observation
+        cx = [sum(cov[i][j] * x[j] for j in range(n)) / self.forget for i in range(n)]
+        curvature = max(p * (1.0 - p), 1e-6)
+        denom = 1.0 / curvature + sum(x[i] * cx[i] for i in range(n))
+        for i in range(n):
+            row = cov[i]
+            for j in range(n):
+                row[j] = row[j] / self.forget - cx[i] * cx[j] / denom
+        error = float(accepted) - p
+        gain = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
+        self.weights = [w + g * error for w, g in zip(self.weights, gain, strict=True)]
 
     def calibration(self) -> tuple[CalibrationBucket, ...]:
         return tuple(
