@@ -187,13 +187,14 @@ def main() -> None:
     ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=2, help="every method once per round")
     ns = ap.parse_args()
+    started = provenance()  # the code that runs is the tree at the start
     methods = ns.methods.split(",")
     streams = [int(n) for n in ns.streams.split(",")]
     rounds = [
         {m: uvloop.run(run_method(m, ns.max_tokens, streams)) for m in methods}
         for _ in range(ns.rounds)
     ]
-    print(provenance())
+    print(started)
     print()
     multi_cols = " | ".join(f"{n} streams tok/s | vs plain" for n in streams)
     print(
