@@ -118,7 +118,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             draft = drafted.get(request.request_id)
-            if draft is not None and self._allocate_drafts(request, draft.size, budget):
+            after = len(self.running) - i - 1
+            if draft is not None and self._allocate_drafts(request, draft.size, budget, after):
                 chunks.append(self._chunk(request, 1 + draft.size, draft))
                 budget -= 1 + draft.size
                 i += 1
@@ -151,11 +152,14 @@ class Scheduler:
         ]
         return self.drafter.plan(decoders, self.max_request_tokens) if decoders else {}
 
-    def _allocate_drafts(self, request: Request, num_drafts: int, budget: int) -> bool:
-        """Slots for a decoder's token and drafts within the step's budget, without preempting
-        anyone (drafts are never worth another request's KV); False: none allocated."""
+    def _allocate_drafts(
+        self, request: Request, num_drafts: int, budget: int, running_after: int
+    ) -> bool:
+        """Slots for a decoder's token and drafts within the step's budget, keeping a block for
+        each running request after it: drafts never cost anyone a preemption (they are never
+        worth another request's KV); False: none allocated."""
         n = 1 + num_drafts
-        if n > budget or not self.kv.can_allocate(request, n):
+        if n > budget or not self.kv.can_allocate(request, n, reserve_blocks=running_after):
             return False
         allocated = self.kv.allocate_slots(request, n)
         assert allocated, "can_allocate promised room"
