@@ -98,8 +98,10 @@ class ModelRunner:
         generator = self._generator(request)
         rows = []
         for j in range(1 + len(drafts)):
-            seen = [*outputs, *drafts[:j]] if j else outputs
-            suppress = request.stop_token_ids if len(seen) < params.min_tokens else frozenset()
+            # penalties read the tokens; `min_tokens` only their number
+            seen = [*outputs, *drafts[:j]] if j and params.needs_penalties else outputs
+            early = len(outputs) + j < params.min_tokens
+            suppress = request.stop_token_ids if early else frozenset()
             rows.append(
                 SamplingRow(
                     params=params,

@@ -83,13 +83,15 @@ class NgramProposer:
     def propose(self, request: Request, max_tokens: int) -> Draft:
         if max_tokens <= 0:
             return Draft()
-        tokens = request.all_token_ids
         packed = self._seen.setdefault(request.request_id, array("q"))
-        if len(packed) > len(tokens):  # recomputed after preemption: start over
+        if len(packed) > request.num_tokens:  # recomputed after preemption: start over
             del packed[:]
-        packed.extend(tokens[len(packed) :])
-        start = max(0, len(tokens) - self.window)
-        found, n = ngram_lookup(tokens, self.min_n, self.max_n, max_tokens, packed, start)
+        prompt, outputs = request.prompt_token_ids, request.output_token_ids
+        if len(packed) < len(prompt):
+            packed.extend(prompt[len(packed) :])
+        packed.extend(outputs[len(packed) - len(prompt) :])  # the new tokens only, no copy
+        start = max(0, len(packed) - self.window)
+        found, n = ngram_lookup(packed, self.min_n, self.max_n, max_tokens, packed, start)
         return Draft(found, (n / self.max_n,)) if found else Draft()
 
     def forget(self, request_id: str) -> None:
