@@ -42,7 +42,6 @@ from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
 from deepinfer.scheduler.speculative import SpeculativeCounts
-from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import take_tokens, token_delta
 
 
@@ -256,10 +255,12 @@ class DisaggScheduler:
             request = self.decoding[i]
             draft = drafted.get(request.request_id)
             after = len(self.decoding) - i - 1
-            if draft is not None and self._allocate_drafts(request, draft.size, after):
+            if (
+                draft is not None
+                and d is not None
+                and d.take_slots(self.decode_kv, request, draft, after)
+            ):
                 chunks.append(self._decode_chunk(request, draft))
-                assert d is not None
-                d.scheduled(draft.size)
                 i += 1
                 continue
             while not self.decode_kv.allocate_slots(request, 1):
@@ -279,15 +280,6 @@ class DisaggScheduler:
         )
         self._in_flight[StepKind.DECODE] = (so, None)
         return so
-
-    def _allocate_drafts(self, request: Request, num_drafts: int, decoders_after: int) -> bool:
-        """Slots for the request's token and drafts, keeping a block for each decoder after it;
-        False (nothing allocated) when there is no such room."""
-        if not self.decode_kv.can_allocate(request, 1 + num_drafts, reserve_blocks=decoders_after):
-            return False
-        allocated = self.decode_kv.allocate_slots(request, 1 + num_drafts)
-        assert allocated, "can_allocate promised room"
-        return True
 
     def _decode_chunk(self, request: Request, draft: Draft | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -356,12 +348,10 @@ class DisaggScheduler:
 
     def _sampled(self, request: Request, out: RunnerOutput) -> TokenDelta:
         """Append the step's token to `request`, finish it if done; its delta."""
-        sampled = out.sampled[request.request_id]
-        request.output_token_ids.append(sampled.token_id)
-        reason = check_finished(request, self.max_model_len)
+        taken, reason = take_tokens(request, out, self.max_model_len)
         if reason is not None:
             self._finish(request, reason)
-        return token_delta(request, (sampled,), reason)
+        return token_delta(request, taken, reason)
 
     def _apply_deferred_aborts(self, so: ScheduleOutput) -> None:
         for rid in so_ids(so) & self._deferred_aborts:

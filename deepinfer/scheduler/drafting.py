@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from deepinfer.cache.manager import KVCacheManager
 from deepinfer.outputs import RunnerOutput
 from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import ChunkShape
@@ -57,10 +58,20 @@ class Drafter:
         )
         return self.proposer.propose(request, room) if room > 0 else Draft()
 
-    def scheduled(self, num_drafts: int) -> None:
-        """A request's step verifies `num_drafts` drafts."""
-        self._drafted += num_drafts
+    def take_slots(
+        self, kv: KVCacheManager, request: Request, draft: Draft, reserve_blocks: int
+    ) -> bool:
+        """Slots for a decoder's token and its drafts, leaving `reserve_blocks` free (a block
+        for each request still to be scheduled: drafts never cost anyone a preemption), and the
+        drafts counted; False, nothing allocated, when there is no such room."""
+        n = 1 + draft.size
+        if not kv.can_allocate(request, n, reserve_blocks=reserve_blocks):
+            return False
+        allocated = kv.allocate_slots(request, n)
+        assert allocated, "can_allocate promised room"
+        self._drafted += draft.size
         self._verified += 1
+        return True
 
     def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
         """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without)."""

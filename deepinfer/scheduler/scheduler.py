@@ -119,7 +119,7 @@ class Scheduler:
             request = self.running[i]
             draft = drafted.get(request.request_id)
             after = len(self.running) - i - 1
-            if draft is not None and self._allocate_drafts(request, draft.size, budget, after):
+            if draft is not None and self._take_draft_slots(request, draft, budget, after):
                 chunks.append(self._chunk(request, 1 + draft.size, draft))
                 budget -= 1 + draft.size
                 i += 1
@@ -152,20 +152,15 @@ class Scheduler:
         ]
         return self.drafter.plan(decoders, self.max_request_tokens) if decoders else {}
 
-    def _allocate_drafts(
-        self, request: Request, num_drafts: int, budget: int, running_after: int
+    def _take_draft_slots(
+        self, request: Request, draft: Draft, budget: int, running_after: int
     ) -> bool:
         """Slots for a decoder's token and drafts within the step's budget, keeping a block for
-        each running request after it: drafts never cost anyone a preemption (they are never
-        worth another request's KV); False: none allocated."""
-        n = 1 + num_drafts
-        if n > budget or not self.kv.can_allocate(request, n, reserve_blocks=running_after):
-            return False
-        allocated = self.kv.allocate_slots(request, n)
-        assert allocated, "can_allocate promised room"
+        each running request after it; False: none allocated."""
         assert self.drafter is not None
-        self.drafter.scheduled(num_drafts)
-        return True
+        return 1 + draft.size <= budget and self.drafter.take_slots(
+            self.kv, request, draft, running_after
+        )
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         room = self.max_num_seqs - len(self.running)
