@@ -34,15 +34,15 @@ from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
+from deepinfer.scheduler.decode_lane import apply_sampling, plan_decodes
 from deepinfer.scheduler.disagg_integrity import check_disagg_integrity
-from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
 from deepinfer.scheduler.speculative import SpeculativeCounts
-from deepinfer.scheduler.token_delta import take_tokens, token_delta
+from deepinfer.scheduler.token_delta import token_delta
 
 
 class DisaggScheduler:
@@ -194,13 +194,14 @@ class DisaggScheduler:
             if request.request_id in self._deferred_aborts:
                 continue
             self.queue.computed(chunk.num_new_tokens)
-            request.num_computed_tokens = chunk.end_position
-            self.kv.cache_blocks(request)
-            if chunk.sample:
-                del self.prefilling[request.request_id]
-                deltas.append(self._sampled(request, out))
-                if not request.is_finished:
-                    self._to_decode(request)
+            if not chunk.sample:
+                request.num_computed_tokens = chunk.end_position
+                self.kv.cache_blocks(request)
+                continue
+            del self.prefilling[request.request_id]
+            deltas.append(self._sampled(chunk, out, self.kv))
+            if not request.is_finished:
+                self._to_decode(request)
         self._apply_deferred_aborts(so)
         return deltas
 
@@ -246,32 +247,9 @@ class DisaggScheduler:
     def schedule_decode(self) -> ScheduleOutput:
         assert StepKind.DECODE not in self._in_flight, "decode step already in flight"
         self._steps[StepKind.DECODE] += 1
-        chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
-        d = self.drafter
-        drafted = d.plan(self.decoding, self.max_request_tokens) if d is not None else {}
-        i = 0
-        while i < len(self.decoding):
-            request = self.decoding[i]
-            draft = drafted.get(request.request_id)
-            after = len(self.decoding) - i - 1
-            if (
-                draft is not None
-                and d is not None
-                and d.take_slots(self.decode_kv, request, draft, after)
-            ):
-                chunks.append(self._decode_chunk(request, draft))
-                i += 1
-                continue
-            while not self.decode_kv.allocate_slots(request, 1):
-                victim = self.decoding.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                chunks.append(self._decode_chunk(request))
-                i += 1
+        chunks, preempted = plan_decodes(
+            self.decoding, self.decode_kv, self.drafter, self.max_request_tokens, self._preempt
+        )
         so = ScheduleOutput(
             step=self._steps[StepKind.DECODE],
             chunks=tuple(chunks),
@@ -281,37 +259,15 @@ class DisaggScheduler:
         self._in_flight[StepKind.DECODE] = (so, None)
         return so
 
-    def _decode_chunk(self, request: Request, draft: Draft | None = None) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        draft = draft or Draft()
-        assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
-        return ScheduledChunk(
-            request=request,
-            start_position=start,
-            num_new_tokens=1 + draft.size,
-            block_ids=self.decode_kv.block_ids(request.request_id),
-            sample=True,
-            draft_token_ids=draft.token_ids,
-            num_worker_drafts=draft.num_worker_tokens,
-        )
-
     def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         self._pop_in_flight(StepKind.DECODE, so)
         if self.drafter is not None:
             self.drafter.observe_step(so, out)
-        deltas: list[TokenDelta] = []
-        for chunk in so.chunks:
-            request = chunk.request
-            if request.request_id in self._deferred_aborts:
-                continue
-            taken, reason = take_tokens(request, out, self.max_model_len)
-            if self.drafter is not None:
-                self.drafter.observe_request(request.request_id, chunk.num_drafts, out)
-            request.num_computed_tokens = chunk.start_position + len(taken)
-            self.decode_kv.cache_blocks(request)
-            if reason is not None:
-                self._finish(request, reason)
-            deltas.append(token_delta(request, taken, reason))
+        deltas = [
+            self._sampled(chunk, out, self.decode_kv)
+            for chunk in so.chunks
+            if chunk.request_id not in self._deferred_aborts
+        ]
         if any(r.is_finished for r in self.decoding):
             self.decoding = [r for r in self.decoding if not r.is_finished]
         self._apply_deferred_aborts(so)
@@ -346,9 +302,11 @@ class DisaggScheduler:
         assert in_flight is so, f"update() must follow the {kind.value} schedule() that made so"
         return plan
 
-    def _sampled(self, request: Request, out: RunnerOutput) -> TokenDelta:
-        """Append the step's token to `request`, finish it if done; its delta."""
-        taken, reason = take_tokens(request, out, self.max_model_len)
+    def _sampled(self, chunk: ScheduledChunk, out: RunnerOutput, kv: KVCacheManager) -> TokenDelta:
+        """Apply a sampling chunk's result (`apply_sampling`), finish its request if done; the
+        request's delta."""
+        request = chunk.request
+        taken, reason = apply_sampling(chunk, out, kv, self.drafter, self.max_model_len)
         if reason is not None:
             self._finish(request, reason)
         return token_delta(request, taken, reason)

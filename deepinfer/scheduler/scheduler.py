@@ -29,12 +29,13 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
+from deepinfer.scheduler.decode_lane import apply_sampling, decode_chunk
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.speculative import SpeculativeCounts
-from deepinfer.scheduler.token_delta import take_tokens, token_delta
+from deepinfer.scheduler.token_delta import token_delta
 
 
 class Scheduler:
@@ -120,7 +121,7 @@ class Scheduler:
             draft = drafted.get(request.request_id)
             after = len(self.running) - i - 1
             if draft is not None and self._take_draft_slots(request, draft, budget, after):
-                chunks.append(self._chunk(request, 1 + draft.size, draft))
+                chunks.append(decode_chunk(request, self.kv.block_ids(request.request_id), draft))
                 budget -= 1 + draft.size
                 i += 1
                 continue
@@ -168,17 +169,14 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
 
-    def _chunk(self, request: Request, num_new: int, draft: Draft | None = None) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        draft = draft or Draft()
         return ScheduledChunk(
             request=request,
             start_position=start,
             num_new_tokens=num_new,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new - draft.size == request.num_tokens,
-            draft_token_ids=draft.token_ids,
-            num_worker_drafts=draft.num_worker_tokens,
+            sample=start + num_new == request.num_tokens,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -212,14 +210,7 @@ class Scheduler:
                 request.num_computed_tokens = chunk.end_position
                 self.kv.cache_blocks(request)
                 continue
-            taken, reason = take_tokens(request, out, self.max_model_len)
-            if self.drafter is not None:
-                self.drafter.observe_request(request.request_id, chunk.num_drafts, out)
-            # computed: the chunk's tokens but its drafts, then the accepted drafts (the tokens
-            # taken after the first); a rejected draft's KV lies past them, never cached
-            computed = chunk.end_position - chunk.num_drafts + len(taken) - 1
-            request.num_computed_tokens = computed
-            self.kv.cache_blocks(request)
+            taken, reason = apply_sampling(chunk, out, self.kv, self.drafter, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 finished = True

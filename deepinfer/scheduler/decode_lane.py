@@ -1,0 +1,89 @@
+"""Decode steps, as both schedulers make and apply them: a decoder's chunk (its last token, and
+any drafts), the disaggregated decode lane's plan, and a sampling chunk's result applied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from deepinfer.cache.manager import KVCacheManager
+from deepinfer.outputs import RunnerOutput, SampledToken
+from deepinfer.request import FinishReason, Request
+from deepinfer.scheduler.draft_gate import Draft
+from deepinfer.scheduler.drafting import Drafter
+from deepinfer.scheduler.output import ScheduledChunk
+from deepinfer.scheduler.token_delta import take_tokens
+
+
+def decode_chunk(
+    request: Request, block_ids: tuple[int, ...], draft: Draft | None = None
+) -> ScheduledChunk:
+    """A decoder's chunk: its last token, then its drafts (slots already allocated)."""
+    start = request.num_computed_tokens
+    draft = draft or Draft()
+    assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
+    return ScheduledChunk(
+        request=request,
+        start_position=start,
+        num_new_tokens=1 + draft.size,
+        block_ids=block_ids,
+        sample=True,
+        draft_token_ids=draft.token_ids,
+        num_worker_drafts=draft.num_worker_tokens,
+    )
+
+
+def plan_decodes(
+    decoding: list[Request],
+    kv: KVCacheManager,
+    drafter: Drafter | None,
+    max_request_tokens: int,
+    preempt: Callable[[Request], None],
+) -> tuple[list[ScheduledChunk], list[str]]:
+    """Every decoder's chunk, oldest first, and the ids preempted for them: a decoder short of a
+    block preempts the newest (popped from `decoding`, handed to `preempt`), maybe itself.
+    Drafts get slots only where a block stays free for each decoder after theirs."""
+    drafted = drafter.plan(decoding, max_request_tokens) if drafter is not None else {}
+    chunks: list[ScheduledChunk] = []
+    preempted: list[str] = []
+    i = 0
+    while i < len(decoding):
+        request = decoding[i]
+        draft = drafted.get(request.request_id)
+        if (
+            drafter is not None
+            and draft is not None
+            and drafter.take_slots(kv, request, draft, reserve_blocks=len(decoding) - i - 1)
+        ):
+            chunks.append(decode_chunk(request, kv.block_ids(request.request_id), draft))
+            i += 1
+            continue
+        while not kv.allocate_slots(request, 1):
+            victim = decoding.pop()
+            preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                break
+        else:
+            chunks.append(decode_chunk(request, kv.block_ids(request.request_id)))
+            i += 1
+    return chunks, preempted
+
+
+def apply_sampling(
+    chunk: ScheduledChunk,
+    out: RunnerOutput,
+    kv: KVCacheManager,
+    drafter: Drafter | None,
+    max_model_len: int,
+) -> tuple[Sequence[SampledToken], FinishReason | None]:
+    """A sampling chunk's result: its tokens appended (`take_tokens`), the drafts' fate told to
+    the drafter, the computed prefix advanced and its full blocks cached. Computed: the chunk's
+    tokens but its drafts, then the accepted drafts (the tokens taken after the first); a
+    rejected draft's KV lies past them, never cached. The caller finishes the request."""
+    request = chunk.request
+    taken, reason = take_tokens(request, out, max_model_len)
+    if drafter is not None and chunk.num_drafts:
+        drafter.observe_request(request.request_id, chunk.num_drafts, out)
+    request.num_computed_tokens = chunk.end_position - chunk.num_drafts + len(taken) - 1
+    kv.cache_blocks(request)
+    return taken, reason
