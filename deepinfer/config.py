@@ -196,7 +196,7 @@ class WorkersConfig:
     more throughput at 32 streams (bench/RESULTS.md)."""
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "layers")
+SPECULATIVE_METHODS = ("none", "ngram", "layers", "draft-model")
 MAX_DRAFT_TOKENS = 32
 
 
@@ -206,15 +206,20 @@ class SpeculativeConfig:
     next token, in one forward pass, and keeps the drafts the model agrees with (the output is
     the same tokens as without it, greedy or seeded; requests with a grammar never draft)."""
 
-    speculative: Literal["none", "ngram", "layers"] = "none"
+    speculative: Literal["none", "ngram", "layers", "draft-model"] = "none"
     """How drafts are proposed: `none`; `ngram` (prompt lookup: the request's own context
     continues its longest recent n-gram match; no extra model); `layers` (self-speculation: the
     model's first `draft_layers` layers, its final norm and LM head draft greedily, on the
-    worker, at the start of the step that verifies them)."""
+    worker, at the start of the step that verifies them); `draft-model` (a smaller model with
+    the same vocabulary, `draft_model`, drafts greedily on the worker, its KV in the same
+    blocks as the model's)."""
     num_draft_tokens: int = 5
     """Most draft tokens a request verifies in one step."""
     draft_layers: int = 8
     """`layers`: how many of the model's first layers draft (fewer than it has)."""
+    draft_model: str | None = None
+    """`draft-model`: the draft's GGUF file or model directory (its vocabulary must be the
+    model's)."""
     speculative_gate: Literal["on", "off"] = "on"
     """`on`: each step verifies only the drafts expected to pay for their cost (acceptance
     predicted by a logistic model fitted online, step costs from the decode cost model); `off`:
@@ -350,6 +355,8 @@ def _validate_speculative(s: SpeculativeConfig) -> None:
         )
     if s.draft_layers < 1:
         raise ConfigError(f"draft_layers must be at least 1, got {s.draft_layers}")
+    if (s.speculative == "draft-model") != (s.draft_model is not None):
+        raise ConfigError("draft_model is given exactly when speculative is draft-model")
     if s.speculative_gate not in ("on", "off"):
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
 

@@ -26,6 +26,9 @@ class RunnerOutput:
     accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
     """Speculative decoding: for a request that verified drafts, the tokens after `sampled`'s
     (the agreed drafts beyond the first, then the model's pick after them)."""
+    drafted: dict[str, int] = field(default_factory=dict)
+    """Drafts the worker made per request that asked for some (`num_worker_drafts`): what it
+    verified, maybe fewer than asked."""
 
 
 @dataclass(frozen=True)

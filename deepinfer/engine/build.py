@@ -27,14 +27,13 @@ from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.model.loader import LoadedModel, model_fingerprint
-from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.device import resolve_device
 from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
 from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
-from deepinfer.runner.self_draft import SelfDrafter
+from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, WorkerDrafter
 from deepinfer.sampling.constraints import ConstraintCompiler
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.scheduler.disagg import DisaggScheduler
@@ -242,7 +241,7 @@ def build_runners(
     whichever runs decode steps."""
     block_size, seed = config.cache.block_size, config.runtime.seed
     prefill, decode = replicas.prefill, replicas.decode
-    drafter = _self_drafter(config, decode.model, decode.device)
+    drafter = _worker_drafter(config, decode)
     if not replicas.split:
         runner = ModelRunner(
             prefill.model, block_size, prefill.device, seed, graphs, constraints, drafter
@@ -254,13 +253,17 @@ def build_runners(
     )
 
 
-def _self_drafter(config: Config, model: CausalLM, device: torch.device) -> SelfDrafter | None:
-    """The decode runner's draft maker for `--speculative layers`; None for other methods."""
-    spec = config.speculative
+def _worker_drafter(config: Config, decode: Replica) -> WorkerDrafter | None:
+    """The decode runner's draft maker for `--speculative layers` (the model's first layers)
+    or `draft-model` (the replica's draft); None for other methods."""
+    spec, block_size = config.speculative, config.cache.block_size
+    sure = DRAFT_CONFIDENCE_MIN if spec.speculative_gate == "on" else 0.0
+    if decode.draft is not None:
+        return WorkerDrafter(decode.draft, block_size, decode.device, None, sure)
     if spec.speculative != "layers":
         return None
     try:
-        return SelfDrafter(model, spec.draft_layers, config.cache.block_size, device)
+        return WorkerDrafter(decode.model, block_size, decode.device, spec.draft_layers, sure)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -1,5 +1,10 @@
 """Building each device group's model replica and the KV pool bound to it: the prefill group's,
-and the decode group's when the groups are separate devices (else one replica serves both)."""
+and the decode group's when the groups are separate devices (else one replica serves both).
+
+With `--speculative draft-model` the decode group's replica carries the draft model too: its KV
+lives in caches of its own indexed by the same block ids as the model's, so a block is one unit
+of the pool (its bytes are both models' and the pool holds fewer blocks), and the draft needs no
+block tables, allocation or accounting of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import Config
+from deepinfer.config import Config, ConfigError
 from deepinfer.engine.kv_sizing import kv_cache_dtype, num_kv_blocks
 from deepinfer.model.kv_layout import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from deepinfer.model.loader import LoadedModel, load_model
@@ -26,6 +31,8 @@ class Replica:
     kv_caches: KVCaches
     num_blocks: int
     device: torch.device
+    draft: CausalLM | None = None
+    """`--speculative draft-model`: the draft, bound to caches of `num_blocks` blocks of its own."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,41 @@ def build_replicas(config: Config, path: Path, groups: DeviceGroups) -> Replicas
     loaded = load(config, path, dtype, groups.prefill)
     backend = loaded.model.attention_backend.name
     kv_dtype = kv_cache_dtype(config.cache, dtype, backend, groups.prefill)
-    prefill = build_replica(config, loaded, loaded.model, kv_dtype, groups.prefill)
+    draft = load_draft(config, loaded, groups.decode)
+    prefill = build_replica(
+        config, loaded, loaded.model, kv_dtype, groups.prefill, None if groups.split else draft
+    )
     decode = prefill
     if groups.split:
         decode_model = load(config, path, dtype, groups.decode).model
-        decode = build_replica(config, loaded, decode_model, kv_dtype, groups.decode)
+        decode = build_replica(config, loaded, decode_model, kv_dtype, groups.decode, draft)
     return Replicas(loaded, prefill, decode, kv_dtype)
+
+
+def load_draft(config: Config, loaded: LoadedModel, device: torch.device) -> LoadedModel | None:
+    """The draft model for `--speculative draft-model` (else None), on the decode group's
+    device; refused unless its vocabulary is the model's."""
+    path = config.speculative.draft_model
+    if config.speculative.speculative != "draft-model" or path is None:
+        return None
+    draft = load(config, Path(path), loaded.dtype, device)
+    tokens, draft_tokens = _vocab(loaded), _vocab(draft)
+    same_tokens = tokens is None or draft_tokens is None or tokens == draft_tokens
+    if draft.arch.vocab_size != loaded.arch.vocab_size or not same_tokens:
+        raise ConfigError(
+            f"the draft model {path} has another vocabulary than the model's "
+            f"({draft.arch.vocab_size} vs {loaded.arch.vocab_size} tokens)"
+        )
+    return draft
+
+
+def _vocab(loaded: LoadedModel) -> list[bytes] | None:
+    """A GGUF file's token strings (None for a model directory: its size alone is compared)."""
+    reader = loaded.gguf_reader
+    if reader is None:
+        return None
+    field = reader.get_field("tokenizer.ggml.tokens")
+    return None if field is None else [bytes(field.parts[i]) for i in field.data]
 
 
 def load(config: Config, path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -69,14 +105,22 @@ def build_replica(
     model: CausalLM,
     kv_dtype: torch.dtype,
     device: torch.device,
+    draft: LoadedModel | None = None,
 ) -> Replica:
-    """A KV pool on `device`, sized by the cache config and bound to `model`."""
+    """A KV pool on `device`, sized by the cache config and bound to `model` (and `draft`:
+    each block holds both models' KV)."""
     block_size = config.cache.block_size
     block_bytes = kv_bytes_per_block(loaded.arch, block_size, kv_dtype)
+    if draft is not None:
+        block_bytes += kv_bytes_per_block(draft.arch, block_size, kv_dtype)
     num_blocks = num_kv_blocks(config.cache, block_bytes, device)
     kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, kv_dtype, device)
     model.bind_kv_caches(kv_caches)
-    return Replica(model, kv_caches, num_blocks, device)
+    if draft is not None:
+        draft.model.bind_kv_caches(
+            allocate_kv_caches(draft.arch, num_blocks, block_size, kv_dtype, device)
+        )
+    return Replica(model, kv_caches, num_blocks, device, draft.model if draft else None)
 
 
 def capture_graphs(config: Config, decode: Replica, max_len: int) -> DecodeGraphs | None:

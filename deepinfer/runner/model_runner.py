@@ -16,8 +16,8 @@ from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
 from deepinfer.runner.cuda_graphs import DecodeGraphs
-from deepinfer.runner.self_draft import SelfDrafter
 from deepinfer.runner.speculative import DrawnStreams, verify_drafts
+from deepinfer.runner.worker_draft import WorkerDrafter
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
 from deepinfer.sampling.mask_fill import MaskFiller
@@ -42,7 +42,7 @@ class ModelRunner:
         seed: int,
         graphs: DecodeGraphs | None = None,
         constraints: ConstraintCompiler | None = None,
-        self_drafter: SelfDrafter | None = None,
+        drafter: WorkerDrafter | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -56,16 +56,18 @@ class ModelRunner:
         """Grammar matchers of constrained requests, advanced by their steps' mask fills."""
         self.masks = MaskFiller(self.matchers, device)
         """Fills a step's masks while its forward pass runs."""
-        self.self_drafter = self_drafter
-        """Makes the drafts of chunks that ask the worker for them (`--speculative layers`)."""
+        self.drafter = drafter
+        """Makes the drafts of chunks that ask the worker for them (`--speculative layers` or
+        `draft-model`)."""
 
     @torch.inference_mode()
     def execute(self, so: ScheduleOutput) -> RunnerOutput:
         start = time.perf_counter()
         if so.is_empty:
             return RunnerOutput(step=so.step)
-        if self.self_drafter is not None:
-            so = self.self_drafter.fill(so)
+        drafted: dict[str, int] = {}
+        if self.drafter is not None:
+            so, drafted = self.drafter.fill(so)
         batch, sampled_ids = schedule_to_batch(so, self.block_size, self.device)
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] = {}
@@ -82,7 +84,7 @@ class ModelRunner:
         else:
             self._forward(batch)
         elapsed = time.perf_counter() - start
-        return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=elapsed, accepted=accepted)
+        return RunnerOutput(so.step, sampled, elapsed, accepted, drafted)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
@@ -156,3 +158,5 @@ class ModelRunner:
         for rid in request_ids:
             self._generators.pop(rid, None)
         self.matchers.release(request_ids)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)

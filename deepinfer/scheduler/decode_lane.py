@@ -83,7 +83,8 @@ def apply_sampling(
     request = chunk.request
     taken, reason = take_tokens(request, out, max_model_len)
     if drafter is not None and chunk.num_drafts:
-        drafter.observe_request(request.request_id, chunk.num_drafts, out)
+        verified = out.drafted.get(request.request_id, chunk.num_drafts)
+        drafter.observe_request(request.request_id, verified, out)
     request.num_computed_tokens = chunk.end_position - chunk.num_drafts + len(taken) - 1
     kv.cache_blocks(request)
     return taken, reason

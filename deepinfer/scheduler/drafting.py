@@ -62,15 +62,13 @@ class Drafter:
         self, kv: KVCacheManager, request: Request, draft: Draft, reserve_blocks: int
     ) -> bool:
         """Slots for a decoder's token and its drafts, leaving `reserve_blocks` free (a block
-        for each request still to be scheduled: drafts never cost anyone a preemption), and the
-        drafts counted; False, nothing allocated, when there is no such room."""
+        for each request still to be scheduled: drafts never cost anyone a preemption); False,
+        nothing allocated, when there is no such room."""
         n = 1 + draft.size
         if not kv.can_allocate(request, n, reserve_blocks=reserve_blocks):
             return False
         allocated = kv.allocate_slots(request, n)
         assert allocated, "can_allocate promised room"
-        self._drafted += draft.size
-        self._verified += 1
         return True
 
     def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
@@ -80,8 +78,13 @@ class Drafter:
             self.gate.cost_model.observe(shapes, out.elapsed_s)
 
     def observe_request(self, request_id: str, num_drafts: int, out: RunnerOutput) -> None:
-        """How many of a request's `num_drafts` the step accepted."""
+        """How many of a request's `num_drafts` verified drafts the step accepted (none
+        verified: a worker drafter made none, nothing to learn)."""
+        if not num_drafts:
+            return
         accepted = len(out.accepted.get(request_id, ()))
+        self._drafted += num_drafts
+        self._verified += 1
         self._accepted += accepted
         self.gate.observe(request_id, num_drafts, accepted)
 

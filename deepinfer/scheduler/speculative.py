@@ -130,12 +130,15 @@ def _rfind(data: memoryview, needle: bytes, lo: int, hi: int) -> int:
     return found + lo if found >= 0 else -1
 
 
-class LayersProposer:
-    """Self-speculation: the model's first layers draft, on the worker, at the start of the step
-    that verifies them (`runner/self_draft.py`); here only the room for them is asked."""
+class WorkerProposer:
+    """Drafts made on the worker at the start of the step that verifies them
+    (`runner/worker_draft.py`: the model's first layers, or a draft model); here only the room
+    for them is asked."""
 
-    name = "layers"
     num_signals = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def propose(self, request: Request, max_tokens: int) -> Draft:
         return Draft(num_worker_tokens=max(max_tokens, 0))
@@ -148,6 +151,6 @@ def build_proposer(config: SpeculativeConfig) -> Proposer | None:
     """The configured proposer; None when speculative decoding is off."""
     if config.speculative == "ngram":
         return NgramProposer()
-    if config.speculative == "layers":
-        return LayersProposer()
+    if config.speculative in ("layers", "draft-model"):
+        return WorkerProposer(config.speculative)
     return None

@@ -1,0 +1,195 @@
+"""Drafts made on the worker at the start of the step that verifies them: self-speculation
+(`--speculative layers`: the model's own first `num_layers` layers, its final norm and LM head)
+and a draft model (`--speculative draft-model`: a smaller model with the same vocabulary).
+
+A decode chunk that asks for k drafts (`ScheduledChunk.num_worker_drafts`) has slots for its last
+token and k more. The drafter runs up to k greedy passes over every such chunk at once, each
+feeding the token before (the last token, then each draft) at its position. With the gate on,
+it stops a request's drafting at the first pick whose probability under the draft is below
+`DRAFT_CONFIDENCE_MIN` (that pick is not drafted): a draft the drafter itself doubts is a
+verification row likely wasted (with `--speculative-gate off` every slot gets its draft). The chunk goes to verification with the drafts made, maybe
+fewer than its slots (`num_new_tokens` shrinks with them; the unused slots roll back as a
+rejected draft's do), and the runner reports how many (`RunnerOutput.drafted`).
+
+KV. Self-speculation's layers are the model's: the KV of every position before the chunk is
+already theirs, and a pass writes its layers' KV at the drafted positions, which verification
+then writes again, all layers, in the same slots. A draft model writes KV of its own, in its own
+caches at the same slots (`engine/build_replicas.py`: one block holds both models' KV), and
+keeps it in step lazily: it remembers, per request, from which position its last passes wrote
+and how many; at the next step the positions the request kept (its last token and the accepted
+drafts) are valid, and everything after them up to the chunk, the "catch-up" (the prompt, at
+first, and any steps decoded without drafts), is computed as one prefill chunk ending in the
+first pass, `CATCH_UP_TOKENS` a step at most across requests (a request still catching up
+drafts nothing that step). A request preempted or finished is forgotten. Whatever the draft's
+KV holds, only which tokens are tried depends on it: outputs are verification's alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
+from deepinfer.model.protocol import CausalLM
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
+
+DRAFT_CONFIDENCE_MIN = 0.4
+"""A draft whose probability under the drafter is below this ends the request's drafts."""
+
+CATCH_UP_TOKENS = 256
+"""Most tokens a draft model computes in one step to bring requests' draft KV up to date."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """A draft model's KV of a request: valid before `start`; its last passes wrote `count`
+    positions from `start`, the first with the request's token there, the others with drafts."""
+
+    start: int
+    count: int
+
+    def valid_until(self, position: int) -> int:
+        """Where valid KV ends once the request's next token to compute is at `position`."""
+        if position < self.start:
+            return 0
+        return self.start + min(position - self.start, self.count)
+
+
+class WorkerDrafter:
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        device: torch.device,
+        num_layers: int | None = None,
+        min_confidence: float = DRAFT_CONFIDENCE_MIN,
+    ) -> None:
+        """`num_layers`: self-speculation with the model's first layers; None: `model` is a
+        draft model with KV caches of its own. `min_confidence`: the draft probability below
+        which a request's drafting stops (0: never)."""
+        if num_layers is not None and not 1 <= num_layers < model.arch.num_layers:
+            raise ValueError(
+                f"draft_layers must be in [1, {model.arch.num_layers - 1}] for this model "
+                f"({model.arch.num_layers} layers), got {num_layers}"
+            )
+        self.model = model
+        self.num_layers = num_layers
+        self.min_confidence = min_confidence
+        self.block_size = block_size
+        self.device = device
+        self._written: dict[str, _Written] = {}
+        """A draft model's KV per request (self-speculation needs none)."""
+
+    @torch.inference_mode()
+    def fill(self, so: ScheduleOutput) -> tuple[ScheduleOutput, dict[str, int]]:
+        """`so` with every chunk's worker drafts made (`draft_token_ids`), and how many each
+        got; `so` itself when no chunk asks for any."""
+        self.release(so.preempted_ids)
+        wanting = [c for c in so.chunks if c.num_worker_drafts]
+        if not wanting:
+            return so, {}
+        drafts = self._draft(wanting)
+        chunks = tuple(
+            _with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
+        )
+        return dataclasses.replace(so, chunks=chunks), {rid: len(d) for rid, d in drafts.items()}
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget requests that finished or lost their blocks."""
+        for rid in request_ids:
+            self._written.pop(rid, None)
+
+    def _draft(self, wanting: list[ScheduledChunk]) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {c.request_id: [] for c in wanting}
+        first, catching_up = self._first_pass(wanting)
+        fed: dict[str, int] = {}
+        for c, (token_id, sure) in zip(first, self._picks(first, catching_up), strict=True):
+            drafts[c.request_id].append(token_id)
+            if sure:
+                fed[c.request_id] = token_id
+        for j in range(1, max(c.num_worker_drafts for c in wanting)):
+            active = [c for c in first if c.request_id in fed and c.num_worker_drafts > j]
+            if not active:
+                break
+            batch = [
+                BatchChunk([fed.pop(c.request_id)], c.start_position + j, c.block_ids)
+                for c in active
+            ]
+            for c, (token_id, sure) in zip(active, self._picks(active, batch), strict=True):
+                drafts[c.request_id].append(token_id)
+                if sure:
+                    fed[c.request_id] = token_id
+        for c in first:
+            picks = drafts[c.request_id]
+            self._remember(c, len(picks))  # each pick's pass wrote the position before it
+            if c.request_id not in fed:  # its last pick was not sure
+                picks.pop()
+        return drafts
+
+    def _first_pass(
+        self, wanting: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[BatchChunk]]:
+        """The chunks that draft this step, and the first pass's batch: theirs (catch-up and
+        the last token, or the last token alone), then those of requests still catching up."""
+        budget = CATCH_UP_TOKENS
+        ready: list[ScheduledChunk] = []
+        batch: list[BatchChunk] = []
+        behind: list[BatchChunk] = []
+        for c in wanting:
+            start = self._valid_until(c)
+            tokens = c.request.all_token_ids
+            lag = c.start_position - start
+            if lag <= budget:
+                budget -= lag
+                ready.append(c)
+                batch.append(BatchChunk(tokens[start : c.start_position + 1], start, c.block_ids))
+            elif budget > 0:
+                end = start + budget
+                budget = 0
+                behind.append(BatchChunk(tokens[start:end], start, c.block_ids, sample=False))
+                self._written[c.request_id] = _Written(end, 0)
+        return ready, batch + behind
+
+    def _picks(
+        self, chunks: list[ScheduledChunk], batch: list[BatchChunk]
+    ) -> list[tuple[int, bool]]:
+        """The draft's greedy pick after each sampling chunk of `batch` (in order, one per
+        entry of `chunks`) and whether the draft is sure of it."""
+        if not batch:
+            return []
+        forward = build_forward_batch(batch, self.block_size, self.device)
+        hidden = self.model.forward_hidden(forward, self.num_layers)
+        if not chunks:
+            return []
+        probs = torch.softmax(self.model.compute_logits(hidden), dim=-1)
+        best, ids = probs.max(dim=-1)
+        gate = self.min_confidence > 0
+        return [
+            (max(int(i), 0), not gate or p >= self.min_confidence)  # NaN: never sure
+            for i, p in zip(ids.tolist(), best.tolist(), strict=True)
+        ]
+
+    def _valid_until(self, chunk: ScheduledChunk) -> int:
+        """Where the drafter's valid KV of the chunk's request ends (the chunk's start for
+        self-speculation: the model's own KV is the draft's)."""
+        if self.num_layers is not None:
+            return chunk.start_position
+        written = self._written.get(chunk.request_id)
+        if written is None:
+            return 0
+        return min(written.valid_until(chunk.start_position), chunk.start_position)
+
+    def _remember(self, chunk: ScheduledChunk, count: int) -> None:
+        if self.num_layers is None:
+            self._written[chunk.request_id] = _Written(chunk.start_position, count)
+
+
+def _with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:
+    return dataclasses.replace(
+        chunk,
+        draft_token_ids=tuple(drafts),
+        num_worker_drafts=0,
+        num_new_tokens=1 + len(drafts),
+    )
