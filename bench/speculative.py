@@ -7,19 +7,22 @@ SmolLM2 with greedy requests, four workloads:
 - chat: open questions (serve.py's kind of prompt);
 - mixed: all nine prompts of the three, run only with several streams.
 
-For each method (`none`, each proposer) a fresh engine runs every workload one request at a time
-(single stream: decode tokens/s from the first token to the last) and then 8 and 32 at once
-(aggregate tokens/s), and reports drafted and accepted tokens and the mean accepted run. Every
-method runs once per round (`--rounds`): the ratios to plain decoding are each round's, and the
-table gives their medians (the machine drifts between rounds; within one, methods follow each
-other closely). The single-stream outputs of every method are checked equal to plain
-decoding's, token for token.
+For each proposer, one engine; in it, each round runs three modes in turn, the order rotating
+from round to round: `plain` (the scheduler's drafter taken away: plain decoding), `gate` (the
+default: the confidence gate on) and `all` (the gate off: every draft verified). A mode runs
+every workload one request at a time (single stream: decode tokens/s from the first token to
+the last) and then 8 and 32 at once (aggregate tokens/s), and counts drafted and accepted
+tokens and the mean accepted run. Ratios are each round's against the plain mode of the same
+engine and round, and the table gives their medians: the machine drifts, a mode and its plain
+reference run within a minute of each other on the same engine. The single-stream outputs of
+every mode are checked equal to plain decoding's, token for token.
 
     python bench/speculative.py
-    python bench/speculative.py --methods none,ngram,ngram:off,layers --max-tokens 128 --streams 8,32
+    python bench/speculative.py --proposers ngram,layers,draft-model --rounds 3 --streams 8,32
 
-A method is a proposer with the confidence gate on (`ngram`, `layers`) or off (`ngram:off`:
-every draft verified).
+`draft-model` drafts with `--draft-model PATH`; without it, with SmolLM2's first 8 layers
+written as a GGUF of their own (`bench/truncated_draft.py`): no smaller model with SmolLM2's
+vocabulary exists.
 """
 
 from __future__ import annotations
@@ -28,15 +31,19 @@ import argparse
 import asyncio
 import dataclasses
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import uvloop
 from common import provenance
+from truncated_draft import truncate
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
-from deepinfer.config import Config, DiskCacheConfig, SpeculativeConfig
+from deepinfer.config import Config, DiskCacheConfig, SpeculativeConfig, default_model_path
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.request import SamplingParams
+from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN
 from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.text.messages import ChatMessage
 
@@ -152,28 +159,62 @@ def _delta(before: SpeculativeCounts, after: SpeculativeCounts) -> Counts:
     )
 
 
-async def run_method(
-    method: str, max_tokens: int, streams: list[int]
+MODES = ("plain", "gate", "all")
+
+
+def set_mode(engine: AsyncEngine, drafter: object, mode: str) -> None:
+    """Between runs (nothing in flight): plain decoding (no drafter), or drafting with the gate
+    on or off (the worker drafter's confidence cut goes with the gate, as at start-up)."""
+    core = engine._core
+    assert core is not None
+    core.scheduler.drafter = None if mode == "plain" else drafter  # type: ignore[assignment]
+    if mode == "plain":
+        return
+    drafter.gate.enabled = mode == "gate"  # type: ignore[attr-defined]
+    worker = core.decode_runner.drafter
+    if worker is not None:
+        worker.min_confidence = DRAFT_CONFIDENCE_MIN if mode == "gate" else 0.0
+
+
+async def run_mode(
+    engine: AsyncEngine, max_tokens: int, streams: list[int]
 ) -> tuple[dict[str, Run], dict[str, Counts]]:
-    """One engine with the method: every workload single-stream, then at each stream count
-    (the mixed workload only there); the speculative counts of each workload's runs."""
-    name, _, gate = method.partition(":")
-    config = Config(
-        disk_cache=DiskCacheConfig(enabled=False),
-        speculative=SpeculativeConfig(speculative=name, speculative_gate=gate or "on"),
-    )
+    """Every workload single-stream, then at each stream count (the mixed workload only
+    there); the speculative counts of each workload's runs."""
     runs, counts = {}, {}
-    async with AsyncEngine(config) as engine:
-        await one(engine, CHAT[0], 8)  # warm-up
-        for workload, prompts in WORKLOADS.items():
-            before = engine.stats().speculative
-            tokens, single = [], 0.0
-            if workload != "mixed":
-                tokens, single = await single_stream(engine, prompts, max_tokens)
-            multi = {n: await many_streams(engine, prompts, max_tokens, n) for n in streams}
-            runs[workload] = Run(tokens, single, multi)
-            counts[workload] = _delta(before, engine.stats().speculative)
+    for workload, prompts in WORKLOADS.items():
+        before = engine.stats().speculative
+        tokens, single = [], 0.0
+        if workload != "mixed":
+            tokens, single = await single_stream(engine, prompts, max_tokens)
+        multi = {n: await many_streams(engine, prompts, max_tokens, n) for n in streams}
+        runs[workload] = Run(tokens, single, multi)
+        counts[workload] = _delta(before, engine.stats().speculative)
     return runs, counts
+
+
+async def run_proposer(
+    proposer: str, draft_model: Path | None, max_tokens: int, streams: list[int], rounds: int
+) -> list[dict[str, tuple[dict[str, Run], dict[str, Counts]]]]:
+    """One engine with the proposer; each round every mode, in a rotating order."""
+    spec = SpeculativeConfig(
+        speculative=proposer,  # type: ignore[arg-type]
+        draft_model=str(draft_model) if proposer == "draft-model" else None,
+    )
+    config = Config(disk_cache=DiskCacheConfig(enabled=False), speculative=spec)
+    out = []
+    async with AsyncEngine(config) as engine:
+        assert engine._core is not None
+        drafter = engine._core.scheduler.drafter
+        await one(engine, CHAT[0], 8)  # warm-up
+        for r in range(rounds):
+            order = MODES[r % 3 :] + MODES[: r % 3]
+            results = {}
+            for mode in order:
+                set_mode(engine, drafter, mode)
+                results[mode] = await run_mode(engine, max_tokens, streams)
+            out.append(results)
+    return out
 
 
 def _median(values: list[float]) -> float:
@@ -182,53 +223,61 @@ def _median(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--methods", default="none,ngram,ngram:off,layers")
+    ap.add_argument("--proposers", default="ngram,layers,draft-model")
+    ap.add_argument("--draft-model", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated")
-    ap.add_argument("--rounds", type=int, default=2, help="every method once per round")
+    ap.add_argument("--rounds", type=int, default=3, help="every mode once per round")
     ns = ap.parse_args()
     started = provenance()  # the code that runs is the tree at the start
-    methods = ns.methods.split(",")
+    proposers = ns.proposers.split(",")
     streams = [int(n) for n in ns.streams.split(",")]
-    rounds = [
-        {m: uvloop.run(run_method(m, ns.max_tokens, streams)) for m in methods}
-        for _ in range(ns.rounds)
-    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = ns.draft_model
+        if draft is None and "draft-model" in proposers:
+            draft = Path(tmp) / "smollm2-first-8-layers.gguf"
+            truncate(default_model_path(), draft, 8)
+        results = {
+            p: uvloop.run(run_proposer(p, draft, ns.max_tokens, streams, ns.rounds))
+            for p in proposers
+        }
     print(started)
     print()
     multi_cols = " | ".join(f"{n} streams tok/s | vs plain" for n in streams)
     print(
-        f"| workload | method | 1 stream tok/s | vs plain | {multi_cols} | drafted | accepted "
-        "| mean accepted run | same tokens |"
+        f"| workload | proposer | mode | 1 stream tok/s | vs plain | {multi_cols} | drafted "
+        "| accepted | mean accepted run | same tokens |"
     )
-    print("|---|---|---:|---:|" + "---:|---:|" * len(streams) + "---:|---:|---:|---|")
+    print("|---|---|---|---:|---:|" + "---:|---:|" * len(streams) + "---:|---:|---:|---|")
     for workload in WORKLOADS:
-        for m in methods:
-            print(_row(workload, m, rounds, streams))
+        for p in proposers:
+            for mode in MODES:
+                print(_row(workload, p, mode, results[p], streams))
     print()
-    print(f"Ratios are medians over {ns.rounds} rounds of each round's ratio to plain decoding.")
+    print(
+        f"Ratios are medians over {ns.rounds} rounds of each round's ratio to the plain mode "
+        "of the same engine."
+    )
 
 
-def _row(workload: str, method: str, rounds: list, streams: list[int]) -> str:
-    runs = [r[method][0][workload] for r in rounds]
-    plains = [
-        r["none"][0][workload] if "none" in r else run for r, run in zip(rounds, runs, strict=False)
-    ]
-    drafted, accepted, verified = (sum(r[method][1][workload][i] for r in rounds) for i in range(3))
-    same = all(run.tokens == plain.tokens for run, plain in zip(runs, plains, strict=False))
-    cells = [f"| {workload} | {method} "]
+def _row(workload: str, proposer: str, mode: str, rounds: list, streams: list[int]) -> str:
+    runs = [r[mode][0][workload] for r in rounds]
+    plains = [r["plain"][0][workload] for r in rounds]
+    drafted, accepted, verified = (sum(r[mode][1][workload][i] for r in rounds) for i in range(3))
+    same = all(run.tokens == plain.tokens for run, plain in zip(runs, plains, strict=True))
+    cells = [f"| {workload} | {proposer} | {mode} "]
     if workload == "mixed":
         cells.append("| - | - ")
     else:
         single = _median([run.single_tok_s for run in runs])
         ratio = _median(
-            [run.single_tok_s / p.single_tok_s for run, p in zip(runs, plains, strict=False)]
+            [run.single_tok_s / p.single_tok_s for run, p in zip(runs, plains, strict=True)]
         )
         cells.append(f"| {single:.1f} | {ratio:.2f}x ")
     for n in streams:
         tok_s = _median([run.multi_tok_s[n] for run in runs])
         ratio = _median(
-            [run.multi_tok_s[n] / p.multi_tok_s[n] for run, p in zip(runs, plains, strict=False)]
+            [run.multi_tok_s[n] / p.multi_tok_s[n] for run, p in zip(runs, plains, strict=True)]
         )
         cells.append(f"| {tok_s:.1f} | {ratio:.2f}x ")
     mean_run = f"{accepted / verified:.2f}" if verified else "-"

@@ -16,7 +16,7 @@ from deepinfer.outputs import RunnerOutput
 from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import ChunkShape
 from deepinfer.scheduler.draft_gate import Draft, DraftGate
-from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 from deepinfer.scheduler.speculative import Proposer, SpeculativeCounts, can_speculate
 
 PLAIN_STEPS_OBSERVED = 16
@@ -74,7 +74,7 @@ class Drafter:
     def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
         """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without)."""
         if any(c.num_drafts for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
-            shapes = [ChunkShape(c.num_new_tokens, c.start_position) for c in so.chunks]
+            shapes = [ChunkShape(_computed(c, out), c.start_position) for c in so.chunks]
             self.gate.cost_model.observe(shapes, out.elapsed_s)
 
     def observe_request(self, request_id: str, num_drafts: int, out: RunnerOutput) -> None:
@@ -100,3 +100,12 @@ class Drafter:
             self._verified,
             self.gate.model.calibration(),
         )
+
+
+def _computed(chunk: ScheduledChunk, out: RunnerOutput) -> int:
+    """Tokens the step computed for a chunk: a worker drafter may have made fewer drafts than
+    the chunk has slots for."""
+    if not chunk.num_worker_drafts:
+        return chunk.num_new_tokens
+    made = out.drafted.get(chunk.request_id, chunk.num_worker_drafts)
+    return chunk.num_new_tokens - chunk.num_worker_drafts + made
