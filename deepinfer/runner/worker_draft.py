@@ -20,7 +20,8 @@ and how many; at the next step the positions the request kept (its last token an
 drafts) are valid, and everything after them up to the chunk, the "catch-up" (the prompt, at
 first, and any steps decoded without drafts), is computed as one prefill chunk ending in the
 first pass, `CATCH_UP_TOKENS` a step at most across requests (a request still catching up
-drafts nothing that step). A request preempted or finished is forgotten. Whatever the draft's
+drafts nothing that step). A request preempted or finished is forgotten (and one whose blocks
+are not those its draft KV was written in starts over). Whatever the draft's
 KV holds, only which tokens are tried depends on it: outputs are verification's alone.
 """
 
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer.kernels.greedy import greedy_ids
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.protocol import CausalLM
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
@@ -45,16 +47,22 @@ CATCH_UP_TOKENS = 256
 @dataclasses.dataclass(frozen=True)
 class _Written:
     """A draft model's KV of a request: valid before `start`; its last passes wrote `count`
-    positions from `start`, the first with the request's token there, the others with drafts."""
+    positions from `start`, the first with the request's token there, the others with drafts,
+    in the blocks `block_ids`."""
 
     start: int
     count: int
+    block_ids: tuple[int, ...]
 
-    def valid_until(self, position: int) -> int:
-        """Where valid KV ends once the request's next token to compute is at `position`."""
+    def valid_until(self, chunk: ScheduledChunk, block_size: int) -> int:
+        """Where valid KV ends for the chunk, the request's next (0 when its blocks are not
+        those written: the request lost its blocks since)."""
+        position = chunk.start_position
         if position < self.start:
             return 0
-        return self.start + min(position - self.start, self.count)
+        valid = self.start + min(position - self.start, self.count)
+        n = -(-valid // block_size)
+        return valid if chunk.block_ids[:n] == self.block_ids[:n] else 0
 
 
 class WorkerDrafter:
@@ -149,7 +157,7 @@ class WorkerDrafter:
                 end = start + budget
                 budget = 0
                 behind.append(BatchChunk(tokens[start:end], start, c.block_ids, sample=False))
-                self._written[c.request_id] = _Written(end, 0)
+                self._written[c.request_id] = _Written(end, 0, c.block_ids)
         return ready, batch + behind
 
     def _picks(
@@ -163,13 +171,14 @@ class WorkerDrafter:
         hidden = self.model.forward_hidden(forward, self.num_layers)
         if not chunks:
             return []
-        probs = torch.softmax(self.model.compute_logits(hidden), dim=-1)
-        best, ids = probs.max(dim=-1)
-        gate = self.min_confidence > 0
-        return [
-            (max(int(i), 0), not gate or p >= self.min_confidence)  # NaN: never sure
-            for i, p in zip(ids.tolist(), best.tolist(), strict=True)
-        ]
+        logits = self.model.compute_logits(hidden)  # [B, V]
+        ids = greedy_ids(logits).clamp(min=0)  # a row with no finite logit drafts token 0
+        if self.min_confidence <= 0:
+            return [(i, True) for i in ids.tolist()]
+        top = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+        prob = torch.exp(top - torch.logsumexp(logits, dim=-1))  # the pick's probability
+        sure = prob >= self.min_confidence  # NaN: never
+        return list(zip(ids.tolist(), sure.tolist(), strict=True))
 
     def _valid_until(self, chunk: ScheduledChunk) -> int:
         """Where the drafter's valid KV of the chunk's request ends (the chunk's start for
@@ -177,13 +186,11 @@ class WorkerDrafter:
         if self.num_layers is not None:
             return chunk.start_position
         written = self._written.get(chunk.request_id)
-        if written is None:
-            return 0
-        return min(written.valid_until(chunk.start_position), chunk.start_position)
+        return 0 if written is None else written.valid_until(chunk, self.block_size)
 
     def _remember(self, chunk: ScheduledChunk, count: int) -> None:
         if self.num_layers is None:
-            self._written[chunk.request_id] = _Written(chunk.start_position, count)
+            self._written[chunk.request_id] = _Written(chunk.start_position, count, chunk.block_ids)
 
 
 def _with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:

@@ -123,8 +123,8 @@ REAL_PROMPTS = [
 async def test_real_model_drafting_for_itself_gives_the_plain_tokens(
     real_engine: AsyncEngine,
 ) -> None:
-    """SmolLM2 as its own draft (the gate on): greedy alone and together the plain tokens, and
-    nearly every draft accepted."""
+    """SmolLM2 as its own draft (the gate on): greedy alone and together the plain tokens,
+    nearly every draft accepted; colocated too."""
 
     async def tokens(engine: AsyncEngine, prompt: object) -> list[int]:
         ids: list[int] = []
@@ -143,3 +143,9 @@ async def test_real_model_drafting_for_itself_gives_the_plain_tokens(
     assert alone == want
     assert list(together) == want
     assert counts.num_accepted >= 0.8 * counts.num_drafted > 0, counts
+    colocated = config.replace(workers=WorkersConfig(colocated=True))
+    async with AsyncEngine(colocated) as engine:
+        together = await asyncio.gather(*(tokens(engine, p) for p in REAL_PROMPTS))
+        assert engine.stats().speculative.num_accepted > 0
+        engine.check_integrity()
+    assert list(together) == want

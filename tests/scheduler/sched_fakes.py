@@ -63,7 +63,7 @@ class FakeRunner:
         before = dict(self.kv)
         written: set[tuple[int, int]] = set()
         picks: list[SampledToken] = []
-        so = fill_worker_drafts(so, self.vocab)
+        so, drafted = fill_worker_drafts(so, self.vocab)
         for chunk in so.chunks:
             context = chunk.request.all_token_ids[: chunk.start_position] + chunk.token_ids()
             digests = prefix_digests(context)  # drafts included: rejected ones write wrong KV
@@ -85,7 +85,7 @@ class FakeRunner:
         sampled, accepted = verify_drafts(so.chunks, picks)
         self.num_steps += 1
         elapsed = 0.001 * so.num_batched_tokens + 0.002
-        return RunnerOutput(step=so.step, sampled=sampled, elapsed_s=elapsed, accepted=accepted)
+        return RunnerOutput(so.step, sampled, elapsed, accepted, drafted)
 
 
 class FakeProposer:
@@ -119,18 +119,24 @@ def fake_drafts(tokens: Sequence[int], k: int, vocab: int, rng: random.Random) -
     return tuple(drafts)
 
 
-def fill_worker_drafts(so: ScheduleOutput, vocab: int) -> ScheduleOutput:
-    """The runner's part for a worker proposer: each chunk's asked-for drafts made (seeded by
-    the step and the request, so a rerun drafts the same)."""
-    chunks = []
+def fill_worker_drafts(so: ScheduleOutput, vocab: int) -> tuple[ScheduleOutput, dict[str, int]]:
+    """The runner's part for a worker proposer: each chunk's asked-for drafts made, sometimes
+    fewer than its slots (a drafter unsure of the rest, or still catching up: the chunk shrinks
+    to them), seeded by the step and the request so that a rerun drafts the same; and how many
+    each got."""
+    chunks, drafted = [], {}
     for c in so.chunks:
         if c.num_worker_drafts:
             rng = random.Random(f"{so.step}:{c.request_id}")
             context = c.request.all_token_ids[: c.start_position + 1]
-            drafts = fake_drafts(context, c.num_worker_drafts, vocab, rng)
-            c = dataclasses.replace(c, draft_token_ids=drafts, num_worker_drafts=0)
+            k = c.num_worker_drafts if rng.random() < 0.5 else rng.randint(0, c.num_worker_drafts)
+            drafts = fake_drafts(context, k, vocab, rng)
+            c = dataclasses.replace(
+                c, draft_token_ids=drafts, num_worker_drafts=0, num_new_tokens=1 + k
+            )
+            drafted[c.request_id] = k
         chunks.append(c)
-    return dataclasses.replace(so, chunks=tuple(chunks))
+    return dataclasses.replace(so, chunks=tuple(chunks)), drafted
 
 
 def make_request(

@@ -60,7 +60,7 @@ class ConcurrentFakeRunner:
         writes: dict[Slot, tuple[int, int]] = {}
         pool = self.pools[so.kind]
         picks: list[SampledToken] = []
-        so = fill_worker_drafts(so, VOCAB)
+        so, drafted = fill_worker_drafts(so, VOCAB)
         for chunk in so.chunks:
             context = chunk.request.all_token_ids[: chunk.start_position] + chunk.token_ids()
             digests = prefix_digests(context)  # drafts included: rejected ones write wrong KV
@@ -82,7 +82,7 @@ class ConcurrentFakeRunner:
             assert not writes.keys() & (other_reads | other_writes.keys()), "steps collide"
             assert not reads & other_writes.keys(), "a step reads what another one writes"
         elapsed = 0.001 * len(writes) + 0.002
-        out = RunnerOutput(step=so.step, sampled=sampled, elapsed_s=elapsed, accepted=accepted)
+        out = RunnerOutput(so.step, sampled, elapsed, accepted, drafted)
         self._pending[so.kind] = (reads, writes, out)
 
     def finish(self, so: ScheduleOutput) -> RunnerOutput:
