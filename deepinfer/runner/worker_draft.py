@@ -20,7 +20,9 @@ and how many; at the next step the positions the request kept (its last token an
 drafts) are valid, and everything after them up to the chunk, the "catch-up" (the prompt, at
 first, and any steps decoded without drafts), is computed as one prefill chunk ending in the
 first pass, `CATCH_UP_TOKENS` a step at most across requests (a request still catching up
-drafts nothing that step). A request preempted or finished is forgotten (and one whose blocks
+drafts nothing that step). Whole blocks of the draft's KV are found by their tokens too
+(`_BlockKeys`): a prompt prefix that another request's draft computed, in blocks the prefix
+cache shares, is not computed again. A request preempted or finished is forgotten (and one whose blocks
 are not those its draft KV was written in starts over). Whatever the draft's
 KV holds, only which tokens are tried depends on it: outputs are verification's alone.
 """
@@ -65,6 +67,50 @@ class _Written:
         return valid if chunk.block_ids[:n] == self.block_ids[:n] else 0
 
 
+class _BlockKeys:
+    """Which blocks hold a draft model's KV of which tokens: a full block's key chains its
+    tokens with every earlier block's (as the prefix cache's hashes do), set when the draft
+    computed the whole block and dropped when it writes there again. A request whose blocks
+    carry the keys of its own tokens finds the draft's KV there, whoever computed it: a prefix
+    served from the prefix cache is not computed again by the draft either."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._keys: dict[int, int] = {}
+
+    def _chain(self, tokens: Sequence[int], num_blocks: int) -> list[int]:
+        bs, key, keys = self.block_size, 0, []
+        for i in range(num_blocks):
+            key = hash((key, tuple(tokens[i * bs : (i + 1) * bs])))
+            keys.append(key)
+        return keys
+
+    def valid_prefix(self, chunk: ScheduledChunk) -> int:
+        """Positions from 0 whose draft KV the chunk's blocks hold (whole blocks, before the
+        chunk's start)."""
+        n = chunk.start_position // self.block_size
+        keys = self._chain(chunk.request.all_token_ids, n)
+        valid = 0
+        for block_id, key in zip(chunk.block_ids, keys, strict=False):
+            if self._keys.get(block_id) != key:
+                break
+            valid += self.block_size
+        return valid
+
+    def computed(self, chunk: ScheduledChunk, end: int) -> None:
+        """The draft's KV of the chunk's request is valid before `end`: its full blocks there
+        get their keys."""
+        n = end // self.block_size
+        keys = self._chain(chunk.request.all_token_ids, n)
+        self._keys.update(zip(chunk.block_ids[:n], keys, strict=True))
+
+    def overwritten(self, block_ids: Sequence[int], start: int, end: int) -> None:
+        """The draft wrote other tokens' KV (drafts) at positions [start, end)."""
+        bs = self.block_size
+        for i in range(start // bs, -(-end // bs)):
+            self._keys.pop(block_ids[i], None)
+
+
 class WorkerDrafter:
     def __init__(
         self,
@@ -89,6 +135,9 @@ class WorkerDrafter:
         self.device = device
         self._written: dict[str, _Written] = {}
         """A draft model's KV per request (self-speculation needs none)."""
+        self._blocks = _BlockKeys(block_size)
+        self.num_caught_up = 0
+        """Tokens a draft model computed to bring its KV up to date (before the first passes)."""
 
     @torch.inference_mode()
     def fill(self, so: ScheduleOutput) -> tuple[ScheduleOutput, dict[str, int]]:
@@ -151,13 +200,18 @@ class WorkerDrafter:
             lag = c.start_position - start
             if lag <= budget:
                 budget -= lag
+                self.num_caught_up += lag
                 ready.append(c)
                 batch.append(BatchChunk(tokens[start : c.start_position + 1], start, c.block_ids))
+                if lag >= self.block_size:
+                    self._blocks.computed(c, c.start_position + 1)
             elif budget > 0:
                 end = start + budget
+                self.num_caught_up += budget
                 budget = 0
                 behind.append(BatchChunk(tokens[start:end], start, c.block_ids, sample=False))
                 self._written[c.request_id] = _Written(end, 0, c.block_ids)
+                self._blocks.computed(c, end)
         return ready, batch + behind
 
     def _picks(
@@ -186,11 +240,18 @@ class WorkerDrafter:
         if self.num_layers is not None:
             return chunk.start_position
         written = self._written.get(chunk.request_id)
-        return 0 if written is None else written.valid_until(chunk, self.block_size)
+        own = 0 if written is None else written.valid_until(chunk, self.block_size)
+        if chunk.start_position - own < self.block_size:
+            return own
+        return max(own, self._blocks.valid_prefix(chunk))
 
     def _remember(self, chunk: ScheduledChunk, count: int) -> None:
+        """After the passes of a chunk that drafted: `count` positions from its start were
+        written, the first with its token (its KV is valid up to it), the others with drafts."""
         if self.num_layers is None:
-            self._written[chunk.request_id] = _Written(chunk.start_position, count, chunk.block_ids)
+            start = chunk.start_position
+            self._written[chunk.request_id] = _Written(start, count, chunk.block_ids)
+            self._blocks.overwritten(chunk.block_ids, start + 1, start + count)
 
 
 def _with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:

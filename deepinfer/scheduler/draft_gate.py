@@ -18,7 +18,8 @@ per observed position: the accepted ones and the first rejected one of each veri
 `calibration()` keeps predicted against observed acceptance by bucket of prediction
 (`/metrics`). A request whose drafts the gate turned down for `EXPLORE_EVERY` steps times the
 number of decoders verifies one anyway, so that a request that starts badly is seen when its
-drafts get better, at the cost of about one row in 16 steps whatever the batch.
+drafts get better, at the cost of about one row in 16 steps whatever the batch; a look that
+fails doubles the request's wait for the next one (up to `MAX_BACKOFF` times).
 
 A position j of acceptance q_j (the product of the conditional estimates up to j) costs the
 extra query row it adds to its request's chunk (the decode lane's `StepCostModel`). Positions
@@ -43,6 +44,10 @@ EXPLORE_EVERY = 16
 verifies its next first draft anyway: without a look now and then, a request whose drafts
 failed early would never be seen to do better. About one row in 16 steps in all, whatever the
 batch (alone, 1.5% of a step's time on two cores)."""
+MAX_BACKOFF = 8
+"""A request whose verified drafts all fail waits twice as long for its next look, up to this
+many times `EXPLORE_EVERY` (a look is not always one cheap row: a draft model computes the
+tokens it missed since the last one first)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,8 @@ class DraftGate:
         self._idle: dict[str, int] = {}
         """Steps since each request last verified a draft (`EXPLORE_EVERY`)."""
         self._explore_after = EXPLORE_EVERY
+        self._backoff: dict[str, int] = {}
+        """How many times `_explore_after` each request waits for its next look."""
 
     def rate(self, request_id: str) -> float:
         """The request's observed rate of acceptance, pulled toward the proposer's."""
@@ -214,7 +221,7 @@ class DraftGate:
         for r in requests:
             idle = self._idle[r.request_id] = self._idle.get(r.request_id, 0) + 1
             q = self.model.predict(self.features(r.request_id, 0, best))
-            worth.append(idle >= self._explore_after or q / self._draft_s(r, 0) > per_second)
+            worth.append(self._looks(r.request_id, idle) or q / self._draft_s(r, 0) > per_second)
         return worth
 
     def _plain_step_s(self, requests: Sequence[Request]) -> float:
@@ -262,9 +269,13 @@ class DraftGate:
                 heapq.heappush(heap, option(i))
         for i, (r, d) in enumerate(candidates):
             idle = self._idle.get(r.request_id, 0)
-            if d.size and not chosen[i] and idle >= self._explore_after:
+            if d.size and not chosen[i] and self._looks(r.request_id, idle):
                 chosen[i] = 1  # a look now and then: a request's drafts may have got better
         return chosen
+
+    def _looks(self, request_id: str, idle: int) -> bool:
+        """Whether a request turned down for `idle` steps verifies a draft anyway."""
+        return idle >= self._explore_after * self._backoff.get(request_id, 1)
 
     def observe(self, request_id: str, verified: int, accepted: int) -> None:
         """A step verified `verified` drafts of a request and the model agreed with the first
@@ -275,6 +286,11 @@ class DraftGate:
         trials = accepted + (1 if accepted < verified else 0)
         for j, (x, predicted) in enumerate(features[:trials]):
             self.model.update(x, j < accepted, predicted)
+        if accepted:
+            self._backoff.pop(request_id, None)
+        else:
+            wait = self._backoff.get(request_id, 1)
+            self._backoff[request_id] = min(2 * wait, MAX_BACKOFF)
         self._global.accepted += accepted
         self._global.trials += trials
         own = self._rates.setdefault(request_id, _Rate())
@@ -285,3 +301,4 @@ class DraftGate:
         self._rates.pop(request_id, None)
         self._chosen.pop(request_id, None)
         self._idle.pop(request_id, None)
+        self._backoff.pop(request_id, None)

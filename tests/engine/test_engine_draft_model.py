@@ -70,6 +70,25 @@ async def test_tiny_model_drafting_for_itself_gives_the_plain_tokens(
     assert counts.num_accepted >= 0.9 * counts.num_drafted, counts
 
 
+async def test_the_draft_finds_its_kv_of_a_shared_prefix(tiny_llama_dir: Path) -> None:
+    """A prompt run again (its prefix from the prefix cache): the draft's KV of its whole blocks
+    is found in them, not computed again, and the drafts are as good."""
+    config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)
+    prompt = [(j * 13) % 4000 + 150 for j in range(100)]
+    async with AsyncEngine(_with_draft(config, tiny_llama_dir)) as engine:
+        core = engine._core
+        assert core is not None and core.decode_runner.drafter is not None
+        drafter = core.decode_runner.drafter
+        first = await run_all(engine, [prompt], GREEDY)
+        cold = drafter.num_caught_up
+        again = await run_all(engine, [prompt], GREEDY)
+        warm = drafter.num_caught_up - cold
+        counts = engine.stats().speculative
+    assert again == first
+    assert cold >= 100 and warm < 16  # the 6 whole blocks of the prompt are found
+    assert counts.num_accepted >= 0.9 * counts.num_drafted > 0
+
+
 async def test_a_draft_that_disagrees_costs_nothing_but_time(tiny_llama_dir: Path) -> None:
     """SmolLM2 drafting for the tiny random model: few drafts accepted, the plain tokens."""
     config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)

@@ -8,8 +8,15 @@ import random
 
 from sched_fakes import make_request
 
+from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
-from deepinfer.scheduler.draft_gate import EXPLORE_EVERY, AcceptanceModel, Draft, DraftGate
+from deepinfer.scheduler.draft_gate import (
+    EXPLORE_EVERY,
+    MAX_BACKOFF,
+    AcceptanceModel,
+    Draft,
+    DraftGate,
+)
 
 
 def _gate(step_s: float = 8e-3, token_s: float = 1.5e-3, num_signals: int = 0) -> DraftGate:
@@ -107,8 +114,9 @@ def test_gate_verifies_what_pays_for_its_rows() -> None:
     assert gate.choose([(easy, _drafts(5)), (hard, _drafts(3))]) == [5, 0]
     assert gate.choose([(easy, Draft())]) == [0]
     assert gate.worth_proposing([easy, hard]) == [True, False]  # never asked for hard's drafts
-    # ... but now and then it looks again, and verifies one
-    for _ in range(EXPLORE_EVERY - 2):
+    # ... but now and then it looks again, and verifies one (its drafts always failed: after
+    # the longest wait)
+    for _ in range(EXPLORE_EVERY * MAX_BACKOFF - 2):
         assert gate.worth_proposing([hard]) == [False]
     assert gate.worth_proposing([hard]) == [True]
     assert gate.choose([(hard, _drafts(5))]) == [1]
@@ -123,3 +131,28 @@ def test_gate_verifies_what_pays_for_its_rows() -> None:
     assert sum(gate.choose([(r, _drafts(5)) for r in middling])) == 0  # beside 31, they do not
     off = DraftGate(StepCostModel(), enabled=False)
     assert off.choose([(hard, _drafts(4)), (easy, _drafts(2))]) == [4, 2]
+
+
+def _steps_to_look(gate: DraftGate, request: Request) -> int:
+    """Steps until the gate looks at a turned-down request's drafts again (then it does)."""
+    steps = 1
+    while gate.worth_proposing([request]) == [False]:
+        steps += 1
+    assert gate.choose([(request, _drafts(5))]) == [1]
+    return steps
+
+
+def test_a_look_that_fails_doubles_the_wait_for_the_next() -> None:
+    gate = _gate()
+    hard = make_request("hard", [2] * 40)
+    for _ in range(50):
+        gate.observe("other", 5, 0)  # the proposer's drafts fail: no request is worth drafting
+    assert gate.worth_proposing([hard]) == [False]
+    waits = []
+    for _ in range(5):
+        waits.append(_steps_to_look(gate, hard))
+        gate.observe("hard", 1, 0)
+    e = EXPLORE_EVERY
+    assert waits == [e - 1, 2 * e, 4 * e, 8 * e, 8 * e]
+    gate.forget("hard")  # a new request with the same id waits the first wait again
+    assert _steps_to_look(gate, hard) == e
