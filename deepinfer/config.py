@@ -355,8 +355,6 @@ def _validate_speculative(s: SpeculativeConfig) -> None:
         )
     if s.draft_layers < 1:
         raise ConfigError(f"draft_layers must be at least 1, got {s.draft_layers}")
-    if (s.speculative == "draft-model") != (s.draft_model is not None):
-        raise ConfigError("draft_model is given exactly when speculative is draft-model")
     if s.speculative_gate not in ("on", "off"):
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
 

@@ -71,8 +71,10 @@ def load_draft(config: Config, loaded: LoadedModel, device: torch.device) -> Loa
     """The draft model for `--speculative draft-model` (else None), on the decode group's
     device; refused unless its vocabulary is the model's."""
     path = config.speculative.draft_model
-    if config.speculative.speculative != "draft-model" or path is None:
+    if config.speculative.speculative != "draft-model":
         return None
+    if path is None:
+        raise ConfigError("--speculative draft-model needs --draft-model PATH")
     draft = load(config, Path(path), loaded.dtype, device)
     tokens, draft_tokens = _vocab(loaded), _vocab(draft)
     same_tokens = tokens is None or draft_tokens is None or tokens == draft_tokens

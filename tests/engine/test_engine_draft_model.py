@@ -131,6 +131,14 @@ async def test_a_draft_with_another_vocabulary_is_refused(
             pass
 
 
+async def test_draft_model_needs_a_path(tiny_llama_dir: Path) -> None:
+    spec = SpeculativeConfig(speculative="draft-model")
+    config = tiny_config(tiny_llama_dir, WorkersConfig()).replace(speculative=spec)
+    with pytest.raises(ConfigError, match="needs --draft-model PATH"):
+        async with AsyncEngine(config):
+            pass
+
+
 REAL_PROMPTS = [
     [ChatMessage("user", "Count from 1 to 25, separated by commas.")],
     [ChatMessage("user", "Write a short paragraph about trains, then list 3 facts about rain.")],
