@@ -37,6 +37,7 @@ import torch
 from deepinfer.kernels.greedy import greedy_ids
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.protocol import CausalLM
+from deepinfer.request import Request
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 
 DRAFT_CONFIDENCE_MIN = 0.4
@@ -196,20 +197,21 @@ class WorkerDrafter:
         behind: list[BatchChunk] = []
         for c in wanting:
             start = self._valid_until(c)
-            tokens = c.request.all_token_ids
             lag = c.start_position - start
             if lag <= budget:
                 budget -= lag
                 self.num_caught_up += lag
                 ready.append(c)
-                batch.append(BatchChunk(tokens[start : c.start_position + 1], start, c.block_ids))
+                tokens = _span(c.request, start, c.start_position + 1)
+                batch.append(BatchChunk(tokens, start, c.block_ids))
                 if lag >= self.block_size:
                     self._blocks.computed(c, c.start_position + 1)
             elif budget > 0:
                 end = start + budget
                 self.num_caught_up += budget
                 budget = 0
-                behind.append(BatchChunk(tokens[start:end], start, c.block_ids, sample=False))
+                tokens = _span(c.request, start, end)
+                behind.append(BatchChunk(tokens, start, c.block_ids, sample=False))
                 self._written[c.request_id] = _Written(end, 0, c.block_ids)
                 self._blocks.computed(c, end)
         return ready, batch + behind
@@ -252,6 +254,15 @@ class WorkerDrafter:
             start = chunk.start_position
             self._written[chunk.request_id] = _Written(start, count, chunk.block_ids)
             self._blocks.overwritten(chunk.block_ids, start + 1, start + count)
+
+
+def _span(request: Request, lo: int, hi: int) -> list[int]:
+    """`request.all_token_ids[lo:hi]` without copying the rest of the context."""
+    prompt, outputs = request.prompt_token_ids, request.output_token_ids
+    n = len(prompt)
+    if lo >= n:
+        return outputs[lo - n : hi - n]
+    return prompt[lo:hi] + outputs[: max(hi - n, 0)]
 
 
 def _with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:
