@@ -7,14 +7,16 @@ SmolLM2 with greedy requests, four workloads:
 - chat: open questions (serve.py's kind of prompt);
 - mixed: all nine prompts of the three, run only with several streams.
 
-For each proposer, one engine; in it, each round runs three modes in turn, the order rotating
-from round to round: `plain` (the scheduler's drafter taken away: plain decoding), `gate` (the
-default: the confidence gate on) and `all` (the gate off: every draft verified). A mode runs
-every workload one request at a time (single stream: decode tokens/s from the first token to
-the last) and then 8 and 32 at once (aggregate tokens/s), and counts drafted and accepted
-tokens and the mean accepted run. Ratios are each round's against the plain mode of the same
-engine and round, and the table gives their medians: the machine drifts, a mode and its plain
-reference run within a minute of each other on the same engine. Every prompt is in the prefix
+For each proposer, one engine; in it, three modes: `plain` (the scheduler's drafter taken away:
+plain decoding), `gate` (the default: the confidence gate on) and `all` (the gate off: every
+draft verified). Each round measures every workload one request at a time (single stream:
+decode tokens/s from the first token to the last) and then 8 and 32 at once (aggregate
+tokens/s over a window in which every stream sends its next request as soon as the last
+ended: `many_streams`), and each of these measurements runs the three modes back to back, the order
+rotating from round to round, counting drafted and accepted tokens and the mean accepted run.
+Ratios are each measurement's against the plain mode's run beside it (seconds apart, on the
+same engine: the machine drifts by more than the effects measured over minutes), and the
+table gives their medians over the rounds. Every prompt is in the prefix
 cache before the first measured run, so every run of a prompt starts from the same cached
 prefix (with int8 activations, a prefix computed in the same step and one read from the cache
 can decode differently), and the single-stream outputs of every mode are checked equal to
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import statistics
 import tempfile
 import time
@@ -148,10 +152,35 @@ async def single_stream(engine: AsyncEngine, prompts: list, max_tokens: int) -> 
 
 
 async def many_streams(engine: AsyncEngine, prompts: list, max_tokens: int, streams: int) -> float:
-    batch = [prompts[i % len(prompts)] for i in range(streams)]
+    """`streams` clients, each sending the prompts in turn (client i from prompt i), a request
+    as soon as its last one ended, for `window_seconds(streams)`: the tokens streamed in that
+    window, per second (requests still running at its end are aborted). The batch stays full,
+    as in serving: with one batch of requests that all start together, a request that
+    speculation finished early would leave its slot empty until the slowest one ends."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     start = time.perf_counter()
-    outs = await asyncio.gather(*(one(engine, p, max_tokens) for p in batch))
-    return sum(len(ids) for ids, _, _ in outs) / (time.perf_counter() - start)
+    deadline = start + window_seconds(streams)
+    streamed = 0
+
+    async def client(i: int) -> None:
+        nonlocal streamed
+        for k in itertools.count(i):
+            async with contextlib.aclosing(
+                engine.generate(prompts[k % len(prompts)], params)
+            ) as it:
+                async for out in it:
+                    if time.perf_counter() >= deadline:
+                        return
+                    streamed += len(out.token_ids)
+
+    await asyncio.gather(*(client(i) for i in range(streams)))
+    return streamed / (deadline - start)
+
+
+def window_seconds(streams: int) -> float:
+    """How long a measurement with several streams lasts: long enough for every client to
+    finish a request or more (a 128-token request takes about 7 s among 32 on two cores)."""
+    return max(5.0, 0.3 * streams)
 
 
 def _delta(before: SpeculativeCounts, after: SpeculativeCounts) -> Counts:
@@ -160,6 +189,10 @@ def _delta(before: SpeculativeCounts, after: SpeculativeCounts) -> Counts:
         after.num_accepted - before.num_accepted,
         after.num_verified - before.num_verified,
     )
+
+
+def _add(a: Counts, b: Counts) -> Counts:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
 MODES = ("plain", "gate", "all")
@@ -179,21 +212,43 @@ def set_mode(engine: AsyncEngine, drafter: object, mode: str) -> None:
         worker.min_confidence = DRAFT_CONFIDENCE_MIN if mode == "gate" else 0.0
 
 
-async def run_mode(
-    engine: AsyncEngine, max_tokens: int, streams: list[int]
-) -> tuple[dict[str, Run], dict[str, Counts]]:
-    """Every workload single-stream, then at each stream count (the mixed workload only
-    there); the speculative counts of each workload's runs."""
-    runs, counts = {}, {}
+async def measure(
+    engine: AsyncEngine, prompts: list, max_tokens: int, streams: int
+) -> tuple[list[list[int]], float]:
+    """One measurement: single stream (`streams` 1: the outputs and decode tokens/s) or
+    `streams` at once (aggregate tokens/s, no outputs kept)."""
+    if streams == 1:
+        return await single_stream(engine, prompts, max_tokens)
+    return [], await many_streams(engine, prompts, max_tokens, streams)
+
+
+async def run_round(
+    engine: AsyncEngine,
+    drafter: object,
+    order: tuple[str, ...],
+    max_tokens: int,
+    streams: list[int],
+) -> dict[str, tuple[dict[str, Run], dict[str, Counts]]]:
+    """Every workload single-stream (the mixed one only with several streams) and at each
+    stream count; each measurement runs the modes back to back in `order`, so that a mode and
+    its plain reference are seconds apart. Each mode's speculative counts by workload."""
+    runs = {m: {w: Run([], 0.0, {}) for w in WORKLOADS} for m in order}
+    counts: dict[str, dict[str, Counts]] = {m: {w: (0, 0, 0) for w in WORKLOADS} for m in order}
     for workload, prompts in WORKLOADS.items():
-        before = engine.stats().speculative
-        tokens, single = [], 0.0
-        if workload != "mixed":
-            tokens, single = await single_stream(engine, prompts, max_tokens)
-        multi = {n: await many_streams(engine, prompts, max_tokens, n) for n in streams}
-        runs[workload] = Run(tokens, single, multi)
-        counts[workload] = _delta(before, engine.stats().speculative)
-    return runs, counts
+        for n in ([] if workload == "mixed" else [1]) + streams:
+            for mode in order:
+                set_mode(engine, drafter, mode)
+                before = engine.stats().speculative
+                tokens, tok_s = await measure(engine, prompts, max_tokens, n)
+                counts[mode][workload] = _add(
+                    counts[mode][workload], _delta(before, engine.stats().speculative)
+                )
+                run = runs[mode][workload]
+                if n == 1:
+                    run.tokens, run.single_tok_s = tokens, tok_s
+                else:
+                    run.multi_tok_s[n] = tok_s
+    return {m: (runs[m], counts[m]) for m in order}
 
 
 async def run_proposer(
@@ -213,11 +268,7 @@ async def run_proposer(
             await one(engine, prompt, 1)
         for r in range(rounds):
             order = MODES[r % 3 :] + MODES[: r % 3]
-            results = {}
-            for mode in order:
-                set_mode(engine, drafter, mode)
-                results[mode] = await run_mode(engine, max_tokens, streams)
-            out.append(results)
+            out.append(await run_round(engine, drafter, order, max_tokens, streams))
     return out
 
 

@@ -26,7 +26,7 @@ import itertools
 import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
@@ -242,7 +242,7 @@ class AsyncEngine:
         reasoning_effort: ReasoningEffort | None = None,
         cache_salt: str | None = None,
         cache_retention: str | None = None,
-    ) -> AsyncIterator[GenerationOutput]:
+    ) -> AsyncGenerator[GenerationOutput, None]:
         """Submit and stream; cancelling or closing the iterator aborts the request."""
         stream = await self.submit(
             prompt,
