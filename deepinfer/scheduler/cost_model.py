@@ -260,7 +260,12 @@ def _nnls_by_active_sets(
 
     With G positive definite the problem is convex; its minimiser is the unconstrained solution
     on some subset of free variables (the others at 0). Feasible candidates are compared by
-    objective. None when every subset is singular (cannot happen with the prior)."""
+    objective. None when every subset is singular (cannot happen with the prior). The
+    unconstrained minimiser, when it is feasible, is the answer: it is tried first (most fits
+    end there, one solve instead of sixteen)."""
+    full = _solve(gram, rhs)
+    if full is not None and all(v >= 0 for v in full):
+        return (full[0], full[1], full[2], full[3])
     best: tuple[float, tuple[float, float, float, float]] | None = None
     for size in range(_NUM_FEATURES + 1):
         for free in itertools.combinations(range(_NUM_FEATURES), size):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deepinfer.request import Request
@@ -160,6 +160,33 @@ class _Rate:
     trials: float = 0.0
 
 
+class _Positions:
+    """One request's draft positions as the gate sees them, computed as far as asked: each
+    position's features and conditional acceptance, and their running product."""
+
+    def __init__(self, gate: DraftGate, request_id: str, draft: Draft) -> None:
+        self._model = gate.model
+        self._first = gate.features(request_id, 0, draft.signals)
+        self._step = 1.0 / max(gate.max_drafts - 1, 1)
+        self._seen: list[tuple[list[float], float]] = []
+        self._survival: list[float] = []
+
+    def survival(self, j: int) -> float:
+        """The chance that positions 0..j are all accepted."""
+        while len(self._survival) <= j:
+            x = list(self._first)
+            x[2] += len(self._seen) * self._step
+            p = self._model.predict(x)
+            self._seen.append((x, p))
+            self._survival.append(p * (self._survival[-1] if self._survival else 1.0))
+        return self._survival[j]
+
+    def observed(self, k: int) -> list[tuple[list[float], float]]:
+        """The first `k` positions' features and conditional predictions (`DraftGate.observe`)."""
+        self.survival(k - 1)
+        return self._seen[:k]
+
+
 def _logit(p: float) -> float:
     p = min(max(p, 0.02), 0.98)
     return math.log(p / (1.0 - p))
@@ -211,11 +238,8 @@ class DraftGate:
 
     def acceptance(self, request_id: str, draft: Draft) -> list[float]:
         """The chance that each draft position is accepted (the product up to it)."""
-        out, q = [], 1.0
-        for j in range(draft.size):
-            q *= self.model.predict(self.features(request_id, j, draft.signals))
-            out.append(q)
-        return out
+        positions = _Positions(self, request_id, draft)
+        return [positions.survival(j) for j in range(draft.size)]
 
     def worth_proposing(self, requests: Sequence[Request]) -> list[bool]:
         """Whether a first draft of each request could pay in a step of all of them, with the
@@ -226,12 +250,19 @@ class DraftGate:
         best = [1.0 if w > 0 else 0.0 for w in self.model.weights[3:]]
         worth = []
         self._explore_after = EXPLORE_EVERY * len(requests)
+        bar = per_second * GAIN_MARGIN
+        draft_s = self._first_draft_s()
         for r in requests:
             idle = self._idle[r.request_id] = self._idle.get(r.request_id, 0) + 1
             q = self.model.predict(self.features(r.request_id, 0, best))
-            pays = q / self._draft_s(r, 0) > per_second * GAIN_MARGIN
-            worth.append(self._looks(r.request_id, idle) or pays)
+            worth.append(self._looks(r.request_id, idle) or q / draft_s(r) > bar)
         return worth
+
+    def _first_draft_s(self) -> Callable[[Request], float]:
+        """`_draft_s(request, 0)` with the cost model's coefficients read once."""
+        c = self.cost_model.coefficients
+        per_row, per_key = c.token_s + c.kv_token_s, c.attention_s
+        return lambda r: max(per_row + per_key * (r.num_computed_tokens + 1.5), 1e-12)
 
     def _plain_step_s(self, requests: Sequence[Request]) -> float:
         """Predicted seconds of a step of `requests` without drafts."""
@@ -246,24 +277,30 @@ class DraftGate:
     def choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
         """For each (request, draft), how many drafts to verify. Every request of the step is
         listed (those without drafts with an empty one): the step's cost depends on all."""
-        chosen = self._choose(candidates) if self.enabled else [d.size for _, d in candidates]
-        for (r, d), k in zip(candidates, chosen, strict=True):
-            features = [self.features(r.request_id, j, d.signals) for j in range(k)]
-            self._chosen[r.request_id] = [(x, self.model.predict(x)) for x in features]
+        positions = [_Positions(self, r.request_id, d) for r, d in candidates]
+        if self.enabled:
+            chosen = self._choose(candidates, positions)
+        else:
+            chosen = [d.size for _, d in candidates]
+        for (r, _), at, k in zip(candidates, positions, chosen, strict=True):
             if k > 0:
+                self._chosen[r.request_id] = at.observed(k)
                 self._idle[r.request_id] = 0
+            else:
+                self._chosen.pop(r.request_id, None)
         return chosen
 
-    def _choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
+    def _choose(
+        self, candidates: Sequence[tuple[Request, Draft]], positions: Sequence[_Positions]
+    ) -> list[int]:
         tokens = float(len(candidates))
         seconds = self._plain_step_s([r for r, _ in candidates])
         chosen = [0] * len(candidates)
-        survive = [self.acceptance(r.request_id, d) for r, d in candidates]
 
         def option(i: int) -> tuple[float, float, float, int]:
             """(-gain, expected tokens, seconds) of request i's next position."""
             extra = self._draft_s(candidates[i][0], chosen[i])
-            q = survive[i][chosen[i]]
+            q = positions[i].survival(chosen[i])
             return (-q / extra, q, extra, i)
 
         heap = [option(i) for i, (_, d) in enumerate(candidates) if d.size]
