@@ -12,7 +12,7 @@ plain decoding), `gate` (the default: the confidence gate on) and `all` (the gat
 draft verified). Each round measures every workload one request at a time (single stream:
 decode tokens/s from the first token to the last) and then 8 and 32 at once (aggregate
 tokens/s over a window in which every stream sends its next request as soon as the last
-ended: `many_streams`), and each of these measurements runs the three modes back to back, the order
+ended: `engine_load.closed_loop`), and each of these measurements runs the three modes back to back, the order
 rotating from round to round, counting drafted and accepted tokens and the mean accepted run.
 Ratios are each measurement's against the plain mode's run beside it (seconds apart, on the
 same engine: the machine drifts by more than the effects measured over minutes), and the
@@ -33,10 +33,7 @@ vocabulary exists.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import dataclasses
-import itertools
 import statistics
 import tempfile
 import time
@@ -44,6 +41,7 @@ from pathlib import Path
 
 import uvloop
 from common import provenance
+from engine_load import closed_loop
 from truncated_draft import truncate
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
@@ -152,35 +150,9 @@ async def single_stream(engine: AsyncEngine, prompts: list, max_tokens: int) -> 
 
 
 async def many_streams(engine: AsyncEngine, prompts: list, max_tokens: int, streams: int) -> float:
-    """`streams` clients, each sending the prompts in turn (client i from prompt i), a request
-    as soon as its last one ended, for `window_seconds(streams)`: the tokens streamed in that
-    window, per second (requests still running at its end are aborted). The batch stays full,
-    as in serving: with one batch of requests that all start together, a request that
-    speculation finished early would leave its slot empty until the slowest one ends."""
+    """Aggregate tokens/s of `streams` clients kept busy for a while (`closed_loop`)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    start = time.perf_counter()
-    deadline = start + window_seconds(streams)
-    streamed = 0
-
-    async def client(i: int) -> None:
-        nonlocal streamed
-        for k in itertools.count(i):
-            async with contextlib.aclosing(
-                engine.generate(prompts[k % len(prompts)], params)
-            ) as it:
-                async for out in it:
-                    if time.perf_counter() >= deadline:
-                        return
-                    streamed += len(out.token_ids)
-
-    await asyncio.gather(*(client(i) for i in range(streams)))
-    return streamed / (deadline - start)
-
-
-def window_seconds(streams: int) -> float:
-    """How long a measurement with several streams lasts: long enough for every client to
-    finish a request or more (a 128-token request takes about 7 s among 32 on two cores)."""
-    return max(5.0, 0.3 * streams)
+    return await closed_loop(engine, prompts, params, streams)
 
 
 def _delta(before: SpeculativeCounts, after: SpeculativeCounts) -> Counts:

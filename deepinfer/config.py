@@ -97,6 +97,12 @@ class ModelConfig:
     file, bench/RESULTS.md); `float32` the exact fp32 weights by fp32 activations, the numerics
     of transformers on the same file (greedy answers differ where the top two tokens are close);
     `auto` (the default) `int8` wherever the quantized kernel serves the model, else float32."""
+    batch_invariant: bool = False
+    """The same request gives bitwise the same tokens and logprobs whatever else runs beside
+    it, however its prompt is chunked and wherever its prefix comes from (computed, or the
+    device, host or disk tier): every query row's attention takes the one-row kernel's fixed
+    order (so a prompt costs more to compute). Needs the native CPU kernels and every matrix
+    served by the quantized kernel (a GGUF model on CPU); start-up refuses it elsewhere."""
 
     def resolved_path(self) -> Path:
         return self.path if self.path is not None else default_model_path()

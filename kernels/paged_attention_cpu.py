@@ -50,13 +50,21 @@ def plan_paged_attention_cpu(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32
     k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    *,
+    every_row: bool = False,
 ) -> PagedAttentionPlan:
+    """Which queries the native kernel attends, one row each: decode rows and short chunks, or
+    with `every_row` every query (the batch-invariant mode: a query's attention is then the
+    same sum in the same order whether its chunk was a decode, a verification or a prompt of
+    any length, so a prefix read from the cache attends as one computed in the step)."""
     if not native_decode_applies(k_cache):
         return plan_paged_attention_reference(block_tables, query_start_loc, context_lens, k_cache)
     starts: list[int] = query_start_loc.tolist()
     lens: list[int] = context_lens.tolist()
     native_reqs = [
-        b for b in range(len(lens)) if _native_applies(starts[b + 1] - starts[b], lens[b])
+        b
+        for b in range(len(lens))
+        if _native_applies(starts[b + 1] - starts[b], lens[b], every_row)
     ]
     if not native_reqs:
         return PagedAttentionPlan(starts, lens, native_reqs, None)
@@ -86,12 +94,12 @@ a decode step verifying up to 32 draft tokens (config.MAX_DRAFT_TOKENS) (specula
 a plain decode step computes it, so the greedy picks are the same bits."""
 
 
-def _native_applies(q_len: int, ctx_len: int) -> bool:
+def _native_applies(q_len: int, ctx_len: int, every_row: bool = False) -> bool:
     """Whether the kernel attends a request's queries: a few (a decode, a verified draft), or a
     short chunk whose query-key pairs are few (each query then reads its whole context; torch's
-    fused prefill reads it once per chunk, which wins for long prompts)."""
+    fused prefill reads it once per chunk, which wins for long prompts); any with `every_row`."""
     return 1 <= q_len <= NATIVE_ALWAYS_ROWS or (
-        q_len > 1 and q_len * ctx_len <= NATIVE_MAX_CHUNK_PAIRS
+        q_len > 1 and (every_row or q_len * ctx_len <= NATIVE_MAX_CHUNK_PAIRS)
     )
 
 

@@ -128,7 +128,16 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             for i, r in enumerate(results)
         ]
         usage = usage_out(total_usage([r.usage for r in results], 1))
-        return json_response(ChatCompletion(rid, created, ctx.model_name, choices, usage))
+        return json_response(
+            ChatCompletion(
+                rid,
+                created,
+                ctx.model_name,
+                choices,
+                usage,
+                system_fingerprint=ctx.engine.system_fingerprint,
+            )
+        )
 
     return chat_completions
 
@@ -226,6 +235,15 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             for i, r in enumerate(results)
         ]
         usage = usage_out(total_usage([r.usage for r in results], len(prompts)))
-        return json_response(Completion(rid, created, ctx.model_name, choices, usage))
+        return json_response(
+            Completion(
+                rid,
+                created,
+                ctx.model_name,
+                choices,
+                usage,
+                system_fingerprint=ctx.engine.system_fingerprint,
+            )
+        )
 
     return completions

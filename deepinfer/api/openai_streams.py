@@ -42,13 +42,15 @@ async def chat_frames(
     """`usage_every_chunk` (vLLM's `continuous_usage_stats`): each chunk carries the usage so far.
     With tools (`plan`), each choice's text goes through a `ToolStream`: content and call deltas
     come in the order written."""
-    model, tok = ctx.model_name, ctx.engine.tokenizer
+    model, tok, fp = ctx.model_name, ctx.engine.tokenizer, ctx.engine.system_fingerprint
     usages: list[Usage] = [Usage(s.num_prompt_tokens, 0, 0) for s in streams]
     tools = [ToolStream(plan, CALL_ID_PREFIX) for _ in streams] if plan.parses_calls else None
 
     def chunk(choices: list[ChunkChoice]) -> bytes:
         usage = usage_out(total_usage(usages, 1)) if usage_every_chunk else None
-        return data_frame(ChatCompletionChunk(rid, created, model, choices, usage))
+        return data_frame(
+            ChatCompletionChunk(rid, created, model, choices, usage, system_fingerprint=fp)
+        )
 
     yield chunk(
         [ChunkChoice(i, ChunkDelta(role="assistant", content="")) for i in range(len(streams))]
@@ -69,7 +71,7 @@ async def chat_frames(
         return
     if include_usage:
         usage = usage_out(total_usage(usages, 1))
-        yield data_frame(ChatCompletionChunk(rid, created, model, [], usage))
+        yield data_frame(ChatCompletionChunk(rid, created, model, [], usage, system_fingerprint=fp))
     yield DONE_FRAME
 
 
@@ -103,7 +105,7 @@ async def completion_frames(
     usage_every_chunk: bool = False,
 ) -> AsyncIterator[bytes]:
     """`usage_every_chunk` (vLLM's `continuous_usage_stats`): each chunk carries the usage so far."""
-    model, tok = ctx.model_name, ctx.engine.tokenizer
+    model, tok, fp = ctx.model_name, ctx.engine.tokenizer, ctx.engine.system_fingerprint
     usages: list[Usage] = [Usage(s.num_prompt_tokens, 0, 0) for s in streams]
     offsets = [0] * len(streams)
     try:
@@ -114,12 +116,14 @@ async def completion_frames(
             if out.text or lp is not None or out.finished:
                 choice = CompletionChoice(i, out.text, finish_reason(out.finish_reason), lp)
                 so_far = usage_out(total_usage(usages, num_prompts)) if usage_every_chunk else None
-                yield data_frame(Completion(rid, created, model, [choice], so_far))
+                yield data_frame(
+                    Completion(rid, created, model, [choice], so_far, system_fingerprint=fp)
+                )
     except Exception as exc:
         yield data_frame(openai_payload(to_api_error(exc)))
         yield DONE_FRAME
         return
     if include_usage:
         usage = usage_out(total_usage(usages, num_prompts))
-        yield data_frame(Completion(rid, created, model, [], usage))
+        yield data_frame(Completion(rid, created, model, [], usage, system_fingerprint=fp))
     yield DONE_FRAME

@@ -151,6 +151,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.info.max_model_len
 
+    @property
+    def system_fingerprint(self) -> str:
+        return self.core.info.system_fingerprint
+
     def stats(self) -> EngineStats:
         core, driver = self.core, self._driver
         return EngineStats(

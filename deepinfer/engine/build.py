@@ -67,6 +67,15 @@ class RuntimeInfo:
     """The decode worker's own device group, with its own model and KV pool (None: shared)."""
     decode_num_blocks: int = 0
     """Blocks of the decode pool, when it is separate."""
+    batch_invariant: bool = False
+    """Every request's bits independent of the batch, the chunking and the cache tier."""
+
+    @property
+    def system_fingerprint(self) -> str:
+        """What responses report as `system_fingerprint`: the model fingerprint's head (weights,
+        numerics, KV layout: the keys of the prefix cache) and the arithmetic mode."""
+        mode = "batch-invariant" if self.batch_invariant else "default"
+        return f"fp_{self.fingerprint[:12]}-{mode}"
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,7 @@ def runtime_info(
         decode_graph_sizes=graphs.sizes if graphs is not None else (),
         decode_device=decode.device if replicas.split else None,
         decode_num_blocks=decode.num_blocks if replicas.split else 0,
+        batch_invariant=loaded.batch_invariant,
     )
 
 

@@ -75,7 +75,7 @@ def load_draft(config: Config, loaded: LoadedModel, device: torch.device) -> Loa
         return None
     if path is None:
         raise ConfigError("--speculative draft-model needs --draft-model PATH")
-    draft = load(config, Path(path), loaded.dtype, device)
+    draft = load(config, Path(path), loaded.dtype, device, draft=True)
     tokens, draft_tokens = _vocab(loaded), _vocab(draft)
     same_tokens = tokens is None or draft_tokens is None or tokens == draft_tokens
     if draft.arch.vocab_size != loaded.arch.vocab_size or not same_tokens:
@@ -95,10 +95,22 @@ def _vocab(loaded: LoadedModel) -> list[bytes] | None:
     return None if field is None else [bytes(field.parts[i]) for i in field.data]
 
 
-def load(config: Config, path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load(
+    config: Config, path: Path, dtype: torch.dtype, device: torch.device, draft: bool = False
+) -> LoadedModel:
+    """The model at `path` as the config serves it (a draft model: never batch invariant, its
+    arithmetic decides only which tokens are tried)."""
     m = config.model
     backend = config.runtime.attention_backend
-    return load_model(path, dtype, device, backend, m.quantized_matmul, m.matmul_activations)
+    return load_model(
+        path,
+        dtype,
+        device,
+        backend,
+        m.quantized_matmul,
+        m.matmul_activations,
+        batch_invariant=m.batch_invariant and not draft,
+    )
 
 
 def build_replica(

@@ -148,9 +148,11 @@ def triton_backend() -> KernelBackend:
     return KernelBackend(name="triton", **ops)
 
 
-def cpu_backend() -> KernelBackend:
+def cpu_backend(batch_invariant: bool = False) -> KernelBackend:
     """The torch references, with decode attention (and short prompt chunks), the norms,
-    rotary, the KV store and silu * up through the native CPU kernels."""
+    rotary, the KV store and silu * up through the native CPU kernels; with `batch_invariant`,
+    every query's attention through the native kernel, one row each (their per-row order is
+    fixed: no reduction depends on the other rows, the chunking or the thread count)."""
     from deepinfer.kernels import elementwise_cpu as ew
     from deepinfer.kernels import paged_attention_cpu as cpu
 
@@ -160,19 +162,36 @@ def cpu_backend() -> KernelBackend:
     ops["apply_rotary"] = ew.apply_rotary_cpu
     ops["store_kv"] = ew.store_kv_cpu
     ops["silu_mul"] = ew.silu_mul_cpu
-    ops["plan_paged_attention"] = cpu.plan_paged_attention_cpu
+    ops["plan_paged_attention"] = functools.partial(
+        cpu.plan_paged_attention_cpu, every_row=batch_invariant
+    )
     ops["paged_decode_attention"] = cpu.paged_decode_attention_cpu
     ops["paged_prefill_attention"] = cpu.paged_prefill_attention_cpu
     return KernelBackend(name="cpu", **ops)
+
+
+def _batch_invariant_backend(name: str, device: torch.device) -> KernelBackend:
+    if name not in ("auto", "cpu") or device.type != "cpu" or not native_available():
+        where = f"the {name} attention backend on {device.type}"
+        raise ConfigError(
+            f"--batch-invariant runs on the native CPU kernels (attention backend cpu or auto, "
+            f"on CPU, with the kernels built), not {where}"
+        )
+    return cpu_backend(batch_invariant=True)
 
 
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_attention_backend(name: str, device: torch.device) -> KernelBackend:
+def select_attention_backend(
+    name: str, device: torch.device, *, batch_invariant: bool = False
+) -> KernelBackend:
     """Pick the backend once: `auto` is triton on CUDA when triton is importable, cpu on CPU
-    when the native kernels build, else torch."""
+    when the native kernels build, else torch. `batch_invariant` takes the cpu backend only
+    (the others' prompt attention sums in an order that depends on the chunk)."""
+    if batch_invariant:
+        return _batch_invariant_backend(name, device)
     if name == "auto":
         if device.type == "cuda":
             name = "triton" if _triton_available() else "torch"

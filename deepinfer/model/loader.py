@@ -15,6 +15,7 @@ from deepinfer.model.fingerprint import directory_digest, file_digest, kv_finger
 from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
 from deepinfer.model.protocol import CausalLM
 from deepinfer.model.quantized import (
+    float_matrices,
     int8_activations_wanted,
     quantize_linears,
     quantized_matmul_wanted,
@@ -40,6 +41,8 @@ class LoadedModel:
     """Bytes of matrices served in GGUF blocks by the native kernel (0: all fp32)."""
     int8_activations: bool = False
     """The quantized kernel quantizes activations to int8 (integer dot products)."""
+    batch_invariant: bool = False
+    """Every row's arithmetic is independent of the step it runs in (`--batch-invariant`)."""
 
 
 def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | None]:
@@ -60,18 +63,22 @@ def load_model(
     attention_backend: str = "auto",
     quantized_matmul: str = "auto",
     matmul_activations: str = "float32",
+    *,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
     `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_1/Q8_0 matrices in their blocks
     through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
-    (`auto|float32|int8`): what that kernel multiplies them by.
+    (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
+    arithmetic independent of the step it runs in (see `check_batch_invariant`).
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """
     path = Path(path)
     device = torch.device(device)
-    backend = select_attention_backend(attention_backend, device)  # fail fast, before parsing
+    # fail fast, before parsing
+    backend = select_attention_backend(attention_backend, device, batch_invariant=batch_invariant)
     arch, source, weights_digest, reader = _open(path)
     model = get_model_class(arch.architecture)(arch, device=device, backend=backend)
     state = build_state_dict(arch, source, dtype, device, desc=f"loading {path.name}")
@@ -89,10 +96,28 @@ def load_model(
         quantized = quantize_linears(model, source, arch.num_layers, int8)
     if int8 and not quantized:
         raise ModelLoadError(f"--matmul-activations int8: {path} has no Q4_1 or Q8_0 matrices")
+    if batch_invariant:
+        check_batch_invariant(model, path)
     causal_lm: CausalLM = model  # type: ignore[assignment]
     return LoadedModel(
-        causal_lm, arch, path, dtype, device, weights_digest, reader, quantized, int8
-    )
+        causal_lm, arch, path, dtype, device, weights_digest, reader, quantized, int8,
+        batch_invariant,
+    )  # fmt: skip
+
+
+def check_batch_invariant(model: torch.nn.Module, path: Path) -> None:
+    """Refuse a model some of whose matrices BLAS would multiply: its sums' order, and so its
+    bits, depend on how many rows the step has. The quantized kernel's do not (each output is
+    the same sum in the same order whatever the rows), nor do the native attention kernel's
+    (the backend takes every query as one row) or the per-row norms."""
+    left = float_matrices(model)
+    if left:
+        shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+        raise ModelLoadError(
+            f"--batch-invariant needs every matrix served by the quantized CPU kernel (a GGUF "
+            f"file with Q4_1/Q8_0 matrices, float32 on CPU, --quantized-matmul auto or on); "
+            f"{path.name} would multiply {shown} in float"
+        )
 
 
 def model_fingerprint(
@@ -106,6 +131,8 @@ def model_fingerprint(
         numerics += "+int8-activations"
     if kv_dtype is not None and kv_dtype != dtype:
         numerics += f"+kv-{kv_dtype}"
+    if loaded.batch_invariant:  # prompts attended row by row: other bits than chunked prefill
+        numerics += "+batch-invariant"
     return kv_fingerprint(
         loaded.weights_digest, numerics, a.num_layers, a.num_kv_heads, a.head_dim, block_size
     )

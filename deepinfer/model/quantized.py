@@ -89,6 +89,19 @@ def quantize_linears(
     return total
 
 
+def float_matrices(model: nn.Module) -> list[str]:
+    """The matrices the quantized kernel does not serve (BLAS multiplies them, in an order that
+    depends on how many rows a step has): linear layers, and the LM head."""
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.quantized is None
+    ]
+    if getattr(model, "lm_head_quantized", None) is None:
+        names.append("lm_head")
+    return names
+
+
 def _served(weight: QuantizedWeight, int8: bool) -> BlockWeight:
     return pack_int8(weight) if int8 else weight
 
