@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -59,7 +60,7 @@ def test_chat_answers_and_reports_cached_tokens(oai: openai.OpenAI, engine: Any)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_streaming_chat_matches_non_streaming(oai: openai.OpenAI) -> None:
+def test_streaming_chat_matches_non_streaming(oai: openai.OpenAI, engine: Any) -> None:
     messages: list[Any] = [{"role": "user", "content": "Name three colors."}]
     whole = oai.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
     chunks = list(oai.chat.completions.create(
@@ -68,6 +69,11 @@ def test_streaming_chat_matches_non_streaming(oai: openai.OpenAI) -> None:
     ))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
+    # the model fingerprint's head and the arithmetic mode, the same on every response
+    fingerprint = engine.info.system_fingerprint
+    assert re.fullmatch(r"fp_[0-9a-f]{12}-default", fingerprint)
+    assert whole.system_fingerprint == fingerprint
+    assert {c.system_fingerprint for c in chunks} == {fingerprint}
     assert chunks[-1].usage and whole.usage
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
@@ -84,6 +90,9 @@ def test_completions_text_and_ids(oai: openai.OpenAI, engine: Any) -> None:
         oai.completions.create(model="m", prompt=ids, max_tokens=5, temperature=0, stream=True)
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert {r.system_fingerprint, *(c.system_fingerprint for c in chunks)} == {
+        engine.info.system_fingerprint
+    }
 
 
 def test_typed_special_marker_counts_as_plain_text(oai: openai.OpenAI, engine: Any) -> None:

@@ -1,7 +1,8 @@
 """`--batch-invariant` on the real model: a request's token ids and logprobs (their float bits,
 top alternatives included) are the same run alone on a cold engine, inside random batches of up
 to 32 others, with its prompt chunked at random sizes, with its prefix served from the device,
-host and disk tiers (the last after a restart), in both worker modes, with one thread and two.
+host and disk tiers (the last after a restart), in both worker modes, with one thread and two,
+with speculative decoding verifying drafts.
 The same runs with the mode off show what the default mode does not promise."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from deepinfer.config import (
     ModelConfig,
     RuntimeConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     WorkersConfig,
 )
 from deepinfer.engine.async_engine import AsyncEngine
@@ -113,6 +115,10 @@ async def _runs(tmp: Path, invariant: bool) -> dict[str, list[Bits]]:
     async with AsyncEngine(cold) as engine:
         runs["alone"], _ = await _alone(engine)
         runs["batched"] = await _in_batches(engine, rng)
+    every_draft = SpeculativeConfig(speculative="ngram", speculative_gate="off")
+    async with AsyncEngine(_config(tmp, invariant, speculative=every_draft)) as engine:
+        runs["speculative, every draft verified"], _ = await _alone(engine)
+        assert engine.stats().speculative.num_drafted > 0
     chunked = _config(
         tmp,
         invariant,
