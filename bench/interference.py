@@ -94,7 +94,7 @@ def chat(rng: random.Random, tokenizer: Any, tag: str, num_tokens: int, ask: str
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
-    from deepinfer.config import default_model_path
+    from deepinfer.environment import default_model_path
     from deepinfer.model.gguf_loader import gguf_arch, open_gguf
     from deepinfer.text.tokenizer import Tokenizer
 
@@ -268,7 +268,7 @@ def mode_cmd(mode: str, port: int, work: Workload, args: argparse.Namespace) -> 
     if binary is None:
         print("llama-server not found (set LLAMA_SERVER or build it under third_party/): skipped")
         return None
-    from deepinfer.config import default_model_path
+    from deepinfer.environment import default_model_path
 
     # every slot must hold the longest prompt: llama-server splits -c evenly among slots
     slots = 2 * len(args.short_offsets) + args.streams + 1

@@ -42,9 +42,9 @@ from deepinfer.config import (
     ModelConfig,
     SchedulerConfig,
     WorkersConfig,
-    default_model_path,
 )
 from deepinfer.engine.core import EngineCore
+from deepinfer.environment import default_model_path
 from deepinfer.model.gguf_loader import gguf_arch, open_gguf
 from deepinfer.request import Request, SamplingParams
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from common import find_llama_binary, provenance
 
-from deepinfer.config import default_model_path
+from deepinfer.environment import default_model_path
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.gguf_loader import gguf_arch, open_gguf
 from deepinfer.model.kv_layout import allocate_kv_caches

@@ -280,7 +280,7 @@ def run_llama(args: argparse.Namespace) -> Scenario | None:
     if binary is None:
         print("llama-server not found (set LLAMA_SERVER or build it under third_party/): skipped")
         return None
-    from deepinfer.config import default_model_path
+    from deepinfer.environment import default_model_path
 
     port = free_port()
     slots = args.concurrency or args.sessions

@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--deepinfer-args", default="", help="extra flags for server.py")
     ns = ap.parse_args()
     levels = [int(x) for x in ns.levels.split(",")]
-    from deepinfer.config import default_model_path
+    from deepinfer.environment import default_model_path
 
     model = default_model_path()
     rows = []

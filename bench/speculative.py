@@ -45,8 +45,9 @@ from engine_load import closed_loop
 from truncated_draft import truncate
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
-from deepinfer.config import Config, DiskCacheConfig, SpeculativeConfig, default_model_path
+from deepinfer.config import Config, DiskCacheConfig, SpeculativeConfig
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.environment import default_model_path
 from deepinfer.request import SamplingParams
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN
 from deepinfer.scheduler.speculative import SpeculativeCounts

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from deepinfer.config import default_model_path
+from deepinfer.environment import default_model_path
 from deepinfer.sampling.constraints import llg_tokenizer
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.text.tokenizer import Tokenizer

@@ -3,7 +3,8 @@
 Every field of every section of `Config` is one flag (a nested record such as
 `ServerConfig.limits` adds its fields too). The flag is the field's name with dashes (`RENAMED`
 keeps the older names users rely on), its choices come from a `Literal` or enum type, a bool gets
-`--x/--no-x`, a tuple takes a comma list, and its help is the field's docstring in config.py.
+`--x/--no-x`, a tuple takes a comma list, and its help is the field's docstring where the section is defined
+(config.py, server_config.py).
 `CONVERSIONS` holds the flags whose text is not the field's value (`--kv-memory-gb` ->
 `kv_memory_bytes`). Every flag also reads `DEEPINFER_<FLAG>` (`config.env_name`; a bool also
 `DEEPINFER_NO_<FLAG>`): a flag beats the environment, which beats the field's default. A field
@@ -26,7 +27,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from deepinfer.config import Config, ConfigError, env_name, env_value
+from deepinfer.config import Config
+from deepinfer.environment import env_name, env_value
+from deepinfer.errors import ConfigError
 
 GIB = 1 << 30
 Parse = Callable[[str], Any]

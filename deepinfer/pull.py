@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.config import DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME, default_model_dir
+from deepinfer.environment import DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME, default_model_dir
 from deepinfer.model_dir import (
     DownloadError,
     PullError,

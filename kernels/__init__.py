@@ -12,7 +12,7 @@ the launchers in `norm`, `rotary`, `kv_store`, `matmul` and `paged_attention` (k
 Only the launcher modules load Triton (through `triton_common`), and only the `triton` backend
 and the kernel tests import them: this package, `dispatch`, the references and the native CPU
 kernels never do, so the CPU path runs without Triton loaded. This package imports torch,
-triton, its own modules and the stdlib-only `deepinfer.config` (for its `DEEPINFER_NATIVE*`
+triton, its own modules and the stdlib-only `deepinfer.environment` (for its `DEEPINFER_NATIVE*`
 switches), relatively.
 
 Native CPU kernels (C with AVX2 intrinsics, `cpu/*.c`; their ABI is `cpu/deepinfer_kernels.h`,

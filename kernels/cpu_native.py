@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..config import env_name, env_value
+from ..environment import env_name, env_value
 from .cpu_abi import AttentionArgs, LlamaLayer, LlamaStep, RmsNormArgs, declare
 
 SOURCES = tuple(

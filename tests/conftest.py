@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from deepinfer.config import default_model_dir as _default_model_dir
+from deepinfer.environment import default_model_dir as _default_model_dir
 from deepinfer.model.gguf_loader import open_gguf
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from deepinfer.config import default_model_path
+    from deepinfer.environment import default_model_path
     from deepinfer.text.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")

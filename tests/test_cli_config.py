@@ -21,9 +21,10 @@ import pytest
 
 from deepinfer import cli
 from deepinfer.args import ALIASES, FlagSpec, config_from_args, field_docs, flag_specs
-from deepinfer.config import CacheConfig, Config, ConfigError, Retention, env_name
+from deepinfer.config import CacheConfig, Config, Retention
 from deepinfer.engine.tiers import check_retention
-from deepinfer.errors import InvalidRequestError
+from deepinfer.environment import env_name
+from deepinfer.errors import ConfigError, InvalidRequestError
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

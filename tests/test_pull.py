@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.config import (
+from deepinfer.environment import (
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_NAME,
-    ConfigError,
     default_model_dir,
     default_model_path,
 )
+from deepinfer.errors import ConfigError
 from deepinfer.model_dir import MANIFEST_FILE, DownloadError, PullError, read_manifest
 from deepinfer.pull import (
     CATALOG,

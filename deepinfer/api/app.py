@@ -33,7 +33,8 @@ from deepinfer.api.openai_routes import openai_routes
 from deepinfer.api.protocol import EngineClient
 from deepinfer.api.responses_routes import responses_routes
 from deepinfer.api.token_routes import token_routes
-from deepinfer.config import DiskCacheConfig, ServerConfig
+from deepinfer.config import DiskCacheConfig
+from deepinfer.server_config import ServerConfig
 
 log = logging.getLogger("deepinfer.api")
 

@@ -17,9 +17,9 @@ from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
-from deepinfer.config import RequestLimits
 from deepinfer.engine.prompts import check_prompt_fits
 from deepinfer.request import SamplingParams
+from deepinfer.server_config import RequestLimits
 from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import msgspec
 from deepinfer.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.openai_schemas import ChatCompletionRequest, _SamplingFields
-from deepinfer.config import RequestLimits
+from deepinfer.server_config import RequestLimits
 
 
 def over_limit(param: str, accepted: str, limit_name: str, got: int) -> ApiError:

@@ -25,9 +25,10 @@ from deepinfer.api.responses_tools import responses_plan, text_format_spec
 from deepinfer.api.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.streams import collect
 from deepinfer.api.tool_grammar import forced_calls, recipe_format
-from deepinfer.config import DiskCacheConfig, RequestLimits, Retention
+from deepinfer.config import DiskCacheConfig, Retention
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import SamplingParams
+from deepinfer.server_config import RequestLimits
 from deepinfer.text.recipe import ChatMessage
 
 Handler = Callable[[Request], Awaitable[Response]]

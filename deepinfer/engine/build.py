@@ -21,10 +21,11 @@ from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
 from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.cache.host.tier import HostTier
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.config import Config, ConfigError, DiskCacheConfig, Retention
+from deepinfer.config import Config, DiskCacheConfig, Retention
 from deepinfer.engine.build_replicas import Replica, Replicas, build_replicas, capture_graphs
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
+from deepinfer.errors import ConfigError
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.model.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.cuda_graphs import DecodeGraphs

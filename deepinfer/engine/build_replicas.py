@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import Config, ConfigError
+from deepinfer.config import Config
 from deepinfer.engine.kv_sizing import kv_cache_dtype, num_kv_blocks
+from deepinfer.errors import ConfigError
 from deepinfer.model.kv_layout import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from deepinfer.model.loader import LoadedModel, load_model
 from deepinfer.model.protocol import CausalLM

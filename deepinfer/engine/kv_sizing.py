@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from deepinfer.config import CacheConfig, ConfigError
-from deepinfer.errors import ModelLoadError
+from deepinfer.config import CacheConfig
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.runner.device import resolve_kv_dtype
 
 CPU_KV_MEMORY_CAP = 4 << 30

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_available, native_library
 from deepinfer.kernels.dispatch import run_or_fallback
 from deepinfer.kernels.paged_attention_torch import PagedAttentionPlan

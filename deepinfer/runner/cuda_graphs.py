@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.protocol import CausalLM
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import ConfigError, WorkersConfig
+from deepinfer.config import WorkersConfig
+from deepinfer.errors import ConfigError
 from deepinfer.runner.device import resolve_device
 
 

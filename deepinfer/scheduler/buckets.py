@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 
 DEFAULT_BOUNDARIES: tuple[int, ...] = (512, 4096, 32768)
 

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 
 _NUM_FEATURES = 4
 _MIN_TIME_S = 1e-9

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.scheduler.buckets import DEFAULT_BOUNDARIES
 from deepinfer.scheduler.cost_model import ChunkShape, CostModelStats
 

@@ -10,7 +10,7 @@ from fake_engine import FakeEngine
 from live_server import LiveServer
 
 from deepinfer.api.app import create_app
-from deepinfer.config import ServerConfig
+from deepinfer.server_config import ServerConfig
 
 
 @pytest.fixture(scope="module")

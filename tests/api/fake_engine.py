@@ -138,6 +138,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.recipe = FakeRecipe(self.tokenizer)
         self.model_name = "fake-model"
+        self.system_fingerprint = "fp_0123456789ab-default"
         self.max_model_len = max_model_len
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_active, self.step_s = max_active, step_s

@@ -24,7 +24,8 @@ from uvicorn.server import ServerState
 from deepinfer.api.app import create_app
 from deepinfer.api.connections import H11HeadTimeoutProtocol, http_protocol, httptools_protocol
 from deepinfer.api.server import uvicorn_config
-from deepinfer.config import Config, ServerConfig
+from deepinfer.config import Config
+from deepinfer.server_config import ServerConfig
 
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.2, 0.5, 0.4
 SLACK_S = 1.5  # a loaded machine may fire a timer late, never early

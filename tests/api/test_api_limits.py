@@ -20,7 +20,7 @@ from deepinfer.api.app import create_app
 from deepinfer.api.body import decode_json, json_depth
 from deepinfer.api.errors import ApiError
 from deepinfer.api.openai_schemas import ChatCompletionRequest
-from deepinfer.config import RequestLimits, ServerConfig
+from deepinfer.server_config import RequestLimits, ServerConfig
 
 LIMITS = RequestLimits(
     max_json_depth=8,

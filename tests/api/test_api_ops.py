@@ -18,7 +18,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Mount, Route
 
 from deepinfer.api.app import create_app, engine_lifespan
-from deepinfer.config import ServerConfig
+from deepinfer.server_config import ServerConfig
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -11,7 +11,7 @@ import pytest
 from deepinfer.api.errors import ApiError
 from deepinfer.api.tool_grammar import call_grammar, check_schema, forced_calls
 from deepinfer.api.tool_plan import ToolPlan, ToolSchema
-from deepinfer.config import default_model_path
+from deepinfer.environment import default_model_path
 from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher

@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from deepinfer.args import add_engine_args, config_from_args
-from deepinfer.config import Config, ConfigError, HostCacheConfig
+from deepinfer.config import Config, HostCacheConfig
+from deepinfer.errors import ConfigError
 
 
 def _parse(*flags: str) -> HostCacheConfig:

@@ -20,7 +20,6 @@ import pytest
 from deepinfer.config import (
     CacheConfig,
     Config,
-    ConfigError,
     DiskCacheConfig,
     HostCacheConfig,
     ModelConfig,
@@ -31,7 +30,7 @@ from deepinfer.config import (
 )
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.types import Usage
-from deepinfer.errors import ModelLoadError
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
 

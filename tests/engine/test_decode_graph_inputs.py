@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.model import load_model
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.kv_layout import allocate_kv_caches

@@ -16,12 +16,10 @@ import torch
 from tiny_engine import leave_after, run_all, settle, tiny_config, token_prompts
 
 from deepinfer.api.worker_metrics import worker_metrics
-from deepinfer.config import (
-    ConfigError,
-    WorkersConfig,
-)
+from deepinfer.config import WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.core import EngineCore
+from deepinfer.errors import ConfigError
 from deepinfer.request import Request, SamplingParams
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.scheduler.disagg import DisaggScheduler

@@ -16,14 +16,10 @@ from conftest import real_config
 from safetensors.torch import load_file, save_file
 from tiny_engine import run_all, tiny_config
 
-from deepinfer.config import (
-    Config,
-    ConfigError,
-    SpeculativeConfig,
-    WorkersConfig,
-    default_model_path,
-)
+from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.environment import default_model_path
+from deepinfer.errors import ConfigError
 from deepinfer.request import SamplingParams
 from deepinfer.runner import worker_draft
 from deepinfer.text.recipe import ChatMessage

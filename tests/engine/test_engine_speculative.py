@@ -13,8 +13,9 @@ from conftest import real_config
 from tiny_engine import run_all, tiny_config
 
 from deepinfer.api.metrics import ApiMetrics
-from deepinfer.config import Config, ConfigError, SpeculativeConfig, WorkersConfig
+from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.errors import ConfigError
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
 

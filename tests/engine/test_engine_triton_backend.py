@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from deepinfer.config import default_model_path
+    from deepinfer.environment import default_model_path
     from deepinfer.text.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")

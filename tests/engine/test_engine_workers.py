@@ -15,12 +15,10 @@ import pytest
 import torch
 from tiny_engine import GREEDY, leave_after, run_all, settle, tiny_config, token_prompts
 
-from deepinfer.config import (
-    ConfigError,
-    WorkersConfig,
-)
+from deepinfer.config import WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.workers import BusyMeter, ThreadLending, Worker, thread_shares
+from deepinfer.errors import ConfigError
 from deepinfer.outputs import RunnerOutput
 from deepinfer.request import SamplingParams
 from deepinfer.scheduler.output import ScheduleOutput, StepKind

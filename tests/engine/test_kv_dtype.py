@@ -9,16 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.config import (
-    CacheConfig,
-    Config,
-    ConfigError,
-    DiskCacheConfig,
-    ModelConfig,
-    RuntimeConfig,
-)
+from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, RuntimeConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.core import EngineCore
+from deepinfer.errors import ConfigError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage

@@ -3,8 +3,8 @@ the run ends the stream at that token, exactly as one-token deltas would."""
 
 from __future__ import annotations
 
-from deepinfer.config import default_model_path
 from deepinfer.engine.stream import RequestStream
+from deepinfer.environment import default_model_path
 from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.outputs import SampledToken, TokenDelta
 from deepinfer.request import FinishReason

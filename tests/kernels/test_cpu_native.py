@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.kernels.cpu_native import (
     NativeUnavailableError,
     build,

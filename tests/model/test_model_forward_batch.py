@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.config import ConfigError
-from deepinfer.errors import ModelLoadError
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend

@@ -12,7 +12,7 @@ import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 
-from deepinfer.config import default_model_path
+from deepinfer.environment import default_model_path
 from deepinfer.errors import ModelLoadError
 from deepinfer.model import load_model, model_fingerprint
 from deepinfer.model.gguf_loader import (

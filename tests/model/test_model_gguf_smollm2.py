@@ -21,7 +21,7 @@ from model_test_utils import (
     run_step,
 )
 
-from deepinfer.config import default_model_path
+from deepinfer.environment import default_model_path
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.model import LoadedModel, load_model
 

@@ -16,8 +16,8 @@ from test_model_gguf_loader import CONFIG as BASE_CONFIG
 from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute, write_gguf
 
 from deepinfer.args import add_engine_args, config_from_args
-from deepinfer.config import Config, ConfigError, ModelConfig
-from deepinfer.errors import ModelLoadError
+from deepinfer.config import Config, ModelConfig
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.int8_matmul import Int8PackedWeight
 from deepinfer.model import load_model, model_fingerprint

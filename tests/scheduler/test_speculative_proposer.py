@@ -9,7 +9,8 @@ import random
 import pytest
 from sched_fakes import make_request
 
-from deepinfer.config import Config, ConfigError, SpeculativeConfig, WorkersConfig
+from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
+from deepinfer.errors import ConfigError
 from deepinfer.outputs import SampledToken
 from deepinfer.request import StructuredKind, StructuredSpec
 from deepinfer.runner.speculative import verify_drafts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.request import Request, SamplingParams
 from deepinfer.scheduler.buckets import BucketQueues, LengthBuckets, PrefillEntry
 from deepinfer.scheduler.cost_model import StepCostModel

@@ -8,7 +8,7 @@ import random
 import pytest
 from prefill_fakes import GroundTruth
 
-from deepinfer.config import ConfigError
+from deepinfer.errors import ConfigError
 from deepinfer.scheduler.cost_model import (
     ChunkShape,
     CostCoefficients,

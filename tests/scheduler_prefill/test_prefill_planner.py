@@ -7,8 +7,7 @@ import random
 import pytest
 from prefill_fakes import Arrivals, GroundTruth, check_plan, drive
 
-from deepinfer.config import ConfigError
-from deepinfer.errors import InvalidRequestError
+from deepinfer.errors import ConfigError, InvalidRequestError
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig, PrefillView

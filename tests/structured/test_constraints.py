@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from deepinfer.config import default_model_path
+from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
 from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import StructuredKind, StructuredSpec
