@@ -145,3 +145,37 @@ def test_float16_caches_in_a_step_with_prompt_chunks(group: int, dim: int, block
         chunk_q.double(), k_cache.double(), v_cache.double(), tables, starts, context_lens, 0.3
     )
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_every_row_attends_a_prompt_as_decodes_do(cache_dtype: torch.dtype) -> None:
+    """The batch-invariant planner (`every_row`): a 300-token prompt's queries, attended as one
+    chunk, as two chunks cut anywhere, or each as a decode of its own beside other requests,
+    give the same bits. Without it the long chunk goes to torch, in another order."""
+    n, heads = 300, 9
+    k_cache, v_cache, tables = _caches([n, 50], 16, 3, 64, seed=11)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = torch.randn(n, heads, 64)
+
+    def attend(lo: int, hi: int, every_row: bool = True) -> torch.Tensor:
+        """Queries lo..hi-1 of request 0 as one chunk, after a one-query decode of request 1."""
+        chunk = torch.cat([torch.randn(1, heads, 64), q[lo:hi]])
+        starts = torch.tensor([0, 1, 1 + hi - lo], dtype=torch.int32)
+        lens = torch.tensor([50, hi], dtype=torch.int32)
+        table = tables[[1, 0]]
+        plan = plan_paged_attention_cpu(table, starts, lens, k_cache, every_row=every_row)
+        out = paged_prefill_attention_cpu(
+            chunk, k_cache, v_cache, table, starts, lens, 0.125, plan=plan
+        )
+        return out[1:]
+
+    whole = attend(0, n)
+    assert torch.equal(torch.cat([attend(0, 137), attend(137, n)]), whole)
+    decodes = torch.cat([attend(p, p + 1) for p in range(0, n, 23)])
+    assert torch.equal(decodes, whole[::23])
+    want = paged_prefill_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables[:1],
+        torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), 0.125,
+    )  # fmt: skip
+    torch.testing.assert_close(whole.double(), want, atol=2e-5, rtol=2e-5)
+    assert not torch.equal(attend(0, n, every_row=False), whole)  # torch's fused order
