@@ -163,6 +163,15 @@ class StepCostModel:
         n = num_new_tokens
         return b * n + c * n * (context_before + n / 2) + d * (context_before + n)
 
+    def row_cost_s(self, row: int, context_before: int) -> float:
+        """Marginal seconds of a chunk's `row`-th new token (1-based), after `context_before`:
+        `chunk_cost_s(row, ctx) - chunk_cost_s(row - 1, ctx)` in closed form."""
+        if row <= 0:
+            return 0.0
+        _, b, c, d = self._coef
+        first = d * context_before if row == 1 else 0.0  # a chunk reads its context once
+        return b + c * (context_before + row - 0.5) + d + first
+
     def max_tokens_within(
         self, budget_s: float, context_before: int, *, include_overhead: bool = True
     ) -> int:

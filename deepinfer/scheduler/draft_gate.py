@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepinfer.request import Request
@@ -165,18 +165,21 @@ class _Positions:
     position's features and conditional acceptance, and their running product."""
 
     def __init__(self, gate: DraftGate, request_id: str, draft: Draft) -> None:
-        self._model = gate.model
-        self._first = gate.features(request_id, 0, draft.signals)
+        self._gate, self._request_id, self._signals = gate, request_id, draft.signals
         self._step = 1.0 / max(gate.max_drafts - 1, 1)
+        self._first: list[float] = []
+        """Position 0's features, made at the first ask (a request without drafts: never)."""
         self._seen: list[tuple[list[float], float]] = []
         self._survival: list[float] = []
 
     def survival(self, j: int) -> float:
         """The chance that positions 0..j are all accepted."""
+        if not self._first:
+            self._first = self._gate.features(self._request_id, 0, self._signals)
         while len(self._survival) <= j:
             x = list(self._first)
             x[2] += len(self._seen) * self._step
-            p = self._model.predict(x)
+            p = self._gate.model.predict(x)
             self._seen.append((x, p))
             self._survival.append(p * (self._survival[-1] if self._survival else 1.0))
         return self._survival[j]
@@ -251,18 +254,11 @@ class DraftGate:
         worth = []
         self._explore_after = EXPLORE_EVERY * len(requests)
         bar = per_second * GAIN_MARGIN
-        draft_s = self._first_draft_s()
         for r in requests:
             idle = self._idle[r.request_id] = self._idle.get(r.request_id, 0) + 1
             q = self.model.predict(self.features(r.request_id, 0, best))
-            worth.append(self._looks(r.request_id, idle) or q / draft_s(r) > bar)
+            worth.append(self._looks(r.request_id, idle) or q / self._draft_s(r, 0) > bar)
         return worth
-
-    def _first_draft_s(self) -> Callable[[Request], float]:
-        """`_draft_s(request, 0)` with the cost model's coefficients read once."""
-        c = self.cost_model.coefficients
-        per_row, per_key = c.token_s + c.kv_token_s, c.attention_s
-        return lambda r: max(per_row + per_key * (r.num_computed_tokens + 1.5), 1e-12)
 
     def _plain_step_s(self, requests: Sequence[Request]) -> float:
         """Predicted seconds of a step of `requests` without drafts."""
@@ -271,8 +267,7 @@ class DraftGate:
 
     def _draft_s(self, request: Request, j: int) -> float:
         """Predicted seconds that a request's (j + 1)-th draft adds to its chunk."""
-        cost, ctx = self.cost_model, request.num_computed_tokens
-        return max(cost.chunk_cost_s(j + 2, ctx) - cost.chunk_cost_s(j + 1, ctx), 1e-12)
+        return max(self.cost_model.row_cost_s(j + 2, request.num_computed_tokens), 1e-12)
 
     def choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
         """For each (request, draft), how many drafts to verify. Every request of the step is

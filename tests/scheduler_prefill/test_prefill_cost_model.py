@@ -165,3 +165,16 @@ def test_bad_measurements_are_ignored() -> None:
 def test_config_validation(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         CostModelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("context_before", [0, 17, 640])
+def test_row_cost_is_the_difference_of_chunk_costs(context_before: int) -> None:
+    """A chunk's n-th token costs what a chunk of n costs over one of n - 1 (the gate prices a
+    draft with it)."""
+    model = StepCostModel()
+    for i in range(12):
+        model.observe([ChunkShape(1 + i % 5, 90 * i)], 0.004 + 0.0007 * i)
+    for row in range(1, 8):
+        step = model.chunk_cost_s(row, context_before) - model.chunk_cost_s(row - 1, context_before)
+        assert model.row_cost_s(row, context_before) == pytest.approx(step, rel=1e-12)
+    assert model.row_cost_s(0, context_before) == 0.0
