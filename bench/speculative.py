@@ -254,12 +254,12 @@ def main() -> None:
     ap.add_argument("--proposers", default="ngram,layers,draft-model")
     ap.add_argument("--draft-model", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated")
+    ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated (empty: single stream only)")
     ap.add_argument("--rounds", type=int, default=3, help="every mode once per round")
     ns = ap.parse_args()
     started = provenance()  # the code that runs is the tree at the start
     proposers = ns.proposers.split(",")
-    streams = [int(n) for n in ns.streams.split(",")]
+    streams = [int(n) for n in ns.streams.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp:
         draft = ns.draft_model
         if draft is None and "draft-model" in proposers:

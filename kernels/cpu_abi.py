@@ -80,6 +80,7 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_int8_packed_bytes": (_l, (_i, _i, _i)),
     "di_int8_pack": (_i, (_i, _p, _p, _i, _i, _i)),
     "di_int8_gemm": (_i, _gemm),
+    "di_int8_isa": (_i, (_i,)),
     "di_rms_norm": (_i, (ctypes.POINTER(RmsNormArgs),)),
     "di_rotary": (_i, (_p, _l, _i, _p, _l, _i, _p, _p, _l, _i, _i, _i)),
     "di_store_kv": (_i, (_p, _l, _p, _l, _p, _p, _l, _p, _i, _i, _i)),

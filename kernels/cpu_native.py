@@ -85,6 +85,11 @@ class NativeLibrary:
         """y[m, n] = x[m, k] @ W^T with x quantized to int8 blocks (pointers to contiguous memory)."""
         _check(self._lib.di_int8_gemm(fmt, packed, x, y, m, n, k, num_threads))
 
+    def int8_isa(self, want: int = -1) -> int:
+        """The int8 matmuls' instructions: 1 AVX-512 VNNI, 0 AVX2. `want` 1 picks VNNI where the
+        CPU has it (what the library loads with), 0 AVX2, -1 keeps the choice. Same bits."""
+        return int(self._lib.di_int8_isa(want))
+
     def rms_norm(self, args: RmsNormArgs) -> None:
         """See `di_rms_norm_args` in cpu/deepinfer_kernels.h."""
         _check(self._lib.di_rms_norm(ctypes.byref(args)))

@@ -31,6 +31,10 @@ long di_int8_packed_bytes(int fmt, int N, int K); /* 0 for bad arguments */
 int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_threads);
 int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
                  int num_threads);
+/* Which instructions di_int8_gemm (and the decoder stack's int8 matmuls) use: 1 for AVX-512
+   VNNI, 0 for AVX2. `want` 1 picks VNNI where the CPU has it (the default), 0 AVX2, -1 keeps the
+   choice; returns the choice now. Both give the same bits. Not for while a matmul runs. */
+int di_int8_isa(int want);
 
 /* out[r] = the first index of row r's largest value, -1 where that value is not finite (a NaN in
    the row, +inf, or no value above -inf): the sampler's greedy pick (cpu/sampling.c). */

@@ -22,6 +22,12 @@
 
    Q4_1 products fit int16 summed over a whole block (8 x 2 x 15 x 127 = 30480): one `vpmaddwd`
    a block. Q8_0 products do not (2 x 127 x 127 = 32258 each): it widens after every multiply.
+
+   Where the CPU has AVX-512 VNNI (`di_int8_isa`), `vpdpbusd` does the multiply, the pair sums and
+   the int32 accumulation in one instruction, and the 32 vector registers of AVX-512 hold a pass
+   over a group for 8 rows of x instead of 4: a row costs under half the instructions, which is
+   what several rows (a batch, or a decode row and its drafts) are bound by. The integer sums are
+   exact either way and the float steps the same, so both give the same bits.
 */
 #include <immintrin.h>
 #include <stdint.h>
@@ -34,6 +40,7 @@
 #define QK DI_QK
 #define GROUP 8
 #define MR 4
+#define MR_VNNI 8
 /* How far ahead of the block being read a one-row pass asks for the weights (2 KiB, or into L2
    only, measured the same). With the float16 scales, a decode step's one-row matmuls are 11-13%
    faster on 2 threads than before both (bench/native_ab.py, bench/RESULTS.md). */
@@ -238,6 +245,120 @@ static const group_fn GROUP_FNS[2][MR] = {
     {group_q8_0_x1, group_q8_0_x2, group_q8_0_x3, group_q8_0_x4},
 };
 
+/* The same passes with `vpdpbusd` (AVX-512 VNNI, on 256-bit vectors), for up to MR_VNNI rows:
+   the low and high nibbles (Q4_1), or the even and odd chunks (Q8_0), sum into two int32
+   accumulators a row, so a one-row pass is not one chain of dependent instructions. */
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+#define GROUP_Q4_1_VNNI(R)                                                                     \
+    VNNI static void group_q4_1_vnni_x##R(const uint8_t *g, int nb, const int8_t *q,           \
+                                          const float *dx, const float *sx, int K, int pf,      \
+                                          __m256 *acc) {                                        \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                             \
+        __m256 a[R];                                                                            \
+        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int b = 0; b < nb; b++, g += 160) {                                                \
+            if (pf) prefetch_block(g, 160);                                                     \
+            __m256i s_lo[R], s_hi[R];                                                           \
+            for (int c = 0; c < R; c++) s_lo[c] = s_hi[c] = _mm256_setzero_si256();             \
+            const int8_t *qb = q + b * QK;                                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                               \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(g + 32 * j));          \
+                const __m256i lo = _mm256_and_si256(raw, low);                                  \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);            \
+                for (int c = 0; c < R; c++) {                                                   \
+                    const int8_t *qc = qb + (size_t)c * K;                                      \
+                    s_lo[c] = _mm256_dpbusd_epi32(s_lo[c], lo, bcast4(qc + 4 * j));             \
+                    s_hi[c] = _mm256_dpbusd_epi32(s_hi[c], hi, bcast4(qc + 16 + 4 * j));        \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 d = scales8(g + 128);                                                  \
+            const __m256 m = scales8(g + 144);                                                  \
+            for (int c = 0; c < R; c++) {                                                       \
+                const size_t at = (size_t)c * nb + b;                                           \
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s_lo[c], s_hi[c]));      \
+                a[c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[at])), a[c]);    \
+                a[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[at]), a[c]);                        \
+            }                                                                                   \
+        }                                                                                       \
+        for (int c = 0; c < R; c++) acc[c] = a[c];                                              \
+    }
+
+#define GROUP_Q8_0_VNNI(R)                                                                     \
+    VNNI static void group_q8_0_vnni_x##R(const uint8_t *g, int nb, const int8_t *q,           \
+                                          const float *dx, const float *sx, int K, int pf,      \
+                                          __m256 *acc) {                                        \
+        (void)sx;                                                                               \
+        __m256 a[R];                                                                            \
+        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int b = 0; b < nb; b++, g += 272) {                                                \
+            if (pf) prefetch_block(g, 272);                                                     \
+            __m256i s_even[R], s_odd[R];                                                        \
+            for (int c = 0; c < R; c++) s_even[c] = s_odd[c] = _mm256_setzero_si256();          \
+            const int8_t *qb = q + b * QK;                                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 8; j += 2) {                            \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(g + 32 * j));           \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(g + 32 * j + 32));      \
+                const __m256i aw0 = _mm256_sign_epi8(w0, w0);                                   \
+                const __m256i aw1 = _mm256_sign_epi8(w1, w1);                                   \
+                for (int c = 0; c < R; c++) {                                                   \
+                    const int8_t *qc = qb + (size_t)c * K + 4 * j;                              \
+                    s_even[c] = _mm256_dpbusd_epi32(s_even[c], aw0,                             \
+                                                    _mm256_sign_epi8(bcast4(qc), w0));          \
+                    s_odd[c] = _mm256_dpbusd_epi32(s_odd[c], aw1,                               \
+                                                   _mm256_sign_epi8(bcast4(qc + 4), w1));       \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 d = scales8(g + 256);                                                  \
+            for (int c = 0; c < R; c++) {                                                       \
+                const size_t at = (size_t)c * nb + b;                                           \
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s_even[c], s_odd[c]));   \
+                a[c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[at])), a[c]);    \
+            }                                                                                   \
+        }                                                                                       \
+        for (int c = 0; c < R; c++) acc[c] = a[c];                                              \
+    }
+
+GROUP_Q4_1_VNNI(1)
+GROUP_Q4_1_VNNI(2)
+GROUP_Q4_1_VNNI(3)
+GROUP_Q4_1_VNNI(4)
+GROUP_Q4_1_VNNI(5)
+GROUP_Q4_1_VNNI(6)
+GROUP_Q4_1_VNNI(7)
+GROUP_Q4_1_VNNI(8)
+GROUP_Q8_0_VNNI(1)
+GROUP_Q8_0_VNNI(2)
+GROUP_Q8_0_VNNI(3)
+GROUP_Q8_0_VNNI(4)
+GROUP_Q8_0_VNNI(5)
+GROUP_Q8_0_VNNI(6)
+GROUP_Q8_0_VNNI(7)
+GROUP_Q8_0_VNNI(8)
+
+static const group_fn GROUP_FNS_VNNI[2][MR_VNNI] = {
+    {group_q4_1_vnni_x1, group_q4_1_vnni_x2, group_q4_1_vnni_x3, group_q4_1_vnni_x4,
+     group_q4_1_vnni_x5, group_q4_1_vnni_x6, group_q4_1_vnni_x7, group_q4_1_vnni_x8},
+    {group_q8_0_vnni_x1, group_q8_0_vnni_x2, group_q8_0_vnni_x3, group_q8_0_vnni_x4,
+     group_q8_0_vnni_x5, group_q8_0_vnni_x6, group_q8_0_vnni_x7, group_q8_0_vnni_x8},
+};
+
+static int cpu_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw");
+}
+
+/* 1 where the passes use VNNI: set when the library loads, and by di_int8_isa */
+static int use_vnni = 0;
+
+int di_int8_isa(int want) {
+    if (want >= 0) use_vnni = want != 0 && cpu_has_vnni();
+    return use_vnni;
+}
+
+__attribute__((constructor)) static void choose_isa(void) { di_int8_isa(1); }
+
 static inline void store_group(const __m256 *acc, int mr, float *y, int N, int rows) {
     for (int c = 0; c < mr; c++) {
         if (rows == GROUP) {
@@ -261,14 +382,16 @@ void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y,
     }
     di_team_sync(team);
     di_team_range(team, groups, &g0, &g1);
+    const int vnni = use_vnni, max_rows = vnni ? MR_VNNI : MR;
+    const group_fn *fns = vnni ? GROUP_FNS_VNNI[fmt] : GROUP_FNS[fmt];
     for (int g = g0; g < g1; g++) {
         const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
         const uint8_t *wg = packed + g * gb;
-        __m256 acc[MR];
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int mr = M - m0 < MR ? M - m0 : MR;
-            GROUP_FNS[fmt][mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
-                                   sx + (size_t)m0 * nb, K, m0 == 0, acc);
+        __m256 acc[MR_VNNI];
+        for (int m0 = 0; m0 < M; m0 += max_rows) {
+            const int mr = M - m0 < max_rows ? M - m0 : max_rows;
+            fns[mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb, sx + (size_t)m0 * nb, K,
+                        m0 == 0, acc);
             store_group(acc, mr, y + (size_t)m0 * N + g * GROUP, N, rows);
         }
     }

@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf_weights import gguf_weight, needs_native
 
+from deepinfer.kernels.cpu_native import native_library
 from deepinfer.kernels.int8_matmul import (
     Int8PackedWeight,
     block_linear,
@@ -123,3 +124,27 @@ def test_bad_inputs_are_refused() -> None:
     short = Int8PackedWeight(QuantFormat.Q4_1, w.packed, 8, 0)
     with pytest.raises(ValueError, match="rejected"):
         int8_linear(torch.zeros(1, 0), short)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_vnni_and_avx2_passes_give_the_same_bits(fmt: QuantFormat) -> None:
+    """AVX-512 VNNI passes (8 rows of x a pass over the weights) against the AVX2 ones (4): the
+    integer sums are exact both ways and the float steps the same, so every bit agrees, for
+    each row count's split into passes and every byte value of the weights."""
+    lib = native_library()
+    if lib.int8_isa(1) != 1:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    w = pack_int8(_raw_weight(fmt, 45, 160, seed=8))
+    x = torch.randn(19, 160, generator=torch.Generator().manual_seed(8)) * 2
+    x[2, :32] = 0.0
+    x[5, 32:64] = torch.where(torch.arange(32) % 2 == 0, 1e4, -1e4)
+    try:
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 19):
+            vnni = int8_linear(x[:m], w)
+            assert lib.int8_isa(0) == 0
+            avx2 = int8_linear(x[:m], w)
+            assert lib.int8_isa(1) == 1
+            assert torch.equal(vnni, avx2), f"{m} rows"
+    finally:
+        lib.int8_isa(1)
