@@ -254,7 +254,11 @@ def main() -> None:
     ap.add_argument("--proposers", default="ngram,layers,draft-model")
     ap.add_argument("--draft-model", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--streams", default="8,32", help="stream counts, comma-separated (empty: single stream only)")
+    ap.add_argument(
+        "--streams",
+        default="8,32",
+        help="stream counts, comma-separated (empty: single stream only)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="every mode once per round")
     ns = ap.parse_args()
     started = provenance()  # the code that runs is the tree at the start

@@ -7,7 +7,12 @@ import torch
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config
-from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.cost_model import (
+    DECODE_PRIOR_SHAPES,
+    CostCoefficients,
+    CostModelConfig,
+    StepCostModel,
+)
 from deepinfer.scheduler.disagg import DisaggScheduler
 from deepinfer.scheduler.draft_gate import DraftGate
 from deepinfer.scheduler.drafting import Drafter
@@ -47,7 +52,11 @@ def build_drafter(config: Config, device: torch.device) -> Drafter | None:
     proposer = build_proposer(spec)
     if proposer is None:
         return None
-    cost = StepCostModel(CostModelConfig(prior=decode_cost_prior(device), prior_weight=0.5))
+    cost = StepCostModel(
+        CostModelConfig(
+            prior=decode_cost_prior(device), prior_weight=0.5, prior_shapes=DECODE_PRIOR_SHAPES
+        )
+    )
     gate = DraftGate(
         cost, proposer.num_signals, spec.num_draft_tokens, enabled=spec.speculative_gate == "on"
     )
@@ -55,10 +64,12 @@ def build_drafter(config: Config, device: torch.device) -> Drafter | None:
 
 
 CPU_DECODE_COST_PRIOR = CostCoefficients(
-    step_s=8e-3, token_s=1.5e-3, attention_s=1e-9, kv_token_s=4e-6
+    step_s=3e-3, token_s=9e-4, attention_s=7e-7, kv_token_s=0.0
 )
-"""A decode step on two CPU cores (SmolLM2-135M): most of it reading the weights once; each
-more query row (a request, or a draft to verify) adds its arithmetic."""
+"""A decode step on two CPU cores (SmolLM2-135M, fitted to measured steps of 1 to 125 rows):
+most of a one-row step is reading the weights once; each more query row (a request, or a
+draft to verify) adds its arithmetic, and its attention reads its whole context (the one-row
+kernel: 7e-7 s a key, against a prefill chunk's fraction of that)."""
 CUDA_DECODE_COST_PRIOR = CostCoefficients(
     step_s=5e-3, token_s=2e-5, attention_s=1e-10, kv_token_s=1e-8
 )

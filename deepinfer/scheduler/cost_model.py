@@ -43,6 +43,26 @@ class ChunkShape:
     context_before: int
 
 
+PREFILL_PRIOR_SHAPES: tuple[tuple[ChunkShape, ...], ...] = (
+    (ChunkShape(16, 0),),
+    (ChunkShape(2048, 0),),
+    (ChunkShape(1024, 16384),),
+    (ChunkShape(16, 16384),),
+)
+"""Pseudo-steps of a prefill prior: a tiny step (overhead), a wide one (per token), a deep one
+(attention), a short deep one (KV reads). Four shapes pin the four coefficients."""
+DECODE_PRIOR_SHAPES: tuple[tuple[ChunkShape, ...], ...] = (
+    (ChunkShape(1, 0),),
+    (ChunkShape(1, 0),) * 32,
+    (ChunkShape(1, 4096),),
+    (ChunkShape(6, 4096),),
+)
+"""Pseudo-steps of a decode prior, where decode steps are: one short row (overhead), 32 rows
+(per row), one deep row (its attention), a deep row and five drafts. A prior placed where the
+data never goes (a 1024-token chunk) would decide the coefficients the data cannot see, and
+a decode lane's data does not see prefill's economies of scale."""
+
+
 @dataclass(frozen=True)
 class CostCoefficients:
     step_s: float
@@ -70,6 +90,9 @@ class CostModelConfig:
     """Per-observation decay of old steps' weight (effective memory 1 / (1 - forgetting))."""
     error_smoothing: float = 0.1
     """Weight of the newest step in the running mean of relative prediction error."""
+    prior_shapes: tuple[tuple[ChunkShape, ...], ...] = PREFILL_PRIOR_SHAPES
+    """The steps the prior's pseudo-steps are made of (the prior coefficients predict them):
+    shapes like the ones the model will see, which together pin all four coefficients."""
 
     def __post_init__(self) -> None:
         if min(self.prior.as_tuple()) < 0:
@@ -82,6 +105,8 @@ class CostModelConfig:
             raise ConfigError(f"cost forgetting must be in (0, 1], got {self.forgetting}")
         if not 0 < self.error_smoothing <= 1:
             raise ConfigError("cost error_smoothing must be in (0, 1]")
+        if not _spans_features(self.prior_shapes):
+            raise ConfigError("the cost prior's shapes must pin all four coefficients")
 
 
 @dataclass(frozen=True)
@@ -93,16 +118,6 @@ class CostModelStats:
     before its step was learned from; NaN before the first observation."""
     last_predicted_s: float
     last_measured_s: float
-
-
-_PRIOR_SHAPES = (
-    (ChunkShape(16, 0),),
-    (ChunkShape(2048, 0),),
-    (ChunkShape(1024, 16384),),
-    (ChunkShape(16, 16384),),
-)
-"""Pseudo-steps of the prior: a tiny step (overhead), a wide one (per token), a deep one
-(attention), a short deep one (KV reads). Four shapes pin the four coefficients."""
 
 
 def features(chunks: Iterable[ChunkShape]) -> tuple[float, float, float, float]:
@@ -131,7 +146,7 @@ class StepCostModel:
         self._prior_gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
         self._prior_rhs = [0.0] * _NUM_FEATURES
         prior = self.config.prior.as_tuple()
-        for shape in _PRIOR_SHAPES:
+        for shape in self.config.prior_shapes:
             x = features(shape)
             y = sum(p * f for p, f in zip(prior, x, strict=True))
             _accumulate(self._prior_gram, self._prior_rhs, x, y, self.config.prior_weight)
@@ -244,7 +259,7 @@ class StepCostModel:
             for gr, pr in zip(self._gram, self._prior_gram, strict=True)
         ]
         rhs = [r + p for r, p in zip(self._rhs, self._prior_rhs, strict=True)]
-        coef = _nnls_by_active_sets(gram, rhs)
+        coef = _nnls_by_active_sets(gram, rhs, self._coef)
         if coef is not None:
             self._coef = coef
 
@@ -263,35 +278,65 @@ def _accumulate(
 
 
 def _nnls_by_active_sets(
-    gram: list[list[float]], rhs: list[float]
+    gram: list[list[float]], rhs: list[float], guess: Sequence[float] = ()
 ) -> tuple[float, float, float, float] | None:
-    """argmin over theta >= 0 of theta' G theta - 2 r' theta, by trying every free subset.
+    """argmin over theta >= 0 of theta' G theta - 2 r' theta, by trying free subsets.
 
     With G positive definite the problem is convex; its minimiser is the unconstrained solution
-    on some subset of free variables (the others at 0). Feasible candidates are compared by
-    objective. None when every subset is singular (cannot happen with the prior). The
-    unconstrained minimiser, when it is feasible, is the answer: it is tried first (most fits
-    end there, one solve instead of sixteen)."""
+    on some subset of free variables (the others at 0), and a candidate that meets the KKT
+    conditions (non-negative, and no zeroed variable whose gradient would have it grow) is it.
+    Tried first: every variable free (most fits end there, one solve), then the positive
+    variables of `guess` (the last fit: consecutive fits mostly keep their zeros). Only when
+    neither is optimal, every subset, feasible candidates compared by objective. None when every
+    subset is singular (cannot happen with the prior)."""
     full = _solve(gram, rhs)
     if full is not None and all(v >= 0 for v in full):
         return (full[0], full[1], full[2], full[3])
+    if guess:
+        free = tuple(i for i, v in enumerate(guess) if v > 0)
+        theta = _on_subset(gram, rhs, free)
+        if theta is not None and _is_optimal(gram, rhs, theta):
+            return theta
     best: tuple[float, tuple[float, float, float, float]] | None = None
     for size in range(_NUM_FEATURES + 1):
         for free in itertools.combinations(range(_NUM_FEATURES), size):
-            sub = _solve([[gram[i][j] for j in free] for i in free], [rhs[i] for i in free])
-            if sub is None or any(v < 0 for v in sub):
+            theta = _on_subset(gram, rhs, free)
+            if theta is None:
                 continue
-            theta = [0.0] * _NUM_FEATURES
-            for i, v in zip(free, sub, strict=True):
-                theta[i] = v
             obj = sum(
                 theta[i] * gram[i][j] * theta[j]
                 for i in range(_NUM_FEATURES)
                 for j in range(_NUM_FEATURES)
             ) - 2.0 * sum(r * t for r, t in zip(rhs, theta, strict=True))
             if best is None or obj < best[0]:
-                best = (obj, (theta[0], theta[1], theta[2], theta[3]))
+                best = (obj, theta)
     return None if best is None else best[1]
+
+
+def _on_subset(
+    gram: list[list[float]], rhs: list[float], free: Sequence[int]
+) -> tuple[float, float, float, float] | None:
+    """The unconstrained minimiser over the `free` variables, the others 0; None when it is
+    singular or has a negative coordinate."""
+    sub = _solve([[gram[i][j] for j in free] for i in free], [rhs[i] for i in free])
+    if sub is None or any(v < 0 for v in sub):
+        return None
+    theta = [0.0] * _NUM_FEATURES
+    for i, v in zip(free, sub, strict=True):
+        theta[i] = v
+    return (theta[0], theta[1], theta[2], theta[3])
+
+
+def _is_optimal(gram: list[list[float]], rhs: list[float], theta: Sequence[float]) -> bool:
+    """KKT at a candidate of `_on_subset`: no zeroed variable has a negative gradient (within
+    rounding of the terms it sums)."""
+    for i in range(_NUM_FEATURES):
+        if theta[i] > 0:
+            continue
+        terms = [gram[i][j] * theta[j] for j in range(_NUM_FEATURES)]
+        if sum(terms) - rhs[i] < -1e-9 * (abs(rhs[i]) + sum(abs(t) for t in terms)):
+            return False
+    return True
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -315,3 +360,15 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
                 for k in range(col, n + 1):
                     m[r][k] -= f * m[col][k]
     return [m[i][n] / m[i][i] * scale[i] for i in range(n)]
+
+
+def _spans_features(shapes: Sequence[Sequence[ChunkShape]]) -> bool:
+    """Whether the steps' feature vectors span all four dimensions (their Gram matrix is
+    nonsingular, so the prior alone determines every coefficient)."""
+    gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
+    rhs = [0.0] * _NUM_FEATURES
+    for shape in shapes:
+        if not shape:
+            return False
+        _accumulate(gram, rhs, features(shape), 1.0, 1.0)
+    return _solve(gram, [1.0] * _NUM_FEATURES) is not None

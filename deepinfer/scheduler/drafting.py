@@ -9,7 +9,10 @@ the slots and builds the chunks (`DisaggScheduler.schedule_decode`); see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.outputs import RunnerOutput
@@ -24,16 +27,62 @@ PLAIN_STEPS_OBSERVED = 16
 on the loop; every step with drafts does)."""
 
 
+LOOP_WINDOW = 64
+"""Recent steps whose time outside the runner `LoopOverhead` takes the median of."""
+
+
+class LoopOverhead:
+    """Seconds a decode step spends outside its forward pass: scheduling it, applying its
+    tokens, streaming them, and whatever else the loop does between two steps. Every step pays
+    it, so a step that verifies drafts saves it along with the steps it saves; the gate counts
+    it in a step's cost. Measured as the time from one step's planning to the next one's less
+    the runner's time, the median of the last `LOOP_WINDOW` steps (a gap in which the lane sat
+    idle, or ran prefill, is one outlier among them; each is capped at the step's own time)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._planned_at: float | None = None
+        self._pending: tuple[float, float] | None = None
+        """(planned at, runner seconds) of the last step applied."""
+        self._recent: deque[float] = deque(maxlen=LOOP_WINDOW)
+        self.seconds = 0.0
+
+    def planned(self) -> None:
+        """A step is being planned: the last one's loop time is known now."""
+        now = self._clock()
+        if self._pending is not None:
+            start, runner_s = self._pending
+            self._recent.append(min(max(now - start - runner_s, 0.0), runner_s))
+            self.seconds = statistics.median(self._recent)
+            self._pending = None
+        self._planned_at = now
+
+    def applied(self, runner_s: float) -> None:
+        """The step planned last has run, in `runner_s` on the runner."""
+        if self._planned_at is not None:
+            self._pending = (self._planned_at, runner_s)
+            self._planned_at = None
+
+
 class Drafter:
-    def __init__(self, proposer: Proposer, gate: DraftGate, num_draft_tokens: int) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        gate: DraftGate,
+        num_draft_tokens: int,
+        loop: LoopOverhead | None = None,
+    ) -> None:
         self.proposer = proposer
         self.gate = gate
         self.num_draft_tokens = num_draft_tokens
+        self.loop = loop or LoopOverhead()
         self._drafted = self._accepted = self._verified = 0
 
     def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, Draft]:
         """The drafts each decoder's next step verifies (`max_tokens`: the most a request may
         hold): the proposer's, cut by the gate; requests without drafts are left out."""
+        self.loop.planned()
+        self.gate.loop_s = self.loop.seconds
         worth = self.gate.worth_proposing(decoding)
         proposals = [
             self._propose(r, max_tokens) if w else Draft()
@@ -73,6 +122,7 @@ class Drafter:
 
     def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
         """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without)."""
+        self.loop.applied(out.elapsed_s)
         if any(c.num_drafts for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
             shapes = [ChunkShape(_computed(c, out), c.start_position) for c in so.chunks]
             self.gate.cost_model.observe(shapes, out.elapsed_s)

@@ -17,6 +17,7 @@ from deepinfer.scheduler.draft_gate import (
     Draft,
     DraftGate,
 )
+from deepinfer.scheduler.drafting import LoopOverhead
 
 
 def _gate(step_s: float = 8e-3, token_s: float = 1.5e-3, num_signals: int = 0) -> DraftGate:
@@ -156,3 +157,33 @@ def test_a_look_that_fails_doubles_the_wait_for_the_next() -> None:
     assert waits == [e - 1, 2 * e, 4 * e, 8 * e, 8 * e]
     gate.forget("hard")  # a new request with the same id waits the first wait again
     assert _steps_to_look(gate, hard) == e
+
+
+def test_the_loop_around_a_step_makes_drafts_worth_more() -> None:
+    """A step costs its forward pass and the loop around it: a draft that does not pay for its
+    row against the forward alone pays when each step saved also saves the loop's time."""
+    gate = _gate(step_s=1e-3, token_s=2e-3)
+    request = make_request("r", [1] * 40)
+    pattern = [True, False, True, True, False]  # accepted 3 times in 5
+    for i in range(400):
+        _verify(gate, "r", _drafts(1), [pattern[i % 5]])
+    q = gate.acceptance("r", _drafts(1))[0]
+    assert 0.45 < q < 0.75
+    assert gate.choose([(request, _drafts(1))]) == [0]  # q tokens for 2 ms < 1 for 3 ms
+    gate.loop_s = 3e-3
+    assert gate.choose([(request, _drafts(1))]) == [1]  # q tokens for 2 ms > 1 for 6 ms
+
+
+def test_loop_overhead_is_the_median_gap_outside_the_runner() -> None:
+    now = [0.0]
+    loop = LoopOverhead(clock=lambda: now[0])
+    loop.planned()
+    assert loop.seconds == 0.0  # nothing applied yet
+    for gap, runner_s in [(5e-3, 4e-3), (5.5e-3, 4e-3), (0.5, 4e-3), (5.2e-3, 4e-3)]:
+        loop.applied(runner_s)
+        now[0] += gap
+        loop.planned()
+    # outside the runner: 1 ms, 1.5 ms, an idle lane (capped at the step's 4 ms), 1.2 ms
+    assert abs(loop.seconds - 1.35e-3) < 1e-12
+    loop.planned()  # planned again without a step applied between: nothing measured
+    assert abs(loop.seconds - 1.35e-3) < 1e-12

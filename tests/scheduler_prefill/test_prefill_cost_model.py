@@ -10,6 +10,7 @@ from prefill_fakes import GroundTruth
 
 from deepinfer.errors import ConfigError
 from deepinfer.scheduler.cost_model import (
+    DECODE_PRIOR_SHAPES,
     ChunkShape,
     CostCoefficients,
     CostModelConfig,
@@ -82,6 +83,10 @@ def test_nnls_matches_scipy(seed: int) -> None:
     assert ours is not None
     ref, _ = optimize.nnls(x, y)
     assert ours == pytest.approx(ref.tolist(), abs=1e-9)
+    # a warm start from any support (right, wrong, all zero) reaches the same minimum
+    for guess in (ours, [1.0, 0.0, 1.0, 0.0], [0.0] * 4, [1.0] * 4):
+        warm = _nnls_by_active_sets(gram, rhs, guess)
+        assert warm == pytest.approx(ref.tolist(), abs=1e-9)
 
 
 def test_converges_on_synthetic_steps(record_property: object) -> None:
@@ -160,6 +165,9 @@ def test_bad_measurements_are_ignored() -> None:
         {"forgetting": 0.0},
         {"forgetting": 1.5},
         {"error_smoothing": 0.0},
+        {"prior_shapes": ((ChunkShape(1, 0),), (ChunkShape(1, 100),), (ChunkShape(1, 200),))},
+        {"prior_shapes": ((ChunkShape(1, 0),),) * 4},
+        {"prior_shapes": ((),) * 4},
     ],
 )
 def test_config_validation(kwargs: dict[str, object]) -> None:
@@ -178,3 +186,30 @@ def test_row_cost_is_the_difference_of_chunk_costs(context_before: int) -> None:
         step = model.chunk_cost_s(row, context_before) - model.chunk_cost_s(row - 1, context_before)
         assert model.row_cost_s(row, context_before) == pytest.approx(step, rel=1e-12)
     assert model.row_cost_s(0, context_before) == 0.0
+
+
+def test_decode_prior_learns_what_decode_steps_show() -> None:
+    """A decode lane's prior is made of decode-like steps: fitted to steps of 1 to 40 rows, the
+    per-row and per-key costs are the steps' own, where a prefill prior (a 1024-token chunk at
+    16k keys) would hold the per-key cost near its own guess: nothing in decode steps contests it."""
+    truth = CostCoefficients(step_s=3e-3, token_s=8e-4, attention_s=7e-7)
+    rng = random.Random(5)
+    fitted = {}
+    for name, shapes in (("decode", DECODE_PRIOR_SHAPES), ("prefill", None)):
+        prior = CostCoefficients(step_s=8e-3, token_s=1.5e-3, attention_s=1e-9, kv_token_s=4e-6)
+        config = CostModelConfig(prior=prior, prior_weight=0.5)
+        if shapes is not None:
+            config = CostModelConfig(prior=prior, prior_weight=0.5, prior_shapes=shapes)
+        model = StepCostModel(config)
+        for _ in range(300):
+            step = [
+                ChunkShape(rng.randint(1, 6), rng.randint(200, 1200))
+                for _ in range(rng.randint(1, 8))
+            ]
+            model.observe(
+                step, sum(c * f for c, f in zip(truth.as_tuple(), features(step), strict=True))
+            )
+        fitted[name] = model.coefficients
+    assert fitted["decode"].attention_s == pytest.approx(7e-7, rel=0.1)
+    assert fitted["decode"].token_s == pytest.approx(8e-4, rel=0.1)
+    assert fitted["prefill"].attention_s < 3.5e-7
