@@ -13,6 +13,7 @@ medians over the rounds of each mode's figure and of their ratio:
 
     python bench/batch_invariant.py
     python bench/batch_invariant.py --rounds 5 --streams 1,8,32
+    python bench/batch_invariant.py --device cuda    # the Triton path: fixed-order matmuls
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from common import provenance
 from engine_load import closed_loop
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
-from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig
+from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, RuntimeConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.request import SamplingParams
 from deepinfer.text.messages import ChatMessage
@@ -46,11 +47,12 @@ LONG = " ".join(f"Item {i}: the {w} rests on the shelf near the window." for i, 
 MODES = ("default", "batch-invariant")
 
 
-def _config(invariant: bool) -> Config:
+def _config(invariant: bool, device: str) -> Config:
     return Config(
         model=ModelConfig(batch_invariant=invariant),
         cache=CacheConfig(kv_memory_bytes=1 << 30),
         disk_cache=DiskCacheConfig(enabled=False),
+        runtime=RuntimeConfig(device=device),
     )
 
 
@@ -84,13 +86,14 @@ async def measure(engine: AsyncEngine, what: str, fresh: Fresh, max_tokens: int)
 
 
 async def run(
-    rounds: int, streams: list[int], max_tokens: int
+    rounds: int, streams: list[int], max_tokens: int, device: str = "auto"
 ) -> dict[str, list[dict[str, float]]]:
     """Each measurement's figure per mode, per round."""
     measurements = [str(n) for n in streams] + ["ttft"]
     out: dict[str, list[dict[str, float]]] = {m: [] for m in measurements}
     fresh = Fresh()
-    async with AsyncEngine(_config(False)) as default, AsyncEngine(_config(True)) as invariant:
+    default_config, invariant_config = _config(False, device), _config(True, device)
+    async with AsyncEngine(default_config) as default, AsyncEngine(invariant_config) as invariant:
         engines = {"default": default, "batch-invariant": invariant}
         for engine in engines.values():  # warm-up
             await ttft(engine, fresh.question(0))
@@ -109,10 +112,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", default="1,8,32", help="stream counts, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
     ns = ap.parse_args()
     started = provenance()
     streams = [int(n) for n in ns.streams.split(",")]
-    results = uvloop.run(run(ns.rounds, streams, ns.max_tokens))
+    results = uvloop.run(run(ns.rounds, streams, ns.max_tokens, ns.device))
     print(started)
     print()
     print("| measurement | default | batch-invariant | batch-invariant / default |")

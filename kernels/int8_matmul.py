@@ -69,12 +69,37 @@ def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K]
     return y
 
 
-BlockWeight = QuantizedWeight | Int8PackedWeight
-"""A weight served by a native kernel: GGUF blocks (float kernel) or repacked (int8 kernel)."""
+@dataclass(frozen=True)
+class FixedOrderWeight:
+    """A float [out_features, in_features] weight multiplied by the Triton matmul of one fixed
+    reduction order (`kernels/matmul.py`: no split-K, constant tiles, so an output's sum over K
+    does not depend on how many rows the step has): the batch-invariant mode's matrices on the
+    Triton backend, where cuBLAS picks its kernel by the shape."""
+
+    weight: torch.Tensor  # [out_features, in_features]
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+
+NativeWeight = QuantizedWeight | Int8PackedWeight
+"""A weight served by a native CPU kernel: GGUF blocks (float kernel) or repacked (int8 kernel)."""
+BlockWeight = NativeWeight | FixedOrderWeight
+"""A weight served by a kernel of its own: a native one's, or a float weight for the
+fixed-order Triton matmul."""
 
 
 def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     """x @ W^T through the kernel that serves `w`."""
+    if isinstance(w, FixedOrderWeight):
+        from .matmul import matmul  # Triton: imported only where such a weight is served
+
+        return matmul(x, w.weight.t())
     return int8_linear(x, w) if isinstance(w, Int8PackedWeight) else quant_linear(x, w)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "paged_decode_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "paged_prefill_attention_rows",
     "plan_paged_attention",
     "plan_paged_attention_reference",
 ]
@@ -150,6 +151,37 @@ def paged_decode_attention(
             HEAD_DIM=head_dim, PARTITION=partition_tokens, num_warps=1,
         )  # fmt: skip
     return out
+
+
+def paged_prefill_attention_rows(
+    q: torch.Tensor,  # [T, H, D], the new tokens of all requests, concatenated
+    k_cache: torch.Tensor,  # [N, S, Hkv, D], already holding the new tokens' K/V
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
+    scale: float,
+    *,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """`paged_prefill_attention` with every query given to the decode kernel as a request of
+    its own (its request's blocks, its position + 1 keys): the batch-invariant mode's prompt
+    attention. A query's output is then the one a decode step at its position computes, bit
+    for bit, whatever the chunk, the batch or the cached prefix (the decode kernel's
+    partitions are fixed and merged in order). Row tables and lengths are made on the device
+    (no sync); `plan` is the torch path's, unused."""
+    batch = block_tables.shape[0] if block_tables.dim() == 2 else 0
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, batch)
+    check_tensor("query_start_loc", query_start_loc, 1, _INDEX_DTYPES, q.device)
+    check(query_start_loc.shape[0] == batch + 1, "query_start_loc must have B + 1 entries")
+    rows = torch.arange(q.shape[0], device=q.device)
+    ends = query_start_loc[1:].long()
+    owner = torch.searchsorted(ends, rows, right=True).clamp_(max=max(batch - 1, 0))
+    own_lens = context_lens.long()[owner]
+    row_lens = (own_lens - (ends[owner] - 1 - rows)).clamp_(min=1)  # rows past every request: 1
+    row_lens = torch.minimum(row_lens, own_lens)
+    tables = block_tables.index_select(0, owner)
+    return paged_decode_attention(q, k_cache, v_cache, tables, row_lens.to(torch.int32), scale)
 
 
 def paged_prefill_attention(

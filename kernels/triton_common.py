@@ -30,7 +30,11 @@ def jit(fn: Callable[..., Any]) -> Any:
 
 @jit
 def dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ b. UPCAST (set for the interpreter only) works around its broken bf16 dot."""
+    """acc + a @ b. UPCAST (set for the interpreter only) works around its broken bf16 dot, and
+    multiplies in float64 (the products exact, the sum's rounding far below float32's) so that a
+    row's result does not depend on where it sits in the tile: the interpreter's dot is numpy's
+    BLAS, whose float32 kernels sum a tile's edge rows in another order than its inner ones."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        exact = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
+        return acc + exact.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=PRECISION)

@@ -130,9 +130,12 @@ def torch_backend() -> KernelBackend:
     return KernelBackend(name="torch", **_references())
 
 
-def triton_backend() -> KernelBackend:
+def triton_backend(batch_invariant: bool = False) -> KernelBackend:
     """Triton launchers where the kernel modules define them, references elsewhere. Imports the
-    launcher modules (and so Triton): `TRITON_INTERPRET=1`, for CPU tensors, must be set first."""
+    launcher modules (and so Triton): `TRITON_INTERPRET=1`, for CPU tensors, must be set first.
+    With `batch_invariant`, every query's attention goes through the decode kernel, one row
+    each (`paged_prefill_attention_rows`), and attention never falls back to torch (whose sums'
+    order depends on the batch): a shape the kernels do not take is an error."""
     ops = _references()
     missing: list[str] = []
     for op, (_, launcher_mod) in _OPS.items():
@@ -145,6 +148,10 @@ def triton_backend() -> KernelBackend:
         logger.info(
             "triton backend: no launcher for %s; using torch references", ", ".join(missing)
         )
+    if batch_invariant:
+        attention = _kernel_module("paged_attention")
+        ops["paged_decode_attention"] = attention.paged_decode_attention
+        ops["paged_prefill_attention"] = attention.paged_prefill_attention_rows
     return KernelBackend(name="triton", **ops)
 
 
@@ -171,11 +178,21 @@ def cpu_backend(batch_invariant: bool = False) -> KernelBackend:
 
 
 def _batch_invariant_backend(name: str, device: torch.device) -> KernelBackend:
+    """The cpu backend on CPU (the native kernels, every query one row), the triton one on CUDA
+    (or on CPU under the Triton interpreter, when asked for by name): their attention sums in
+    an order fixed per row. torch's does not."""
+    if device.type == "cuda" and name in ("auto", "triton"):
+        if not _triton_available():
+            raise ConfigError("--batch-invariant on CUDA needs the triton package installed")
+        return triton_backend(batch_invariant=True)
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return triton_backend(batch_invariant=True)
     if name not in ("auto", "cpu") or device.type != "cpu" or not native_available():
         where = f"the {name} attention backend on {device.type}"
         raise ConfigError(
             f"--batch-invariant runs on the native CPU kernels (attention backend cpu or auto, "
-            f"on CPU, with the kernels built), not {where}"
+            f"on CPU, with the kernels built) or on the Triton kernels (triton or auto, on "
+            f"CUDA), not {where}"
         )
     return cpu_backend(batch_invariant=True)
 
@@ -188,8 +205,9 @@ def select_attention_backend(
     name: str, device: torch.device, *, batch_invariant: bool = False
 ) -> KernelBackend:
     """Pick the backend once: `auto` is triton on CUDA when triton is importable, cpu on CPU
-    when the native kernels build, else torch. `batch_invariant` takes the cpu backend only
-    (the others' prompt attention sums in an order that depends on the chunk)."""
+    when the native kernels build, else torch. `batch_invariant` takes the cpu backend on CPU
+    and the triton one on CUDA (torch's prompt attention sums in an order that depends on the
+    chunk)."""
     if batch_invariant:
         return _batch_invariant_backend(name, device)
     if name == "auto":

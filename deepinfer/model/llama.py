@@ -322,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
         if self.lm_head_quantized is not None:
-            return block_linear(hidden, self.lm_head_quantized)
+            return block_linear(hidden, self.lm_head_quantized).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # Left transposed ([V, B] storage): a greedy argmax reads it as fast, and a copy of
         # B x 49k floats is not free; the sampler makes its own contiguous copy when it draws.

@@ -19,6 +19,7 @@ from deepinfer.model.quantized import (
     int8_activations_wanted,
     quantize_linears,
     quantized_matmul_wanted,
+    serve_fixed_order,
 )
 from deepinfer.model.registry import get_model_class
 from deepinfer.model.safetensors_loader import open_safetensors_dir
@@ -96,7 +97,9 @@ def load_model(
         quantized = quantize_linears(model, source, arch.num_layers, int8)
     if int8 and not quantized:
         raise ModelLoadError(f"--matmul-activations int8: {path} has no Q4_1 or Q8_0 matrices")
-    if batch_invariant:
+    if batch_invariant and backend.name == "triton":
+        serve_fixed_order(model)  # cuBLAS's sums depend on the shape: the fixed-order matmul
+    elif batch_invariant:
         check_batch_invariant(model, path)
     causal_lm: CausalLM = model  # type: ignore[assignment]
     return LoadedModel(
@@ -106,10 +109,11 @@ def load_model(
 
 
 def check_batch_invariant(model: torch.nn.Module, path: Path) -> None:
-    """Refuse a model some of whose matrices BLAS would multiply: its sums' order, and so its
-    bits, depend on how many rows the step has. The quantized kernel's do not (each output is
-    the same sum in the same order whatever the rows), nor do the native attention kernel's
-    (the backend takes every query as one row) or the per-row norms."""
+    """On the cpu backend, refuse a model some of whose matrices BLAS would multiply: its sums'
+    order, and so its bits, depend on how many rows the step has. The quantized kernel's do not
+    (each output is the same sum in the same order whatever the rows), nor do the native
+    attention kernel's (the backend takes every query as one row) or the per-row norms. (The
+    triton backend serves every matrix through its fixed-order matmul instead.)"""
     left = float_matrices(model)
     if left:
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")

@@ -18,7 +18,7 @@ from torch import nn
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_library
-from deepinfer.kernels.int8_matmul import BlockWeight, pack_int8
+from deepinfer.kernels.int8_matmul import FixedOrderWeight, NativeWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import GGUFTensorSource
 from deepinfer.model.llama import Linear
@@ -89,6 +89,23 @@ def quantize_linears(
     return total
 
 
+def serve_fixed_order(model: nn.Module) -> None:
+    """Serve every linear layer and the LM head that no block kernel serves through the
+    fixed-order Triton matmul (`FixedOrderWeight`; the batch-invariant mode on the Triton
+    backend). The weights are the model's own tensors (a tied head shares the embedding's)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is None:
+            module.quantize(FixedOrderWeight(module.weight.detach()))
+    if getattr(model, "lm_head_quantized", None) is None:
+        head = getattr(model, "lm_head", None)
+        source = head.quantized if isinstance(head, Linear) else None
+        if source is None:
+            embed = model.get_submodule("embed_tokens")
+            assert isinstance(embed, nn.Embedding), "a tied head is the token embedding"
+            source = FixedOrderWeight(embed.weight.detach())
+        setattr(model, "lm_head_quantized", source)  # noqa: B010 (any model with the attribute)
+
+
 def float_matrices(model: nn.Module) -> list[str]:
     """The matrices the quantized kernel does not serve (BLAS multiplies them, in an order that
     depends on how many rows a step has): linear layers, and the LM head."""
@@ -102,7 +119,7 @@ def float_matrices(model: nn.Module) -> list[str]:
     return names
 
 
-def _served(weight: QuantizedWeight, int8: bool) -> BlockWeight:
+def _served(weight: QuantizedWeight, int8: bool) -> NativeWeight:
     return pack_int8(weight) if int8 else weight
 
 

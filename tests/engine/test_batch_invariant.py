@@ -8,6 +8,7 @@ The same runs with the mode off show what the default mode does not promise."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 import struct
@@ -16,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer.config import (
     CacheConfig,
@@ -97,19 +99,24 @@ async def _in_batches(engine: AsyncEngine, rng: random.Random) -> list[Bits]:
     return out
 
 
-def _config(tmp: Path, invariant: bool = True, **sections: object) -> Config:
+def _config_on(
+    tmp: Path, invariant: bool = True, *, device: str = "cpu", **sections: object
+) -> Config:
     base = Config(
         model=ModelConfig(batch_invariant=invariant),
         cache=CacheConfig(num_blocks=512),
         disk_cache=DiskCacheConfig(enabled=False, cache_dir=tmp / "disk"),
     )
-    return replace(base, **sections)  # type: ignore[arg-type]
+    runtime = sections.pop("runtime", RuntimeConfig())
+    assert isinstance(runtime, RuntimeConfig)
+    return replace(base, runtime=replace(runtime, device=device), **sections)  # type: ignore[arg-type]
 
 
-async def _runs(tmp: Path, invariant: bool) -> dict[str, list[Bits]]:
+async def _runs(tmp: Path, invariant: bool, device: str = "cpu") -> dict[str, list[Bits]]:
     """Every way of running the targets, by name; "alone" is the reference."""
     rng = random.Random(1234)
     runs: dict[str, list[Bits]] = {}
+    _config = functools.partial(_config_on, device=device)
     cold = _config(tmp, invariant, cache=CacheConfig(num_blocks=512, enable_prefix_caching=False))
     async with AsyncEngine(cold) as engine:
         runs["alone"], _ = await _alone(engine)
@@ -160,6 +167,18 @@ async def test_batch_invariant_bits_are_the_same_every_way(tmp_path: Path) -> No
         assert bits == reference, f"{name}: other bits than the request alone"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_batch_invariant_bits_on_cuda(tmp_path: Path) -> None:
+    """The same on CUDA: the triton backend, every matrix through the fixed-order matmul and
+    every query through the decode kernel (decode steps replayed from CUDA graphs)."""
+    runs = await _runs(tmp_path, invariant=True, device="cuda")
+    reference = runs.pop("alone")
+    assert all(len(b) == 8 for b in reference)
+    for name, bits in runs.items():
+        assert bits == reference, f"{name}: other bits than the request alone"
+
+
 async def test_default_mode_differs_where_prompts_are_attended_otherwise(tmp_path: Path) -> None:
     """The same comparisons with the mode off find differences (so they can fail): a prompt
     computed whole is attended by torch's fused kernel past 16k query-key pairs, while the
@@ -188,11 +207,11 @@ def _largest_gap(runs: list[Bits], reference: list[Bits]) -> float:
 
 
 async def test_refused_where_the_arithmetic_depends_on_the_batch(tmp_path: Path) -> None:
-    torch_backend = _config(tmp_path, runtime=RuntimeConfig(attention_backend="torch"))
+    torch_backend = _config_on(tmp_path, runtime=RuntimeConfig(attention_backend="torch"))
     with pytest.raises(ConfigError, match="batch-invariant"):
         async with AsyncEngine(torch_backend):
             pass
-    float_matrices = _config(
+    float_matrices = _config_on(
         tmp_path, model=ModelConfig(batch_invariant=True, quantized_matmul="off")
     )
     with pytest.raises(ModelLoadError, match="batch-invariant"):

@@ -33,7 +33,8 @@ step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TES
 CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
   tests/cache_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
   tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py \
-  tests/engine/test_engine_device_groups.py}
+  tests/engine/test_engine_device_groups.py \
+  tests/engine/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}
 # shellcheck disable=SC2086  # a list of paths
 step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS
 step decode_step 120 python3 -m bench.decode_step --device cuda --dtype bfloat16 \

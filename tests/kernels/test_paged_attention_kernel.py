@@ -18,6 +18,7 @@ from deepinfer.kernels.paged_attention import (
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    paged_prefill_attention_rows,
 )
 
 Close = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
@@ -134,6 +135,38 @@ def test_paged_prefill_attention(
         q.double(), k_cache.double(), v_cache.double(), tables, query_start_loc, context_lens, scale
     )
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_rows_are_decode_steps_at_their_positions(
+    assert_close: Close, dtype: torch.dtype
+) -> None:
+    """The batch-invariant mode's prompt attention: each query's output is, bit for bit, the
+    decode kernel's for one request at its position, whatever chunk it came in; and close to
+    the reference."""
+    requests = [(70, 70), (33, 17), (5, 0), (600, 3)]  # (context len, new tokens)
+    lens = [ctx for ctx, _ in requests]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 32, 16, dtype)
+    q_lens = torch.tensor([0] + [n for _, n in requests])
+    query_start_loc = q_lens.cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), 6, 32).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_prefill_attention_rows(
+        q, k_cache, v_cache, tables, query_start_loc, context_lens, 0.2
+    )
+    expected = paged_prefill_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, query_start_loc, context_lens, 0.2
+    )
+    assert_close(out, expected, dtype)
+    row = 0
+    for b, (ctx, n) in enumerate(requests):
+        for i in range(n):
+            alone = paged_decode_attention(
+                q[row : row + 1], k_cache, v_cache, tables[b : b + 1],
+                torch.tensor([ctx - n + i + 1], dtype=torch.int32), 0.2,
+            )  # fmt: skip
+            assert torch.equal(alone[0], out[row]), (b, i)
+            row += 1
 
 
 def test_prefill_of_one_token_matches_decode() -> None:
