@@ -290,6 +290,25 @@ def main() -> None:
         f"Ratios are medians over {ns.rounds} rounds of each round's ratio to the plain mode "
         "of the same engine."
     )
+    print()
+    print("Each round's ratio of the gate to plain (single stream, then each stream count):")
+    for workload in WORKLOADS:
+        for p in proposers:
+            print(f"- {workload}, {p}: {_spread(workload, results[p], streams)}")
+
+
+def _spread(workload: str, rounds: list, streams: list[int]) -> str:
+    """The gate's ratio to plain in every round, by measurement."""
+    gate = [r["gate"][0][workload] for r in rounds]
+    plain = [r["plain"][0][workload] for r in rounds]
+    cells = []
+    if workload != "mixed":
+        ratios = [g.single_tok_s / q.single_tok_s for g, q in zip(gate, plain, strict=True)]
+        cells.append("1: " + " ".join(f"{x:.2f}" for x in ratios))
+    for n in streams:
+        ratios = [g.multi_tok_s[n] / q.multi_tok_s[n] for g, q in zip(gate, plain, strict=True)]
+        cells.append(f"{n}: " + " ".join(f"{x:.2f}" for x in ratios))
+    return "; ".join(cells)
 
 
 def _row(workload: str, proposer: str, mode: str, rounds: list, streams: list[int]) -> str:

@@ -22,7 +22,8 @@ drafts get better, at the cost of about one row in 16 steps whatever the batch; 
 fails doubles the request's wait for the next one (up to `MAX_BACKOFF` times).
 
 A position j of acceptance q_j (the product of the conditional estimates up to j) costs the
-extra query row it adds to its request's chunk (the decode lane's `StepCostModel`). Positions
+extra query row it adds to its request's chunk (a decode `StepCostModel`, one per power-of-two
+range of batch sizes: `cost_model_for`). Positions
 are added best first while the tokens the step is expected to produce per second of predicted
 step time grows by a margin: a position is worth it when q_j / dc_j exceeds the step's current
 tokens / cost times `GAIN_MARGIN`. A step's cost is its forward pass (the cost model's) plus
@@ -212,6 +213,8 @@ class DraftGate:
         recency: float = 0.9,
     ) -> None:
         self.cost_model = cost_model
+        """The cost model of steps of one decoder; `cost_model_for` gives each batch size's."""
+        self._costs: dict[int, StepCostModel] = {0: cost_model}
         self.model = AcceptanceModel(num_signals)
         self.max_drafts = max_drafts
         self.enabled = enabled
@@ -249,12 +252,30 @@ class DraftGate:
         positions = _Positions(self, request_id, draft)
         return [positions.survival(j) for j in range(draft.size)]
 
+    def cost_model_for(self, num_requests: int) -> StepCostModel:
+        """The cost model of steps of `num_requests` decoders: one per power-of-two range (1, 2,
+        3-4, 5-8, ...), each fitted on its own steps from the same prior. A row's cost is not
+        linear in the rows: the first few share one read of the weights, past that each pays its
+        arithmetic (the int8 matmuls take 8 rows a pass with VNNI, 4 without), so one linear fit
+        over every batch size prices drafts for the batch sizes it saw last (alone: rows look
+        nearly free, and the first seconds at 8 streams then verified drafts that did not pay)."""
+        bucket = max(num_requests - 1, 0).bit_length()
+        model = self._costs.get(bucket)
+        if model is None:
+            model = self._costs[bucket] = StepCostModel(self.cost_model.config)
+        return model
+
+    def observe_cost(self, chunks: Sequence[ChunkShape], seconds: float) -> None:
+        """A measured decode step (one chunk a decoder) for its batch size's cost model."""
+        self.cost_model_for(len(chunks)).observe(chunks, seconds)
+
     def worth_proposing(self, requests: Sequence[Request]) -> list[bool]:
         """Whether a first draft of each request could pay in a step of all of them, with the
         most favourable signals (if not, the proposer is not even asked)."""
         if not self.enabled:
             return [True] * len(requests)
-        per_second = len(requests) / self._plain_step_s(requests)
+        costs = self.cost_model_for(len(requests))
+        per_second = len(requests) / self._plain_step_s(requests, costs)
         best = [1.0 if w > 0 else 0.0 for w in self.model.weights[3:]]
         worth = []
         self._explore_after = EXPLORE_EVERY * len(requests)
@@ -262,17 +283,17 @@ class DraftGate:
         for r in requests:
             idle = self._idle[r.request_id] = self._idle.get(r.request_id, 0) + 1
             q = self.model.predict(self.features(r.request_id, 0, best))
-            worth.append(self._looks(r.request_id, idle) or q / self._draft_s(r, 0) > bar)
+            worth.append(self._looks(r.request_id, idle) or q / self._draft_s(r, 0, costs) > bar)
         return worth
 
-    def _plain_step_s(self, requests: Sequence[Request]) -> float:
+    def _plain_step_s(self, requests: Sequence[Request], costs: StepCostModel) -> float:
         """Predicted seconds of a step of `requests` without drafts, the loop's included."""
         chunks = [ChunkShape(1, r.num_computed_tokens) for r in requests]
-        return max(self.cost_model.predict(chunks) + self.loop_s, 1e-9)
+        return max(costs.predict(chunks) + self.loop_s, 1e-9)
 
-    def _draft_s(self, request: Request, j: int) -> float:
+    def _draft_s(self, request: Request, j: int, costs: StepCostModel) -> float:
         """Predicted seconds that a request's (j + 1)-th draft adds to its chunk."""
-        return max(self.cost_model.row_cost_s(j + 2, request.num_computed_tokens), 1e-12)
+        return max(costs.row_cost_s(j + 2, request.num_computed_tokens), 1e-12)
 
     def choose(self, candidates: Sequence[tuple[Request, Draft]]) -> list[int]:
         """For each (request, draft), how many drafts to verify. Every request of the step is
@@ -294,12 +315,13 @@ class DraftGate:
         self, candidates: Sequence[tuple[Request, Draft]], positions: Sequence[_Positions]
     ) -> list[int]:
         tokens = float(len(candidates))
-        seconds = self._plain_step_s([r for r, _ in candidates])
+        costs = self.cost_model_for(len(candidates))
+        seconds = self._plain_step_s([r for r, _ in candidates], costs)
         chosen = [0] * len(candidates)
 
         def option(i: int) -> tuple[float, float, float, int]:
             """(-gain, expected tokens, seconds) of request i's next position."""
-            extra = self._draft_s(candidates[i][0], chosen[i])
+            extra = self._draft_s(candidates[i][0], chosen[i], costs)
             q = positions[i].survival(chosen[i])
             return (-q / extra, q, extra, i)
 

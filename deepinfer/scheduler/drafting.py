@@ -125,7 +125,7 @@ class Drafter:
         self.loop.applied(out.elapsed_s)
         if any(c.num_drafts for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
             shapes = [ChunkShape(_computed(c, out), c.start_position) for c in so.chunks]
-            self.gate.cost_model.observe(shapes, out.elapsed_s)
+            self.gate.observe_cost(shapes, out.elapsed_s)
 
     def observe_request(self, request_id: str, num_drafts: int, out: RunnerOutput) -> None:
         """How many of a request's `num_drafts` verified drafts the step accepted (none

@@ -9,7 +9,12 @@ import random
 from sched_fakes import make_request
 
 from deepinfer.request import Request
-from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
+from deepinfer.scheduler.cost_model import (
+    ChunkShape,
+    CostCoefficients,
+    CostModelConfig,
+    StepCostModel,
+)
 from deepinfer.scheduler.draft_gate import (
     EXPLORE_EVERY,
     MAX_BACKOFF,
@@ -187,3 +192,20 @@ def test_loop_overhead_is_the_median_gap_outside_the_runner() -> None:
     assert abs(loop.seconds - 1.35e-3) < 1e-12
     loop.planned()  # planned again without a step applied between: nothing measured
     assert abs(loop.seconds - 1.35e-3) < 1e-12
+
+
+def test_each_batch_size_range_has_its_own_cost_model() -> None:
+    """Steps of one decoder teach nothing to the model of steps of eight: alone, the first rows
+    share a read of the weights; beside others, each row pays its arithmetic."""
+    gate = _gate()
+    one, eight = gate.cost_model_for(1), gate.cost_model_for(8)
+    assert one is gate.cost_model and eight is gate.cost_model_for(5) is not one
+    assert gate.cost_model_for(9) is not eight and gate.cost_model_for(3) is gate.cost_model_for(4)
+    step8 = [ChunkShape(1, 100)] * 8
+    before = eight.predict(step8)
+    for rows in (1, 2, 3, 4, 5, 6):
+        gate.observe_cost([ChunkShape(rows, 100)], 2e-3 + 1e-5 * rows)  # rows nearly free alone
+    assert eight.predict(step8) == before
+    assert one.num_observations == 6 and eight.num_observations == 0
+    gate.observe_cost(step8, 9e-3)
+    assert eight.num_observations == 1
