@@ -159,12 +159,15 @@ async def _runs(tmp: Path, invariant: bool, device: str = "cpu") -> dict[str, li
     return runs
 
 
-async def test_batch_invariant_bits_are_the_same_every_way(tmp_path: Path) -> None:
-    runs = await _runs(tmp_path, invariant=True)
+def _assert_all_alike(runs: dict[str, list[Bits]]) -> None:
     reference = runs.pop("alone")
     assert all(len(b) == 8 for b in reference)
     for name, bits in runs.items():
         assert bits == reference, f"{name}: other bits than the request alone"
+
+
+async def test_batch_invariant_bits_are_the_same_every_way(tmp_path: Path) -> None:
+    _assert_all_alike(await _runs(tmp_path, invariant=True))
 
 
 @pytest.mark.gpu
@@ -172,11 +175,7 @@ async def test_batch_invariant_bits_are_the_same_every_way(tmp_path: Path) -> No
 async def test_batch_invariant_bits_on_cuda(tmp_path: Path) -> None:
     """The same on CUDA: the triton backend, every matrix through the fixed-order matmul and
     every query through the decode kernel (decode steps replayed from CUDA graphs)."""
-    runs = await _runs(tmp_path, invariant=True, device="cuda")
-    reference = runs.pop("alone")
-    assert all(len(b) == 8 for b in reference)
-    for name, bits in runs.items():
-        assert bits == reference, f"{name}: other bits than the request alone"
+    _assert_all_alike(await _runs(tmp_path, invariant=True, device="cuda"))
 
 
 async def test_default_mode_differs_where_prompts_are_attended_otherwise(tmp_path: Path) -> None:
