@@ -10,12 +10,13 @@ SmolLM2 with greedy requests, four workloads:
 For each proposer, one engine; in it, three modes: `plain` (the scheduler's drafter taken away:
 plain decoding), `gate` (the default: the confidence gate on) and `all` (the gate off: every
 draft verified). Each round measures every workload one request at a time (single stream:
-decode tokens/s from the first token to the last) and then 8 and 32 at once (aggregate
-tokens/s over a window in which every stream sends its next request as soon as the last
-ended: `engine_load.closed_loop`), and each of these measurements runs the three modes back to back, the order
-rotating from round to round, counting drafted and accepted tokens and the mean accepted run.
-Ratios are each measurement's against the plain mode's run beside it (seconds apart, on the
-same engine: the machine drifts by more than the effects measured over minutes), and the
+decode tokens/s from the first token to the last, the three modes back to back, in an order
+rotating from round to round) and then 8 and 32 at once: streams kept busy (each sends its next
+request as soon as its last ended, the first ones staggered: `engine_load.closed_loop`) while
+the modes take turns every second, each decode step counted for the mode it was planned in
+(`alternating`: the machine drifts by 5-10% over tens of seconds, more than the effects
+measured), three windows long. Drafted and accepted tokens and the mean accepted run are
+counted by mode. Ratios are each measurement's against the plain mode's beside it, and the
 table gives their medians over the rounds. Every prompt is in the prefix
 cache before the first measured run, so every run of a prompt starts from the same cached
 prefix (with int8 activations, a prefix computed in the same step and one read from the cache
@@ -40,8 +41,9 @@ import time
 from pathlib import Path
 
 import uvloop
+from alternating import ModeTally, alternating
 from common import provenance
-from engine_load import closed_loop
+from engine_load import window_seconds
 from truncated_draft import truncate
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
@@ -50,6 +52,7 @@ from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.environment import default_model_path
 from deepinfer.request import SamplingParams
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.text.messages import ChatMessage
 
@@ -150,10 +153,44 @@ async def single_stream(engine: AsyncEngine, prompts: list, max_tokens: int) -> 
     return tokens, decoded / decode_s
 
 
-async def many_streams(engine: AsyncEngine, prompts: list, max_tokens: int, streams: int) -> float:
-    """Aggregate tokens/s of `streams` clients kept busy for a while (`closed_loop`)."""
+async def many_streams(
+    engine: AsyncEngine,
+    drafter: Drafter,
+    prompts: list,
+    max_tokens: int,
+    streams: int,
+    flip: bool,
+) -> dict[str, tuple[float, Counts]]:
+    """Every mode's aggregate tokens/s over `streams` clients kept busy, and its counts, from two
+    runs of two modes taking turns every second (`alternating`; `flip`: the other one first),
+    each two `closed_loop` windows long: plain with the gate, then the gate with all. A mode that
+    verifies every draft leaves work to the mode after it (at 32 streams, the next turn's steps
+    took ~10% longer: more requests ended in its turn, and their successors' prefill falls in
+    the next), so it is kept out of the comparison of plain with the gate; its tokens/s are put
+    on the first run's scale (the gate's there times all's ratio to the gate in the second)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return await closed_loop(engine, prompts, params, streams)
+    seconds = 2 * window_seconds(streams)
+    pairs = (("plain", "gate"), ("gate", "all"))
+    first, second = [
+        await alternating(
+            engine, drafter, prompts, params, streams, p[::-1] if flip else p, seconds
+        )
+        for p in pairs
+    ]
+    plain, gate, gate_2, every = first["plain"], first["gate"], second["gate"], second["all"]
+    return {
+        "plain": (_rate(plain), _counts(plain)),
+        "gate": (_rate(gate), _add(_counts(gate), _counts(gate_2))),
+        "all": (_rate(gate) * _rate(every) / max(_rate(gate_2), 1e-9), _counts(every)),
+    }
+
+
+def _rate(t: ModeTally) -> float:
+    return t.tokens / max(t.seconds, 1e-9)
+
+
+def _counts(t: ModeTally) -> Counts:
+    return (t.drafted, t.accepted, t.verified)
 
 
 def _delta(before: SpeculativeCounts, after: SpeculativeCounts) -> Counts:
@@ -185,42 +222,34 @@ def set_mode(engine: AsyncEngine, drafter: object, mode: str) -> None:
         worker.min_confidence = DRAFT_CONFIDENCE_MIN if mode == "gate" else 0.0
 
 
-async def measure(
-    engine: AsyncEngine, prompts: list, max_tokens: int, streams: int
-) -> tuple[list[list[int]], float]:
-    """One measurement: single stream (`streams` 1: the outputs and decode tokens/s) or
-    `streams` at once (aggregate tokens/s, no outputs kept)."""
-    if streams == 1:
-        return await single_stream(engine, prompts, max_tokens)
-    return [], await many_streams(engine, prompts, max_tokens, streams)
-
-
 async def run_round(
     engine: AsyncEngine,
-    drafter: object,
+    drafter: Drafter,
     order: tuple[str, ...],
     max_tokens: int,
     streams: list[int],
 ) -> dict[str, tuple[dict[str, Run], dict[str, Counts]]]:
-    """Every workload single-stream (the mixed one only with several streams) and at each
-    stream count; each measurement runs the modes back to back in `order`, so that a mode and
-    its plain reference are seconds apart. Each mode's speculative counts by workload."""
+    """Every workload single-stream (the mixed one only with several streams), the modes back to
+    back in `order`, then at each stream count, the modes taking turns within one run. Each
+    mode's speculative counts by workload."""
     runs = {m: {w: Run([], 0.0, {}) for w in WORKLOADS} for m in order}
     counts: dict[str, dict[str, Counts]] = {m: {w: (0, 0, 0) for w in WORKLOADS} for m in order}
     for workload, prompts in WORKLOADS.items():
-        for n in ([] if workload == "mixed" else [1]) + streams:
+        if workload != "mixed":
             for mode in order:
                 set_mode(engine, drafter, mode)
                 before = engine.stats().speculative
-                tokens, tok_s = await measure(engine, prompts, max_tokens, n)
-                counts[mode][workload] = _add(
-                    counts[mode][workload], _delta(before, engine.stats().speculative)
-                )
-                run = runs[mode][workload]
-                if n == 1:
-                    run.tokens, run.single_tok_s = tokens, tok_s
-                else:
-                    run.multi_tok_s[n] = tok_s
+                tokens, tok_s = await single_stream(engine, prompts, max_tokens)
+                after = engine.stats().speculative
+                counts[mode][workload] = _add(counts[mode][workload], _delta(before, after))
+                runs[mode][workload].tokens = tokens
+                runs[mode][workload].single_tok_s = tok_s
+        for n in streams:
+            flip = order[0] != "plain"
+            measured = await many_streams(engine, drafter, prompts, max_tokens, n, flip)
+            for mode, (tok_s, c) in measured.items():
+                runs[mode][workload].multi_tok_s[n] = tok_s
+                counts[mode][workload] = _add(counts[mode][workload], c)
     return {m: (runs[m], counts[m]) for m in order}
 
 
@@ -237,6 +266,7 @@ async def run_proposer(
     async with AsyncEngine(config) as engine:
         assert engine._core is not None
         drafter = engine._core.scheduler.drafter
+        assert drafter is not None
         for prompt in WORKLOADS["mixed"]:  # warm-up, and every prompt in the prefix cache
             await one(engine, prompt, 1)
         for r in range(rounds):
@@ -295,6 +325,15 @@ def main() -> None:
     for workload in WORKLOADS:
         for p in proposers:
             print(f"- {workload}, {p}: {_spread(workload, results[p], streams)}")
+    print()
+    print("The gate over all (median over rounds of each round's ratio), by stream count:")
+    for workload in WORKLOADS:
+        for p in proposers:
+            cells = [
+                f"{n}: {_median([r['gate'][0][workload].multi_tok_s[n] / r['all'][0][workload].multi_tok_s[n] for r in results[p]]):.2f}x"
+                for n in streams
+            ]
+            print(f"- {workload}, {p}: " + "; ".join(cells))
 
 
 def _spread(workload: str, rounds: list, streams: list[int]) -> str:
