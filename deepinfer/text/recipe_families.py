@@ -1,0 +1,196 @@
+"""Chat formats beyond ChatML, encoded by construction: Llama 3, Gemma, Mistral.
+
+As in `recipe.py`, a conversation is never rendered to one string: each format's markers are
+emitted as ids and every stretch of text between two markers is encoded as content, so text that
+spells a control token stays plain. On ordinary text the ids equal the family's official Jinja
+template rendered and tokenized (`tests/text/test_recipe_families.py` holds those templates).
+Every family puts BOS first (its templates write `bos_token`). Rules:
+
+- Llama 3: `<|start_header_id|>` role `<|end_header_id|>` "\\n\\n" + content.strip() `<|eot_id|>`
+  for every message, in order, roles written as given; Llama 3.1's templates (those that write a
+  "Cutting Knowledge Date") always open with a system turn, "Cutting Knowledge Date: December
+  2023\\nToday Date: 26 Jul 2024\\n\\n" before the system prompt (the date the template uses when
+  none is passed). Generation: `<|start_header_id|>` "assistant" `<|end_header_id|>` "\\n\\n".
+  Ends on `<|eot_id|>`, `<|eom_id|>`, `<|end_of_text|>`.
+- Gemma: `<start_of_turn>` + "user\\n" or "model\\n" + content.strip() + `<end_of_turn>` "\\n";
+  the system prompt and a blank line open the first user turn (Gemma 3's templates; Gemma 2's
+  refuse system messages, so this only adds to what they take; a system message alone opens a
+  user turn of its own, where the template would drop it). Generation:
+  `<start_of_turn>` "model\\n". Ends on `<end_of_turn>` and EOS.
+- Mistral (v0.3's template): a user turn is `[INST]` " " + content + `[/INST]`, the system prompt
+  and a blank line opening it when it is the last message (earlier turns, or a conversation
+  that ends with the assistant, never show it); an assistant turn is " " + content.strip() + EOS.
+  The generation prompt is the last `[INST]` turn itself. `[INST]` and `[/INST]` must be control
+  tokens (in older vocabularies they are plain text, and a typed one could not be told apart).
+
+Gemma and Mistral take user and assistant turns alternating, starting with the user (their
+templates raise otherwise): anything else is an `InvalidRequestError` naming the message. Tool
+definitions, calls, results and `tool` messages are ChatML's only: refused with
+`InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.errors import InvalidRequestError, ModelLoadError
+from deepinfer.text.messages import ChatMessage, ToolSpec
+from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
+from deepinfer.text.tokenizer import Tokenizer
+from deepinfer.text.tools import Piece, join_pieces, uses_tools
+
+LLAMA3_KNOWLEDGE = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+
+
+def _control_ids(tokenizer: Tokenizer, family: str, names: Sequence[str]) -> list[int]:
+    """The ids of a format's markers, each a control token of the vocabulary."""
+    ids = [tokenizer.token_to_id(n) for n in names]
+    if any(i is None or i not in tokenizer.special_token_ids for i in ids):
+        raise ModelLoadError(
+            f"{family} chat template, but {', '.join(names)} are not all control tokens"
+        )
+    return [i for i in ids if i is not None]
+
+
+class FamilyRecipe(ChatRecipe):
+    """A format whose markers are all control tokens and whose prompt starts with BOS."""
+
+    family = ""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        if tokenizer.bos_token_id is None:
+            raise ModelLoadError(f"{self.family} chat template, but the vocabulary has no BOS")
+        self.bos_id = tokenizer.bos_token_id
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        reasoning_effort: ReasoningEffort | None = None,
+        tools: Sequence[ToolSpec] = (),
+    ) -> list[int]:
+        turns = self._validated(messages)
+        if uses_tools(turns, tools):
+            raise InvalidRequestError(
+                f"tools: deepinfer writes tool calls in ChatML only, not in this model's "
+                f"{self.family} format",
+                param="tools",
+            )
+        for i, m in enumerate(turns):
+            if m.role == "tool":
+                raise InvalidRequestError(
+                    f"messages[{i}].role is 'tool': tool results are written in ChatML only, "
+                    f"not in this model's {self.family} format",
+                    param=f"messages[{i}].role",
+                )
+        system = self._body(turns.pop(0)) if turns and turns[0].role == "system" else None
+        pieces = self.pieces(self._with_effort(system, reasoning_effort), turns)
+        if add_generation_prompt:
+            pieces += self.generation_prompt()
+        return self._encode_pieces([self.bos_id, *pieces])
+
+    def pieces(self, system: str | None, turns: Sequence[ChatMessage]) -> list[Piece]:
+        raise NotImplementedError
+
+    def generation_prompt(self) -> list[Piece]:
+        return []
+
+    def _encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
+        """Marker ids as they are; each stretch of text between two encoded in one call."""
+        joined = join_pieces(pieces)
+        texts = [p for p in joined if isinstance(p, str)]
+        encoded = iter(self.tokenizer.encode_batch(texts))
+        return [i for p in joined for i in (next(encoded) if isinstance(p, str) else [p])]
+
+    def _alternating(self, turns: Sequence[ChatMessage], offset: int) -> None:
+        """User and assistant turns in turn, the user first (`offset`: messages before them)."""
+        for k, m in enumerate(turns):
+            expected = "user" if k % 2 == 0 else "assistant"
+            if m.role != expected:
+                raise InvalidRequestError(
+                    f"messages[{k + offset}].role is {m.role!r}; this model's {self.family} "
+                    f"format takes an optional system message, then user and assistant messages "
+                    f"in turn, starting with the user ({expected!r} expected here)",
+                    param=f"messages[{k + offset}].role",
+                )
+
+
+class Llama3Recipe(FamilyRecipe):
+    family = "Llama 3"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        names = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+        self.header_id, self.header_end_id, self.eot_id = _control_ids(
+            tokenizer, self.family, names
+        )
+        self.dated = "Cutting Knowledge Date" in (tokenizer.chat_template or "")
+        """Llama 3.1's templates: a system turn always, with the knowledge and today's date."""
+        more = (tokenizer.token_to_id(t) for t in ("<|eom_id|>", "<|end_of_text|>"))
+        ends = {self.eot_id, *self.end_of_turn_ids, *(i for i in more if i is not None)}
+        self.end_of_turn_ids = frozenset(ends)
+
+    def _turn(self, role: str, text: str) -> list[Piece]:
+        return [self.header_id, role, self.header_end_id, "\n\n" + text, self.eot_id]
+
+    def pieces(self, system: str | None, turns: Sequence[ChatMessage]) -> list[Piece]:
+        out: list[Piece] = []
+        if self.dated:
+            out += self._turn("system", LLAMA3_KNOWLEDGE + (system or "").strip())
+        elif system is not None:
+            out += self._turn("system", system.strip())
+        for m in turns:
+            out += self._turn(m.role, self._body(m).strip())
+        return out
+
+    def generation_prompt(self) -> list[Piece]:
+        return [self.header_id, "assistant", self.header_end_id, "\n\n"]
+
+
+class GemmaRecipe(FamilyRecipe):
+    family = "Gemma"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        names = ("<start_of_turn>", "<end_of_turn>")
+        self.start_id, self.end_id = _control_ids(tokenizer, self.family, names)
+        self.end_of_turn_ids = frozenset({self.end_id, *self.end_of_turn_ids})
+
+    def pieces(self, system: str | None, turns: Sequence[ChatMessage]) -> list[Piece]:
+        self._alternating(turns, offset=int(system is not None))
+        out: list[Piece] = []
+        for k, m in enumerate(turns):
+            role = "model" if m.role == "assistant" else "user"
+            prefix = f"{system}\n\n" if k == 0 and system is not None else ""
+            out += [self.start_id, f"{role}\n{prefix}{self._body(m).strip()}", self.end_id, "\n"]
+        if not turns and system is not None:  # a system prompt alone still opens a user turn
+            out += [self.start_id, f"user\n{system}\n\n", self.end_id, "\n"]
+        return out
+
+    def generation_prompt(self) -> list[Piece]:
+        return [self.start_id, "model\n"]
+
+
+class MistralRecipe(FamilyRecipe):
+    family = "Mistral"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.inst_id, self.inst_end_id = _control_ids(tokenizer, self.family, ("[INST]", "[/INST]"))
+        if tokenizer.eos_token_id is None:
+            raise ModelLoadError("Mistral chat template, but the vocabulary has no EOS")
+        self.eos_id = tokenizer.eos_token_id
+
+    def pieces(self, system: str | None, turns: Sequence[ChatMessage]) -> list[Piece]:
+        self._alternating(turns, offset=int(system is not None))
+        out: list[Piece] = []
+        for k, m in enumerate(turns):
+            if m.role == "user":
+                last = k == len(turns) - 1
+                prefix = f"{system}\n\n" if last and system is not None else ""
+                out += [self.inst_id, f" {prefix}{self._body(m)}", self.inst_end_id]
+            else:
+                out += [f" {self._body(m).strip()}", self.eos_id]
+        return out
