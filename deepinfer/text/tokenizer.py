@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from deepinfer.byte_alphabet import bytes_to_unicode
@@ -25,6 +25,8 @@ from deepinfer.errors import ModelLoadError
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+SPACE = "\u2581"
+"""SentencePiece's spelling of a space."""
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -97,25 +99,32 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any) -> Tokenizer:
-        """Rebuild from an open `gguf.GGUFReader` (a byte-level BPE `gpt2` vocabulary).
+        """Rebuild from an open `gguf.GGUFReader`: a byte-level BPE `gpt2` vocabulary, or a
+        Gemma model's SentencePiece one (`llama`: tokens and scores, no merges).
 
         Matches transformers' GGUF conversion, except for `pre=smollm`, where the file's own rule
         (digits split one by one, as llama.cpp and the model's `tokenizer.json` do) is applied.
         """
         model = _field(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ModelLoadError(
-                f"unsupported GGUF tokenizer tokenizer.ggml.model={model!r}; supported: 'gpt2' "
-                "(byte-level BPE)"
-            )
+        architecture = str(_field(reader, "general.architecture") or "")
         tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-        merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
         types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []
-        if not tokens or not merges:
-            raise ModelLoadError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        hf = _byte_level_bpe(
-            tokens, merges, types, _field(reader, "tokenizer.ggml.pre") or "default"
-        )
+        if not tokens:
+            raise ModelLoadError("GGUF file lacks tokenizer.ggml.tokens")
+        if model == "gpt2":
+            merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
+            if not merges:
+                raise ModelLoadError("GGUF file lacks tokenizer.ggml.merges")
+            pre = _field(reader, "tokenizer.ggml.pre") or "default"
+            hf = _byte_level_bpe(tokens, merges, types, pre)
+        elif model == "llama" and architecture.startswith("gemma"):
+            unknown = _field(reader, "tokenizer.ggml.unknown_token_id")
+            hf = _gemma_sentencepiece(tokens, types, None if unknown is None else int(unknown))
+        else:
+            raise ModelLoadError(
+                f"unsupported GGUF tokenizer tokenizer.ggml.model={model!r} for {architecture!r}; "
+                "supported: 'gpt2' (byte-level BPE), and 'llama' (SentencePiece) for Gemma models"
+            )
         add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
         return cls(
             hf,
@@ -225,6 +234,62 @@ def _named_token_id(hf: HFTokenizer, token: Any) -> int | None:
     return None if token_id is None else int(token_id)
 
 
+def _gemma_sentencepiece(tokens: list[str], types: list[int], unknown: int | None) -> HFTokenizer:
+    """The SentencePiece BPE a Gemma GGUF describes, as `tokenizers` runs it (transformers'
+    conversion rules): spaces spelled `\u2581` (no space prepended), unknown bytes spelled by the
+    `<0xNN>` tokens, and merges rebuilt from the vocabulary (`_merges_in_file_order`). A token of
+    two or more spaces is stored with real spaces and looked up spelled: it is respelled."""
+    spelled = [SPACE * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if len(vocab) != len(spelled):
+        raise ModelLoadError("GGUF vocabulary has duplicate tokens once spaces are respelled")
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_merges_in_file_order(spelled, vocab),
+        unk_token=None if unknown is None else spelled[unknown],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    hf = HFTokenizer(bpe)
+    hf.normalizer = normalizers.Replace(" ", SPACE)
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    _add_typed_tokens(hf, list(zip(spelled, types, strict=False)), vocab)
+    return hf
+
+
+def _merges_in_file_order(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every way of cutting a token into two tokens of the vocabulary, as BPE merges ranked by
+    the merged token's place in the file (a Gemma file gives no merges, and its scores do not
+    follow the merge order: the file's order does), a token's cuts with the longer left piece
+    first."""
+    merges = []
+    for token in tokens:
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _add_typed_tokens(
+    hf: HFTokenizer,
+    typed: list[tuple[str, int]],
+    vocab: dict[str, int],
+    alphabet: set[str] | None = None,
+) -> None:
+    """Control tokens added as special (never produced from text; with `alphabet`, only those
+    spelled in it: one outside is a llama.cpp mislabel, which transformers skips too), and
+    user-defined ones as plain added tokens (matched whole in text, like `<think>`)."""
+    control = [
+        t for t, k in typed if k == TOKEN_TYPE_CONTROL and (alphabet is None or set(t) <= alphabet)
+    ]
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, k in typed if k == TOKEN_TYPE_USER_DEFINED and t in vocab]
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
 def _byte_level_bpe(
     tokens: list[str], merges: list[str], types: list[int], pre: str
 ) -> HFTokenizer:
@@ -243,10 +308,5 @@ def _byte_level_bpe(
     hf = HFTokenizer(bpe)
     hf.pre_tokenizer = _pre_tokenizer(pre)
     hf.decoder = decoders.ByteLevel()
-    typed = list(zip(tokens, types, strict=False))
-    # A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
-    control = [t for t, k in typed if k == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
-    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    user = [t for t, k in typed if k == TOKEN_TYPE_USER_DEFINED and t in vocab]
-    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    _add_typed_tokens(hf, list(zip(tokens, types, strict=False)), vocab, alphabet)
     return hf
