@@ -27,8 +27,32 @@ from deepinfer.model.arch import ModelArch
 from deepinfer.model.registry import check_architecture
 
 GGUF_MAGIC = b"GGUF"
-_KERNEL_FORMATS = {"Q4_1": QuantFormat.Q4_1, "Q8_0": QuantFormat.Q8_0}
-"""GGUF tensor types the native quantized matmul takes as they are."""
+_KERNEL_FORMATS = {"Q4_1": QuantFormat.Q4_1, "Q8_0": QuantFormat.Q8_0, "Q4_0": QuantFormat.Q4_1}
+"""GGUF tensor types the native quantized matmul takes: Q4_1 and Q8_0 as they are, Q4_0 as the
+Q4_1 blocks of the same values (`q4_0_as_q4_1`)."""
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+Q4_0_BLOCK_BYTES = 18
+"""fp16 d, then 16 bytes of nibbles (the same layout as Q4_1's); a weight is d * (q - 8)."""
+
+
+def q4_0_as_q4_1(blocks: np.ndarray) -> np.ndarray | None:
+    """Q4_0 blocks (uint8 [N, K / 32 * 18]) as Q4_1 blocks of the same values: the same d and
+    nibbles, and the offset m = -8 d, exact in fp16 (a power-of-two multiple), so d * q + m is
+    d * (q - 8) to the bit in float32. None where some -8 d overflows fp16 (a scale over 8188:
+    such a matrix is dequantized instead). Q4_1 blocks are 20 bytes for Q4_0's 18."""
+    n, width = blocks.shape
+    raw = blocks.reshape(n, width // Q4_0_BLOCK_BYTES, Q4_0_BLOCK_BYTES)
+    d = raw[..., :2].copy().view(np.float16)
+    with np.errstate(over="ignore"):
+        m = (d.astype(np.float32) * -8.0).astype(np.float16)
+    if not np.isfinite(m[np.isfinite(d)]).all():
+        return None
+    out = np.empty((n, raw.shape[1], QuantFormat.Q4_1.block_bytes), dtype=np.uint8)
+    out[..., :2] = raw[..., :2]
+    out[..., 2:4] = m.view(np.uint8)
+    out[..., 4:] = raw[..., 2:]
+    return out.reshape(n, -1)
+
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -190,9 +214,19 @@ class GGUFTensorSource:
     def names(self) -> set[str]:
         return set(self._tensors)
 
+    def other_formats(self) -> dict[str, int]:
+        """Matrices stored in formats the native kernel does not take, counted by format (they
+        are dequantized to float32 at load)."""
+        counts: dict[str, int] = {}
+        for t in self._tensors.values():
+            kind = t.tensor_type.name
+            if len(t.shape) == 2 and kind not in (*_KERNEL_FORMATS, *_FLOAT_TYPES):
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
     def load_quantized(self, name: str) -> QuantizedWeight | None:
         """The tensor's blocks as stored (rows in the model's order), if it is a matrix in a
-        format the native kernel takes (Q4_1, Q8_0); else None."""
+        format the native kernel takes (Q4_1, Q8_0, and Q4_0 as Q4_1); else None."""
         tensor = self._tensors.get(name)
         if tensor is None or tensor.tensor_type.name not in _KERNEL_FORMATS:
             return None
@@ -200,6 +234,11 @@ class GGUFTensorSource:
         array = self._unpermuted(name, np.asarray(tensor.data))
         if array.ndim != 2:
             return None
+        if tensor.tensor_type.name == "Q4_0":
+            repacked = q4_0_as_q4_1(array)
+            if repacked is None:
+                return None
+            array = repacked
         blocks = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
         return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * QK)
 

@@ -69,7 +69,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
-    `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_1/Q8_0 matrices in their blocks
+    `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks
     through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
     (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
@@ -96,7 +96,9 @@ def load_model(
     if isinstance(source, GGUFTensorSource) and wanted:
         quantized = quantize_linears(model, source, arch.num_layers, int8)
     if int8 and not quantized:
-        raise ModelLoadError(f"--matmul-activations int8: {path} has no Q4_1 or Q8_0 matrices")
+        raise ModelLoadError(
+            f"--matmul-activations int8: {path} has no Q4_0, Q4_1 or Q8_0 matrices"
+        )
     if batch_invariant and backend.name == "triton":
         serve_fixed_order(model)  # cuBLAS's sums depend on the shape: the fixed-order matmul
     elif batch_invariant:
@@ -119,7 +121,7 @@ def check_batch_invariant(model: torch.nn.Module, path: Path) -> None:
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
         raise ModelLoadError(
             f"--batch-invariant needs every matrix served by the quantized CPU kernel (a GGUF "
-            f"file with Q4_1/Q8_0 matrices, float32 on CPU, --quantized-matmul auto or on); "
+            f"file with Q4_0/Q4_1/Q8_0 matrices, float32 on CPU, --quantized-matmul auto or on); "
             f"{path.name} would multiply {shown} in float"
         )
 

@@ -4,6 +4,7 @@ written here: logits match transformers run on gguf-py's dequantization of the s
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,14 @@ from deepinfer.config import Config, ModelConfig
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.int8_matmul import Int8PackedWeight
+from deepinfer.kernels.quant_matmul import (
+    QuantFormat,
+    QuantizedWeight,
+    dequantize,
+    dequantize_reference,
+)
 from deepinfer.model import load_model, model_fingerprint
+from deepinfer.model.gguf_loader import q4_0_as_q4_1
 
 transformers = pytest.importorskip("transformers")
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
@@ -28,6 +36,7 @@ needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU 
 # rows of whole 32-weight blocks: every matrix's width is a multiple of 32
 CONFIG = {**BASE_CONFIG, "vocab_size": 67, "hidden_size": 64, "intermediate_size": 96}
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+Q4_0, Q5_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0
 
 
 def _quantized(
@@ -37,8 +46,11 @@ def _quantized(
     return blocks, gguf.quants.dequantize(blocks, qtype).astype(np.float32)
 
 
-def write_quantized_gguf(path: Path, hf_model: Any, tie: bool) -> None:
-    """Matrices in Q4_1, the embedding in Q8_0; the HF model gets the dequantized values."""
+def write_quantized_gguf(
+    path: Path, hf_model: Any, tie: bool, matrices: gguf.GGMLQuantizationType = Q4_1
+) -> None:
+    """Matrices in `matrices` (Q4_1), the embedding in Q8_0; the HF model gets the dequantized
+    values."""
     cfg = hf_model.config
     writer = gguf_writer(path, "llama", cfg, CONFIG["rope_theta"])
     state = hf_model.state_dict()
@@ -53,7 +65,7 @@ def write_quantized_gguf(path: Path, hf_model: Any, tie: bool) -> None:
             _, _, layer, rest = name.split(".", 3)
             writer.add_tensor(f"blk.{layer}.{HF_TO_GGUF[rest]}", array)
             continue
-        qtype = Q8_0 if name == "model.embed_tokens.weight" else Q4_1
+        qtype = Q8_0 if name == "model.embed_tokens.weight" else matrices
         blocks, dequantized = _quantized(array, qtype)
         with torch.no_grad():
             tensor.copy_(torch.from_numpy(dequantized))
@@ -119,6 +131,46 @@ def test_quantized_matmul_matches_transformers(quantized_gguf: Any) -> None:
     )
 
 
+def test_q4_0_blocks_are_q4_1_blocks_of_the_same_values() -> None:
+    """Repacked, a Q4_0 matrix dequantizes to gguf-py's values bit for bit (fp16 scales from
+    the smallest subnormal range to the largest that -8 d allows); past that, it is left to the
+    dequantizing path."""
+    rng = np.random.default_rng(0)
+    magnitudes = np.array([1e-9, 1e-6, 1e-3, 1.0, 30.0, 1e3, 2e3])[:, None]
+    x = (rng.standard_normal((7, 96)) * magnitudes).astype(np.float32)
+    blocks = gguf.quants.quantize(x, Q4_0)
+    repacked = q4_0_as_q4_1(blocks)
+    assert repacked is not None
+    w = QuantizedWeight(QuantFormat.Q4_1, torch.from_numpy(repacked), 96)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, Q4_0).astype(np.float32))
+    assert torch.equal(dequantize_reference(w), want)
+    if native_available():
+        assert torch.equal(dequantize(w), want)
+    big = np.full((1, 32), 1e5, dtype=np.float32)  # d = -12500: -8 d is past fp16's range
+    assert q4_0_as_q4_1(gguf.quants.quantize(big, Q4_0)) is None
+
+
+@needs_native
+def test_q4_0_matrices_served_as_q4_1(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(6)
+    config = transformers.LlamaConfig(**CONFIG, tie_word_embeddings=True)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    write_quantized_gguf(tmp_path / "q4_0.gguf", hf_model, tie=True, matrices=Q4_0)
+    loaded = load_model(tmp_path / "q4_0.gguf", torch.float32, "cpu", quantized_matmul="on")
+    assert loaded.quantized_bytes > 0
+    prompt, want = _reference(hf_model)
+    torch.testing.assert_close(_logits(loaded.model, prompt), want, atol=1e-4, rtol=0)
+    # a format the kernel does not take: dequantized, with one line saying so
+    write_quantized_gguf(tmp_path / "q5_0.gguf", hf_model, tie=True, matrices=Q5_0)
+    with caplog.at_level(logging.INFO, logger="deepinfer.model.quantized"):
+        loaded = load_model(tmp_path / "q5_0.gguf", torch.float32, "cpu", quantized_matmul="on")
+    lines = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert lines == ["matrices dequantized to float32 (the quantized matmul takes Q4_0, Q4_1, "
+                     f"Q8_0): {7 * CONFIG['num_hidden_layers']} in Q5_0"]  # fmt: skip
+    prompt, want = _reference(hf_model)
+    torch.testing.assert_close(_logits(loaded.model, prompt), want, atol=1e-4, rtol=0)
+
+
 def test_on_refuses_where_the_kernel_cannot_run(quantized_gguf: Any) -> None:
     path, _ = quantized_gguf
     with pytest.raises(ModelLoadError, match="quantized-matmul on"):
@@ -158,7 +210,7 @@ def test_int8_activations_need_the_quantized_kernel(quantized_gguf: Any) -> None
 def test_int8_activations_need_quantized_matrices(tmp_path: Path) -> None:
     hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG))
     write_gguf(tmp_path / "f32.gguf", "llama", hf_model, tie=False)  # float32 matrices only
-    with pytest.raises(ModelLoadError, match="no Q4_1 or Q8_0 matrices"):
+    with pytest.raises(ModelLoadError, match="no Q4_0, Q4_1 or Q8_0 matrices"):
         load_model(tmp_path / "f32.gguf", torch.float32, "cpu", matmul_activations="int8")
 
 
