@@ -12,6 +12,11 @@ cache into the plan's scratch rows, and one fused SDPA call covers its requests 
 Padding rows gather the request's own first key (finite: it was computed) and are cut by an
 additive -inf mask, so a cache holding NaN past a context never reaches the output, and no
 masked copy of K/V is made. The caches must be contiguous (as `kv_layout` allocates them).
+
+Sliding-window layers pass `window`: a query at position p attends to keys p - window + 1..p.
+Decode then gathers only each request's last `window` keys (a plan of its own, per call), and a
+prefill chunk only the keys from its first query's window on, under a band mask: keys and blocks
+before a window are never read (a windowed layer may free them).
 """
 
 from __future__ import annotations
@@ -99,12 +104,18 @@ def _decode_group(
     lens: list[int],  # [Bg], each in [1, max_blocks * S]
     rows: torch.Tensor | None,
     block_size: int,
+    window: int | None = None,
 ) -> DecodeGroup:
-    device, max_len = block_tables.device, max(lens)
-    positions = torch.arange(max_len, device=device)
-    valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]  # [Bg, L]
-    columns = block_tables[:, : -(-max_len // block_size)].long()
-    slots = columns[:, positions // block_size] * block_size + positions % block_size  # [Bg, L]
+    """With `window`, each request's last `window` keys only (those its query attends to)."""
+    device = block_tables.device
+    starts = [0 if window is None else max(0, n - window) for n in lens]
+    max_len = max(n - s for n, s in zip(lens, starts, strict=True))
+    first = torch.tensor(starts, device=device)[:, None]
+    positions = first + torch.arange(max_len, device=device)[None, :]  # [Bg, L]
+    valid = positions < torch.tensor(lens, device=device)[:, None]
+    columns = block_tables.long()
+    blocks = torch.gather(columns, 1, (positions // block_size).clamp(max=columns.shape[1] - 1))
+    slots = blocks * block_size + positions % block_size  # [Bg, L]
     slots = torch.where(valid, slots, slots[:, :1])
     mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     mask.masked_fill_(~valid, float("-inf"))
@@ -116,11 +127,14 @@ def plan_decode(
     lens: list[int],  # [B], host copy of the context lengths, each >= 1
     rows: list[int] | None,  # [B], each request's row of q; None: request b is row b
     k_cache: torch.Tensor,  # [N, S, Hkv, D], any layer's (for the shape and dtype only)
+    window: int | None = None,
 ) -> DecodePlan:
-    """The padded, length-grouped key layout of `paged_decode_attention_reference`."""
+    """The padded, length-grouped key layout of `paged_decode_attention_reference` (with
+    `window`: of each request's last `window` keys)."""
     device = block_tables.device
     groups = []
-    members = length_groups(lens) if len(lens) > 1 else [list(range(len(lens)))]
+    seen = lens if window is None else [min(n, window) for n in lens]
+    members = length_groups(seen) if len(lens) > 1 else [list(range(len(lens)))]
     for group in members:
         in_order = len(group) == len(lens) and rows is None
         index = torch.tensor(group, device=device)
@@ -131,6 +145,7 @@ def plan_decode(
                 [lens[b] for b in group],
                 None if in_order else torch.tensor(row_ids, device=device),
                 k_cache.shape[1],
+                window,
             )
         )
     num_rows = max((g.slots.numel() for g in groups), default=0)
@@ -150,20 +165,31 @@ def plan_paged_attention_reference(
     starts: list[int] = query_start_loc.tolist()
     lens: list[int] = context_lens.tolist()
     single = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    plan = PagedAttentionPlan(starts, lens, single, None)
+    decode = _single_query_plan(plan, block_tables, k_cache, None)
+    return PagedAttentionPlan(starts, lens, single, decode)
+
+
+def _single_query_plan(
+    plan: PagedAttentionPlan,
+    block_tables: torch.Tensor,
+    k_cache: torch.Tensor,
+    window: int | None,
+) -> DecodePlan | None:
+    """The decode plan of the plan's single-query requests (their last `window` keys)."""
+    single, starts, lens = plan.single_query, plan.query_starts, plan.context_lens
     if not single:
-        return PagedAttentionPlan(starts, lens, single, None)
+        return None
     if len(single) == len(lens):  # then T == B: q's rows are the requests
-        return PagedAttentionPlan(
-            starts, lens, single, plan_decode(block_tables, lens, None, k_cache)
-        )
+        return plan_decode(block_tables, lens, None, k_cache, window)
     index = torch.tensor(single, device=block_tables.device)
-    decode = plan_decode(
+    return plan_decode(
         block_tables.index_select(0, index),
         [lens[b] for b in single],
         [starts[b] for b in single],
         k_cache,
+        window,
     )
-    return PagedAttentionPlan(starts, lens, single, decode)
 
 
 def attend_single_queries(
@@ -223,13 +249,17 @@ def paged_decode_attention_reference(
     scale: float,
     *,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    """Each request's query over the first `context_lens[b]` keys of its blocks. `plan`, if
-    given, must come from `plan_paged_attention_reference` on these very tables and lengths."""
+    """Each request's query over the first `context_lens[b]` keys of its blocks (with `window`,
+    the last `window` of them: a sliding-window layer). `plan`, if given, must come from
+    `plan_paged_attention_reference` on these very tables and lengths."""
+    _check_window(window)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    if plan is None:
-        decode = plan_decode(block_tables, context_lens.tolist(), None, k_cache)
+    if plan is None or window is not None:
+        lens = context_lens.tolist() if plan is None else plan.context_lens
+        decode = plan_decode(block_tables, lens, None, k_cache, window)
     else:
         assert plan.decode is not None, "a decode plan covers every request"
         decode = plan.decode
@@ -237,12 +267,17 @@ def paged_decode_attention_reference(
     return attend_single_queries(q, k_cache, v_cache, decode, scale, out)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` rows of one request's KV, contiguous: [L, Hkv, D]."""
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0
+) -> torch.Tensor:
+    """Rows `first` to `length` of one request's KV, contiguous: [length - first, Hkv, D] (the
+    blocks before `first`'s are not read)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks].long()]  # [nb, S, Hkv, D]
-    return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    skipped = first // block_size
+    rows = cache[block_table[skipped:num_blocks].long()]  # [nb, S, Hkv, D]
+    start = first - skipped * block_size
+    return rows.reshape(-1, cache.shape[2], cache.shape[3])[start : length - skipped * block_size]
 
 
 def paged_prefill_attention_reference(
@@ -255,19 +290,31 @@ def paged_prefill_attention_reference(
     scale: float,
     *,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each request's new tokens over its whole paged context.
 
     Query i of request b sits at position `context_lens[b] - q_len_b + i` and attends to keys
-    0..that position: the cached prefix is read from blocks, never recomputed. `plan`, if given,
-    must come from `plan_paged_attention_reference` on these very inputs.
+    0..that position (with `window`, the last `window` of those, its own included: a
+    sliding-window layer; keys before are never read): the cached prefix is read from blocks,
+    never recomputed. `plan`, if given, must come from `plan_paged_attention_reference` on
+    these very inputs.
     """
+    _check_window(window)
     if plan is None:
         plan = plan_paged_attention_reference(block_tables, query_start_loc, context_lens, k_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if plan.decode is not None:
-        out = attend_single_queries(q, k_cache, v_cache, plan.decode, scale, out)
-    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out)
+    decode = (
+        plan.decode if window is None else _single_query_plan(plan, block_tables, k_cache, window)
+    )
+    if decode is not None:
+        out = attend_single_queries(q, k_cache, v_cache, decode, scale, out)
+    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out, window)
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"an attention window holds at least one key, got {window}")
 
 
 def attend_multi_token_queries(
@@ -278,14 +325,22 @@ def attend_multi_token_queries(
     plan: PagedAttentionPlan,
     scale: float,
     out: torch.Tensor,  # [T, H, D]
+    window: int | None = None,
 ) -> torch.Tensor:  # `out`, with the rows of every request of two or more new tokens written
     starts, singles = plan.query_starts, set(plan.single_query)
     for b, ctx_len in enumerate(plan.context_lens):
         if starts[b + 1] > starts[b] and b not in singles:
             q_lo, q_hi = starts[b], starts[b + 1]
-            out[q_lo:q_hi] = _prefill_one(
-                q[q_lo:q_hi], k_cache, v_cache, block_tables[b], ctx_len, scale
-            )
+            chunk = q[q_lo:q_hi]
+            if window is None:
+                out[q_lo:q_hi] = _prefill_one(
+                    chunk, k_cache, v_cache, block_tables[b], ctx_len, scale
+                )
+            else:
+                table = block_tables[b]
+                out[q_lo:q_hi] = _prefill_windowed(
+                    chunk, k_cache, v_cache, table, ctx_len, scale, window
+                )
     return out
 
 
@@ -309,6 +364,34 @@ def _prefill_one(
         v[None],
         attn_mask=None if q_len == ctx_len else _causal_mask(q_len, ctx_len, q.device),
         is_causal=q_len == ctx_len,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[2],
+    )[0].transpose(0, 1)
+
+
+def _prefill_windowed(
+    q: torch.Tensor,  # [Tq, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    ctx_len: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:  # [Tq, H, D]
+    """A chunk on a sliding-window layer: the keys from the first query's window on, under a
+    mask that keeps each query's last `window` positions."""
+    q_len = q.shape[0]
+    first = max(0, ctx_len - q_len - window + 1)
+    k = _gather_context(k_cache, block_table, ctx_len, first).transpose(0, 1).to(q.dtype)
+    v = _gather_context(v_cache, block_table, ctx_len, first).transpose(0, 1).to(q.dtype)
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+    k_pos = torch.arange(first, ctx_len, device=q.device)[None, :]
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [Tq, L]
+    return F.scaled_dot_product_attention(
+        q[None].transpose(1, 2),  # [1, H, Tq, D]
+        k[None],  # [1, Hkv, L, D]
+        v[None],
+        attn_mask=mask[None, None],
         scale=scale,
         enable_gqa=q.shape[1] != k_cache.shape[2],
     )[0].transpose(0, 1)

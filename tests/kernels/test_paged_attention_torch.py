@@ -51,13 +51,15 @@ def _oracle(
     table: torch.Tensor,
     length: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         position = length - q.shape[0] + i
+        first = 0 if window is None else max(0, position - window + 1)
         for h in range(q.shape[1]):
             scores, values = [], []
-            for p in range(position + 1):
+            for p in range(first, position + 1):
                 slot = int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
                 key = k_cache.view(-1, KV_HEADS, DIM)[slot, h // GROUP]
                 scores.append(float(q[i, h] @ key) * scale)
@@ -118,6 +120,50 @@ def test_prefill_with_single_query_rows_matches_oracle() -> None:
         if t:
             expected = _oracle(q[lo:hi], k_cache, v_cache, tables[b], n, 0.125)
             torch.testing.assert_close(out[lo:hi], expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100, 2000])
+def test_sliding_window_matches_oracle(window: int) -> None:
+    """A sliding-window layer: each query attends to its last `window` positions, in decode
+    (grouped, with and without the step's plan) and in prefill chunks after a prefix, with
+    decodes riding along. Keys before a window are NaN: they must never be read."""
+    torch.manual_seed(4)
+    requests = [(300, 1), (40, 7), (600, 1), (33, 33), (17, 1), (250, 90)]  # (context, new)
+    lens = [n for n, _ in requests]
+    k_cache, v_cache, tables = _caches(lens)
+    for b, (n, t) in enumerate(requests):  # poison every key no query of the step can see,
+        unseen = max(0, n - t - window + 1)
+        for cache in (k_cache, v_cache):
+            rows = cache.view(-1, KV_HEADS, DIM)
+            for p in range(unseen):
+                rows[int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE] = float("nan")
+        tables[b, : unseen // BLOCK_SIZE] = -1  # and the blocks wholly before it: freed
+    q_lens = torch.tensor([0] + [t for _, t in requests])
+    starts = q_lens.cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), KV_HEADS * GROUP, DIM, dtype=torch.float64)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = plan_paged_attention_reference(tables, starts, context_lens, k_cache)
+    out = paged_prefill_attention_reference(
+        q, k_cache, v_cache, tables, starts, context_lens, 0.125, plan=plan, window=window
+    )
+    for b, n in enumerate(lens):
+        lo, hi = int(starts[b]), int(starts[b + 1])
+        expected = _oracle(q[lo:hi], k_cache, v_cache, tables[b], n, 0.125, window)
+        torch.testing.assert_close(out[lo:hi], expected, atol=1e-10, rtol=1e-10)
+    decoding = [b for b, (_, t) in enumerate(requests) if t == 1]
+    index = torch.tensor(decoding)
+    d_tables, d_lens = tables.index_select(0, index), context_lens.index_select(0, index)
+    d_q = q.index_select(0, starts[index].long())
+    d_starts = torch.arange(len(decoding) + 1, dtype=torch.int32)
+    d_plan = plan_paged_attention_reference(d_tables, d_starts, d_lens, k_cache)
+    for step_plan in (d_plan, None):
+        got = paged_decode_attention_reference(
+            d_q, k_cache, v_cache, d_tables, d_lens, 0.125, plan=step_plan, window=window
+        )
+        for i, b in enumerate(decoding):
+            torch.testing.assert_close(got[i : i + 1], out[int(starts[b]) : int(starts[b]) + 1])
+    with pytest.raises(ValueError, match="at least one key"):
+        paged_decode_attention_reference(d_q, k_cache, v_cache, d_tables, d_lens, 0.1, window=0)
 
 
 def test_triton_launchers_take_the_plan_and_need_none() -> None:
