@@ -33,7 +33,7 @@ class AttentionArgs(ctypes.Structure):
         ("q", _p), ("q_stride_b", _l), ("q_stride_h", _l), ("k_cache", _p), ("v_cache", _p),
         ("block_tables", _p), ("max_blocks", _i), ("context_lens", _p), ("out", _p), ("B", _i),
         ("H", _i), ("Hkv", _i), ("D", _i), ("S", _i), ("scale", _f), ("num_threads", _i),
-        ("kv_f16", _i),
+        ("kv_f16", _i), ("window", _i),
     ]  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 kernel (`cpu/paged_attention.c`), which reads K/V straight from the paged caches instead of
 gathering a padded copy as the torch path does; prompt chunks through the torch reference.
 
-Same signatures as the references in `paged_attention_torch`. The planner returns the torch
+Same signatures as the references in `paged_attention_torch` (`window` included: the kernel
+counts each row's last `window` keys). The planner returns the torch
 plan (and the functions the torch path) wherever the native kernel does not apply: caches not
 float32 or float16 or not on CPU, head sizes it does not take, or no native library here.
 """
@@ -109,6 +110,7 @@ def _attend_native(
     v_cache: torch.Tensor,
     plan: NativeDecodePlan,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [Bs, H, D], the plan's rows of q attended
     """The kernel where it applies to these queries (float32, at most MAX_GROUP query heads per
     KV head), else the torch reference on the same rows."""
@@ -117,8 +119,10 @@ def _attend_native(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.dtype != torch.float32 or not native_decode_applies(k_cache, num_heads):
         return paged_decode_attention_reference(
-            rows, k_cache, v_cache, plan.block_tables, plan.context_lens, scale
+            rows, k_cache, v_cache, plan.block_tables, plan.context_lens, scale, window=window
         )
+    if window is not None and window < 1:
+        raise ValueError(f"an attention window holds at least one key, got {window}")
     if rows.stride(2) != 1:
         rows = rows.contiguous()
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -135,6 +139,7 @@ def _attend_native(
             context_lens=plan.context_lens.data_ptr(), out=out.data_ptr(), B=batch, H=num_heads,
             Hkv=num_kv_heads, D=head_dim, S=block_size, scale=scale,
             num_threads=torch.get_num_threads(), kv_f16=int(k_cache.dtype == torch.float16),
+            window=window or 0,
         )  # fmt: skip
         native_library().paged_decode_attention(args)
     return out
@@ -149,6 +154,7 @@ def paged_decode_attention_cpu(
     scale: float,
     *,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     if q.shape[0] == 0:
         return torch.empty_like(q)
@@ -157,9 +163,9 @@ def paged_decode_attention_cpu(
         plan = plan_paged_attention_cpu(block_tables, starts, context_lens, k_cache)
     if plan.native is None:  # the caches are not the kernel's: the torch plan and path
         return paged_decode_attention_reference(
-            q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan
+            q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan, window=window
         )
-    return _attend_native(q, k_cache, v_cache, plan.native, scale)
+    return _attend_native(q, k_cache, v_cache, plan.native, scale, window)
 
 
 def paged_prefill_attention_cpu(
@@ -172,17 +178,19 @@ def paged_prefill_attention_cpu(
     scale: float,
     *,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     if plan is None:
         plan = plan_paged_attention_cpu(block_tables, query_start_loc, context_lens, k_cache)
     if plan.native is None:
         return paged_prefill_attention_reference(
-            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, plan=plan
-        )
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, plan=plan,
+            window=window,
+        )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype)
-    attended = _attend_native(q, k_cache, v_cache, plan.native, scale)
+    attended = _attend_native(q, k_cache, v_cache, plan.native, scale, window)
     if plan.native.rows is None:
         out.copy_(attended)
     else:
         out.index_copy_(0, plan.native.rows, attended)
-    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out)
+    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out, window)

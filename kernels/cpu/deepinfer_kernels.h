@@ -60,7 +60,9 @@ typedef struct {
 
 /* Paged decode attention, one query row per request: q [B, H, D] with strides (q_stride_b,
    q_stride_h, 1); out [B, H, D] contiguous; caches [num_blocks, S, Hkv, D] float32, or float16
-   when kv_f16. D a multiple of 16 up to DI_MAX_HEAD_DIM, H / Hkv at most DI_MAX_GROUP. */
+   when kv_f16. D a multiple of 16 up to DI_MAX_HEAD_DIM, H / Hkv at most DI_MAX_GROUP. With
+   window > 0 (a sliding-window layer) each query attends to its last `window` keys only, and
+   no block before the one holding the first of them is read; 0: every key. */
 typedef struct {
     const float *q;
     long q_stride_b;
@@ -79,6 +81,7 @@ typedef struct {
     float scale;
     int num_threads;
     int kv_f16;
+    int window;
 } di_attention_args;
 
 /* The per-layer ops (cpu/elementwise.c) and attention (cpu/paged_attention.c). */

@@ -48,7 +48,8 @@ static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
    compile-time constant in each instantiation (always inlined), so the loops over D unroll. */
 static inline __attribute__((always_inline)) void scores_impl(
     const float *q, long q_stride_h, int G, const void *k_cache, const int32_t *table, int L,
-    int S, long row, long head_off, float scale, float *scores, const int NV, const int F16) {
+    int skip, int S, long row, long head_off, float scale, float *scores, const int NV,
+    const int F16) {
     for (int g = 0; g < G; g++) {
         __m256 qv[MAX_D / 8];
         for (int i = 0; i < NV; i++)
@@ -57,7 +58,7 @@ static inline __attribute__((always_inline)) void scores_impl(
         for (int p0 = 0; p0 < L; p0 += S) {
             const long k = (long)table[p0 / S] * S * row + head_off; /* element index */
             const int n = L - p0 < S ? L - p0 : S;
-            int j = 0;
+            int j = p0 == 0 ? skip : 0; /* keys before a window are not read */
             for (; j + 4 <= n; j += 4) {
                 const long k0 = k + j * row, k1 = k0 + row, k2 = k1 + row, k3 = k2 + row;
                 __m256 a0 = _mm256_mul_ps(qv[0], load8(k_cache, k0, F16));
@@ -83,10 +84,10 @@ static inline __attribute__((always_inline)) void scores_impl(
 }
 
 static void scores_pass(const float *q, long q_stride_h, int G, const void *k_cache,
-                        const int32_t *table, int L, int S, int Hkv, int kvh, int D, float scale,
-                        float *scores, int f16) {
+                        const int32_t *table, int L, int skip, int S, int Hkv, int kvh, int D,
+                        float scale, float *scores, int f16) {
     const long row = (long)Hkv * D, off = (long)kvh * D;
-#define SCORES(NV, F16) scores_impl(q, q_stride_h, G, k_cache, table, L, S, row, off, scale, scores, NV, F16)
+#define SCORES(NV, F16) scores_impl(q, q_stride_h, G, k_cache, table, L, skip, S, row, off, scale, scores, NV, F16)
     if (f16) {
         switch (D) {
             case 64: SCORES(8, 1); break;
@@ -128,7 +129,7 @@ static void partial_softmax(float *s, int L, float *m_out, float *l_out) {
 /* out_g[c:c+16] = sum_p w[g * L + p] * v_p[c:c+16] for G heads at once (G a compile-time
    constant in each instantiation: 2G accumulators and G weights stay in registers). */
 static inline __attribute__((always_inline)) void values_impl(
-    const float *w, const void *v_cache, const int32_t *table, int L, int S, long row,
+    const float *w, const void *v_cache, const int32_t *table, int L, int skip, int S, long row,
     long head_off, int D, float *out, long out_stride_h, const int G, const int F16) {
     for (int c = 0; c < D; c += 16) {
         __m256 lo[MAX_G], hi[MAX_G];
@@ -136,7 +137,7 @@ static inline __attribute__((always_inline)) void values_impl(
         for (int p0 = 0; p0 < L; p0 += S) {
             const long v = (long)table[p0 / S] * S * row + head_off + c; /* element index */
             const int n = L - p0 < S ? L - p0 : S;
-            for (int j = 0; j < n; j++) {
+            for (int j = p0 == 0 ? skip : 0; j < n; j++) {
                 const __m256 v0 = load8(v_cache, v + j * row, F16);
                 const __m256 v1 = load8(v_cache, v + j * row + 8, F16);
                 for (int g = 0; g < G; g++) {
@@ -154,9 +155,10 @@ static inline __attribute__((always_inline)) void values_impl(
 }
 
 static void values_pass(const float *w, int G, const void *v_cache, const int32_t *table, int L,
-                        int S, int Hkv, int kvh, int D, float *out, long out_stride_h, int f16) {
+                        int skip, int S, int Hkv, int kvh, int D, float *out, long out_stride_h,
+                        int f16) {
     const long row = (long)Hkv * D, off = (long)kvh * D;
-#define VALUES(g, F16) values_impl(w, v_cache, table, L, S, row, off, D, out, out_stride_h, g, F16)
+#define VALUES(g, F16) values_impl(w, v_cache, table, L, skip, S, row, off, D, out, out_stride_h, g, F16)
 #define VALUES_CASE(n, F16) case n: VALUES(n, F16); break;
     if (f16) {
         switch (G) {
@@ -194,11 +196,12 @@ static void prefetch_rows(const void *cache, const int32_t *table, int L, int S,
     }
 }
 
-/* One task: keys [k0, k0 + L) of request b for all H heads. Writes the unnormalized outputs
-   part[H * D] and each head's maximum and sum stats[2 * h], stats[2 * h + 1]; `scores` has room
-   for G * L floats. */
-static void run_task(const di_attention_args *a, int b, int k0, int L, float *part, float *stats,
-                     float *scores) {
+/* One task: keys [k0, k0 + L) of request b for all H heads, k0 a multiple of S, the first
+   `skip` of them (fewer than S) before the query's window: never read, scored -inf. Writes the
+   unnormalized outputs part[H * D] and each head's maximum and sum stats[2 * h],
+   stats[2 * h + 1]; `scores` has room for G * L floats. */
+static void run_task(const di_attention_args *a, int b, int k0, int L, int skip, float *part,
+                     float *stats, float *scores) {
     const int Hkv = a->Hkv, D = a->D, S = a->S, G = a->H / a->Hkv, f16 = a->kv_f16;
     const int32_t *table = a->block_tables + (long)b * a->max_blocks + k0 / S;
     const long row_bytes = (long)Hkv * D * (f16 ? 2 : 4);
@@ -206,14 +209,15 @@ static void run_task(const di_attention_args *a, int b, int k0, int L, float *pa
     prefetch_rows(a->v_cache, table, L, S, row_bytes, 0);
     for (int kvh = 0; kvh < Hkv; kvh++) {
         const float *qh = a->q + b * a->q_stride_b + (long)kvh * G * a->q_stride_h;
-        scores_pass(qh, a->q_stride_h, G, a->k_cache, table, L, S, Hkv, kvh, D, a->scale, scores,
-                    f16);
+        scores_pass(qh, a->q_stride_h, G, a->k_cache, table, L, skip, S, Hkv, kvh, D, a->scale,
+                    scores, f16);
         for (int g = 0; g < G; g++) {
             float *st = stats + 2 * (kvh * G + g);
+            for (int p = 0; p < skip; p++) scores[(long)g * L + p] = -INFINITY;
             partial_softmax(scores + (long)g * L, L, st, st + 1);
         }
-        values_pass(scores, G, a->v_cache, table, L, S, Hkv, kvh, D, part + (long)kvh * G * D, D,
-                    f16);
+        values_pass(scores, G, a->v_cache, table, L, skip, S, Hkv, kvh, D,
+                    part + (long)kvh * G * D, D, f16);
     }
 }
 
@@ -244,10 +248,16 @@ static void merge_runs(const float *parts, const float *stats, int n, int H, int
     }
 }
 
+/* The first key request b's query attends to (its window's first). */
+static inline int first_key(const di_attention_args *a, int b) {
+    const int n = a->context_lens[b];
+    return a->window > 0 && n > a->window ? n - a->window : 0;
+}
+
 int di_attention_check(const di_attention_args *a) {
     const int H = a->H, Hkv = a->Hkv, D = a->D;
     if (a->B < 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || D % 16 != 0 || D > MAX_D ||
-        D <= 0 || a->S <= 0) {
+        D <= 0 || a->S <= 0 || a->window < 0) {
         return -1;
     }
     for (int b = 0; b < a->B; b++) {
@@ -275,7 +285,10 @@ int di_attention_plan_init(di_attention_plan *p, const di_attention_args *a, int
     p->first = malloc(sizeof(int) * ((size_t)B + 1));
     if (p->first == NULL) return -2;
     p->first[0] = 0;
-    for (int b = 0; b < B; b++) p->first[b + 1] = p->first[b] + (a->context_lens[b] + C - 1) / C;
+    /* the runs of C keys (from key 0, whatever the window) that hold a key of the window */
+    for (int b = 0; b < B; b++) {
+        p->first[b + 1] = p->first[b] + (a->context_lens[b] + C - 1) / C - first_key(a, b) / C;
+    }
     p->num_tasks = p->first[B];
     const size_t tasks = (size_t)p->num_tasks > 0 ? (size_t)p->num_tasks : 1;
     p->task_b = malloc(sizeof(int) * tasks);
@@ -299,9 +312,12 @@ void di_attention_team(const di_attention_args *a, di_attention_plan *p, di_team
     for (;;) {
         const int t = atomic_fetch_add_explicit(&p->next_task, 1, memory_order_relaxed);
         if (t >= p->num_tasks) break;
-        const int b = p->task_b[t], k0 = (t - p->first[b]) * C;
-        const int L = a->context_lens[b] - k0 < C ? a->context_lens[b] - k0 : C;
-        run_task(a, b, k0, L, p->parts + (long)t * H * D, p->stats + (long)t * 2 * H, scores);
+        const int b = p->task_b[t], from = first_key(a, b);
+        const int run = (from / C + t - p->first[b]) * C, end = run + C;
+        const int k0 = from > run ? from / a->S * a->S : run; /* the window's first block on */
+        const int L = (a->context_lens[b] < end ? a->context_lens[b] : end) - k0;
+        run_task(a, b, k0, L, from > k0 ? from - k0 : 0, p->parts + (long)t * H * D,
+                 p->stats + (long)t * 2 * H, scores);
     }
     di_team_sync(team);
     if (team->ith == 0) atomic_store_explicit(&p->next_task, 0, memory_order_relaxed);

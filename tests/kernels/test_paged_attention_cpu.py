@@ -100,6 +100,48 @@ def test_mixed_step_native_decodes_and_torch_chunks() -> None:
             torch.testing.assert_close(got[lo:hi].double(), want[lo:hi], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 64, 100, 1000])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_sliding_window_matches_reference(window: int, block_size: int) -> None:
+    """A sliding-window layer's step: decodes and short chunks through the kernel (each row
+    over its own last `window` keys), a long chunk through torch. The keys before the earliest
+    window of each request are NaN and the blocks wholly before it freed (-1 in the table): a
+    run that read them would poison the output."""
+    requests = [(300, 1), (40, 7), (600, 1), (33, 33), (17, 1), (700, 40), (129, 1)]
+    lens = [n for n, _ in requests]
+    k_cache, v_cache, tables = _caches(lens, block_size, 3, 64, seed=window)
+    for b, (n, t) in enumerate(requests):
+        unseen = max(0, n - t - window + 1)
+        for cache in (k_cache, v_cache):
+            rows = cache.view(-1, 3, 64)
+            for p in range(unseen):
+                rows[int(tables[b, p // block_size]) * block_size + p % block_size] = float("nan")
+        tables[b, : unseen // block_size] = -1
+    q_lens = torch.tensor([0] + [t for _, t in requests])
+    starts = q_lens.cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), 9, 64, generator=torch.Generator().manual_seed(window))
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = plan_paged_attention_cpu(tables, starts, context_lens, k_cache)
+    assert plan.native is not None
+    got = paged_prefill_attention_cpu(
+        q, k_cache, v_cache, tables, starts, context_lens, 0.125, plan=plan, window=window
+    )
+    want = paged_prefill_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, starts, context_lens, 0.125,
+        window=window,
+    )  # fmt: skip
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    decoding = torch.tensor([b for b, (_, t) in enumerate(requests) if t == 1])
+    got = paged_decode_attention_cpu(
+        q.index_select(0, starts[decoding].long()), k_cache, v_cache,
+        tables.index_select(0, decoding), context_lens.index_select(0, decoding), 0.125,
+        window=window,
+    )  # fmt: skip
+    want = want.index_select(0, starts[decoding].long())
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
 def test_other_dtypes_take_the_torch_path() -> None:
     k_cache, v_cache, tables = _caches([20, 9], 16, 2, 64, seed=3)
     k64, v64 = k_cache.double(), v_cache.double()
