@@ -82,6 +82,16 @@ def _check_paged_inputs(
         raise KernelUnsupportedError(f"GQA groups above {_MAX_GROUP} heads are not covered")
 
 
+FULL_ATTENTION = 1 << 30
+"""The window the kernels get for full attention: longer than any context."""
+
+
+def _window(window: int | None) -> int:
+    """The kernels' window argument: `window` keys, or all of them (None)."""
+    check(window is None or 1 <= window <= FULL_ATTENTION, f"window must be >= 1, got {window}")
+    return FULL_ATTENTION if window is None else window
+
+
 def plan_paged_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
@@ -105,6 +115,7 @@ def paged_decode_attention(
     partition_tokens: int = DECODE_PARTITION_TOKENS,
     out: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Triton version of `paged_decode_attention_reference` (`plan` is the torch path's, unused).
 
@@ -141,6 +152,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_partitions, scale * _LOG2E,
+        _window(window),
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, PARTITION=partition_tokens,
         UPCAST=q.device.type == "cpu", PRECISION=dot_precision(q.dtype), num_warps=4,
@@ -148,7 +160,7 @@ def paged_decode_attention(
     if num_partitions > 1:
         _k.decode_reduce_kernel[(batch, num_heads)](
             context_lens, out, part_acc, part_ml, out.stride(0), out.stride(1), num_partitions,
-            HEAD_DIM=head_dim, PARTITION=partition_tokens, num_warps=1,
+            _window(window), HEAD_DIM=head_dim, PARTITION=partition_tokens, num_warps=1,
         )  # fmt: skip
     return out
 
@@ -163,6 +175,7 @@ def paged_prefill_attention_rows(
     scale: float,
     *,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """`paged_prefill_attention` with every query given to the decode kernel as a request of
     its own (its request's blocks, its position + 1 keys): the batch-invariant mode's prompt
@@ -181,7 +194,8 @@ def paged_prefill_attention_rows(
     row_lens = (own_lens - (ends[owner] - 1 - rows)).clamp_(min=1)  # rows past every request: 1
     row_lens = torch.minimum(row_lens, own_lens)
     tables = block_tables.index_select(0, owner)
-    return paged_decode_attention(q, k_cache, v_cache, tables, row_lens.to(torch.int32), scale)
+    row_lens_32 = row_lens.to(torch.int32)
+    return paged_decode_attention(q, k_cache, v_cache, tables, row_lens_32, scale, window=window)
 
 
 def paged_prefill_attention(
@@ -196,6 +210,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Triton version of `paged_prefill_attention_reference` (`plan` is the torch path's, unused).
 
@@ -217,7 +232,7 @@ def paged_prefill_attention(
     _k.prefill_kernel[(batch, cdiv(bound, PREFILL_BLOCK_M), num_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E, _window(window),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=q.device.type == "cpu",
         PRECISION=dot_precision(q.dtype), num_warps=4,

@@ -137,6 +137,47 @@ def test_paged_prefill_attention(
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("window", [1, 9, 40, 100, 1000])
+def test_sliding_window(assert_close: Close, window: int) -> None:
+    """Decode (several partitions), prompt chunks after a prefix, and the one-row-per-query
+    path, each query over its last `window` keys. Keys before the earliest window of each
+    request are NaN and the blocks wholly before it point at block 0 (NaN): a tile that loaded
+    them would poison the output."""
+    block_size, requests = 8, [(150, 1), (40, 7), (130, 66), (17, 1), (70, 70)]
+    lens = [n for n, _ in requests]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 32, block_size, torch.float32)
+    for b, (n, t) in enumerate(requests):
+        unseen = max(0, n - t - window + 1)
+        positions = torch.arange(unseen)
+        slots = tables[b, positions // block_size].long() * block_size + positions % block_size
+        for cache in (k_cache, v_cache):
+            cache.view(-1, 2, 32)[slots] = float("nan")
+        tables[b, : unseen // block_size] = 0
+    q_lens = torch.tensor([0] + [t for _, t in requests])
+    starts = q_lens.cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), 6, 32)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = paged_prefill_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, starts, context_lens, 0.2,
+        window=window,
+    )  # fmt: skip
+    chunks = paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, context_lens, 0.2, window=window
+    )
+    assert_close(chunks, expected, torch.float32)
+    rows = paged_prefill_attention_rows(
+        q, k_cache, v_cache, tables, starts, context_lens, 0.2, window=window
+    )
+    assert_close(rows, expected, torch.float32)
+    decoding = torch.tensor([b for b, (_, t) in enumerate(requests) if t == 1])
+    decoded = paged_decode_attention(
+        q.index_select(0, starts[decoding].long()), k_cache, v_cache,
+        tables.index_select(0, decoding), context_lens.index_select(0, decoding), 0.2,
+        partition_tokens=64, window=window,
+    )  # fmt: skip
+    assert_close(decoded, expected.index_select(0, starts[decoding].long()), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_rows_are_decode_steps_at_their_positions(
     assert_close: Close, dtype: torch.dtype
