@@ -18,6 +18,7 @@ from .paged_attention_torch import (
     NativeDecodePlan,
     PagedAttentionPlan,
     attend_multi_token_queries,
+    check_window,
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
     plan_paged_attention_reference,
@@ -121,8 +122,7 @@ def _attend_native(
         return paged_decode_attention_reference(
             rows, k_cache, v_cache, plan.block_tables, plan.context_lens, scale, window=window
         )
-    if window is not None and window < 1:
-        raise ValueError(f"an attention window holds at least one key, got {window}")
+    check_window(window)
     if rows.stride(2) != 1:
         rows = rows.contiguous()
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:

@@ -133,6 +133,17 @@ class ChatRecipe:
                 )
         return list(messages)
 
+    def _without_tools(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], why: str
+    ) -> tuple[str | None, list[ChatMessage]]:
+        """For a format with no tool format of its own: the system prompt and the other turns
+        of a conversation that uses no tools (else `InvalidRequestError` saying `why`)."""
+        turns = self._validated(messages)
+        if uses_tools(turns, tools):
+            raise InvalidRequestError(f"tools: {why}", param="tools")
+        system = self._body(turns.pop(0)) if turns and turns[0].role == "system" else None
+        return system, turns
+
     @staticmethod
     def _body(message: ChatMessage) -> str:
         return message.content if message.name is None else f"{message.name}: {message.content}"
@@ -232,12 +243,9 @@ class PlainRecipe(ChatRecipe):
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        turns = self._validated(messages)
-        if uses_tools(turns, tools):
-            raise InvalidRequestError(
-                "tools: this model has no chat template, so no tool format", param="tools"
-            )
-        system = self._body(turns.pop(0)) if turns and turns[0].role == "system" else None
+        system, turns = self._without_tools(
+            messages, tools, "this model has no chat template, so no tool format"
+        )
         system = self._with_effort(system, reasoning_effort)
         parts = [] if system is None else [f"System: {system}"]
         parts += [f"{self._LABELS[m.role]}: {self._body(m)}" for m in turns]

@@ -37,7 +37,7 @@ from deepinfer.errors import InvalidRequestError, ModelLoadError
 from deepinfer.text.messages import ChatMessage, ToolSpec
 from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
 from deepinfer.text.tokenizer import Tokenizer
-from deepinfer.text.tools import Piece, join_pieces, uses_tools
+from deepinfer.text.tools import Piece, join_pieces
 
 LLAMA3_KNOWLEDGE = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
 
@@ -71,21 +71,17 @@ class FamilyRecipe(ChatRecipe):
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        turns = self._validated(messages)
-        if uses_tools(turns, tools):
-            raise InvalidRequestError(
-                f"tools: deepinfer writes tool calls in ChatML only, not in this model's "
-                f"{self.family} format",
-                param="tools",
-            )
-        for i, m in enumerate(turns):
+        why = (
+            f"deepinfer writes tool calls in ChatML only, not in this model's {self.family} format"
+        )
+        system, turns = self._without_tools(messages, tools, why)
+        for i, m in enumerate(messages):
             if m.role == "tool":
                 raise InvalidRequestError(
                     f"messages[{i}].role is 'tool': tool results are written in ChatML only, "
                     f"not in this model's {self.family} format",
                     param=f"messages[{i}].role",
                 )
-        system = self._body(turns.pop(0)) if turns and turns[0].role == "system" else None
         pieces = self.pieces(self._with_effort(system, reasoning_effort), turns)
         if add_generation_prompt:
             pieces += self.generation_prompt()

@@ -18,7 +18,7 @@ from deepinfer.kernels.paged_attention import (
     plan_paged_attention,
     plan_paged_attention_reference,
 )
-from deepinfer.kernels.paged_attention_torch import GROUP_COST_KEYS, length_groups
+from deepinfer.kernels.paged_attention_groups import GROUP_COST_KEYS, length_groups
 
 BLOCK_SIZE = 16
 KV_HEADS, GROUP, DIM = 3, 3, 64

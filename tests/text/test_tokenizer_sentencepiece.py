@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_tokenizer import FakeField, FakeReader
 from text_samples import SAMPLES, random_texts
 
 from deepinfer.environment import default_model_dir
@@ -27,18 +28,10 @@ TEXTS = [
 ]
 
 
-class Field:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def contents(self) -> Any:
-        return self.value
-
-
-class Reader:
+class Reader(FakeReader):
     def __init__(self, architecture: str, **tokenizer: Any) -> None:
-        self.fields = {f"tokenizer.ggml.{k}": Field(v) for k, v in tokenizer.items()}
-        self.fields["general.architecture"] = Field(architecture)
+        super().__init__(**tokenizer)
+        self.fields["general.architecture"] = FakeField(architecture)
 
 
 def tiny_gemma(architecture: str = "gemma3") -> Reader:
