@@ -15,6 +15,7 @@ two lengths (the difference cancels the prompts). Run from the repository root:
 
     python bench/offline.py
     python bench/offline.py --batch 1 32 64 --context 128 --skip-transformers --skip-llama
+    python bench/offline.py --model ~/.cache/deepinfer/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -143,11 +144,11 @@ def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
 # -- deepinfer --
 
 
-def make_core(max_seqs: int, ctx: int, activations: str) -> EngineCore:
+def make_core(path: Path, max_seqs: int, ctx: int, activations: str) -> EngineCore:
     per_seq_blocks = -(-max(ctx + 64, PREFILL_TOKENS + 16) // 16)
     return EngineCore(
         Config(
-            model=ModelConfig(matmul_activations=activations),  # type: ignore[arg-type]
+            model=ModelConfig(path=path, matmul_activations=activations),  # type: ignore[arg-type]
             cache=CacheConfig(
                 num_blocks=max_seqs * per_seq_blocks + 64, enable_prefix_caching=False
             ),
@@ -195,7 +196,7 @@ def deepinfer_decode(core: EngineCore, b: int, ctx: int, steps: int) -> float:
 
 def deepinfer_rows(ns: argparse.Namespace, m: Machine, f: Facts) -> Iterator[Row]:
     for activations in ns.matmul_activations:
-        core = make_core(max(ns.batch), ns.context, activations)
+        core = make_core(ns.model, max(ns.batch), ns.context, activations)
         info = core.info
         name = f"deepinfer ({activations} activations)"
         weight_bytes = info.quantized_bytes or f.num_params * 4
@@ -319,6 +320,7 @@ def table(rows: list[Row]) -> Iterator[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=default_model_path(), help="a GGUF file")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens of each stream")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
@@ -328,7 +330,8 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
     ns = ap.parse_args()
-    path = default_model_path()
+    path = ns.model.expanduser()
+    ns.model = path
     facts = model_facts(path)
     load_start = os.getloadavg()[0]
     machine = measure_machine(ns.buffer_mib, matmul_n=2048)

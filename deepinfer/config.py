@@ -46,8 +46,9 @@ class ModelConfig:
     max_model_len: int | None = None
     """Cap on context length in tokens; None: the model's own."""
     quantized_matmul: QuantizedMatmul = "auto"
-    """Serve a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks through the native CPU kernel
-    (float32 on CPU only): `auto` when it builds here, `on` (an error if it cannot), `off`."""
+    """Serve a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K matrices in their blocks through
+    the native CPU kernel (float32 on CPU only): `auto` when it builds here, `on` (an error if it
+    cannot), `off`."""
     matmul_activations: MatmulActivations = "auto"
     """What the quantized kernel multiplies the blocks by: `int8` quantizes each row of
     activations to int8 blocks of 32 and sums integer dot products, as llama.cpp does on CPU

@@ -17,8 +17,8 @@ switches), relatively.
 
 Native CPU kernels (C with AVX2 intrinsics, `cpu/*.c`; their ABI is `cpu/deepinfer_kernels.h`,
 mirrored in ctypes by `cpu_abi`) are built and loaded by `cpu_native`:
-`quant_matmul` (linear layers over GGUF Q4_1/Q8_0 blocks) and `paged_attention_cpu` (the `cpu`
-backend's decode attention, reading the paged caches directly).
+`quant_matmul` (linear layers over GGUF Q4_1/Q8_0/K-quant blocks) and `paged_attention_cpu` (the
+`cpu` backend's decode attention, reading the paged caches directly).
 
 KV layout (shared by every attention kernel): per layer, `k_cache` and `v_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is

@@ -1,4 +1,5 @@
-"""The gated MLP's activation: silu(gate) * up over one fused gate/up projection."""
+"""The gated MLP's activation over one fused gate/up projection: silu(gate) * up (Llama),
+gelu_tanh(gate) * up (Gemma)."""
 
 from __future__ import annotations
 
@@ -9,3 +10,8 @@ import torch.nn.functional as F
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

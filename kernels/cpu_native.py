@@ -29,13 +29,13 @@ from .cpu_abi import AttentionArgs, LlamaLayer, LlamaStep, RmsNormArgs, declare
 SOURCES = tuple(
     Path(__file__).parent / "cpu" / n
     for n in (
-        "quant_gemm.c", "int8_gemm.c", "paged_attention.c", "elementwise.c", "llama_layers.c",
-        "sampling.c", "abi.c",
+        "dequant.c", "quant_gemm.c", "int8_gemm.c", "int8_kquants.c", "paged_attention.c",
+        "elementwise.c", "llama_layers.c", "sampling.c", "abi.c",
     )
 )  # fmt: skip
 HEADERS = tuple(
     Path(__file__).parent / "cpu" / n
-    for n in ("deepinfer_kernels.h", "simd.h", "team.h", "parts.h")
+    for n in ("deepinfer_kernels.h", "simd.h", "team.h", "parts.h", "blocks.h", "int8.h")
 )
 """Included by the sources: part of the build's cache key."""
 FLAGS = (

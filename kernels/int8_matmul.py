@@ -1,9 +1,10 @@
-"""Linear layers over GGUF Q4_1 / Q8_0 weights with int8 activations (integer dot products).
+"""Linear layers over GGUF block-quantized weights with int8 activations (integer dot products).
 
 llama.cpp's CPU arithmetic: each row of x is quantized to int8 in blocks of 32 (scale
-max|x| / 127, round half to even), and each 32-long piece of a dot product is an exact integer
-sum, scaled once by the weight's and the activation's scales (plus the Q4_1 offset times the
-activation block's sum). The native kernel (`cpu/int8_gemm.c`) multiplies 32 byte pairs per
+max|x| / 127, round half to even), and each 32-long piece of a dot product (16-long for Q6_K,
+whose scales cover 16 weights) is an exact integer sum, scaled once by the weight's and the
+activation's scales (plus the Q4_1 / Q4_K / Q5_K offset times the activation block's sum). The
+native kernel (`cpu/int8_gemm.c`, `cpu/int8_kquants.c`) multiplies 32 byte pairs per
 instruction where the float kernel does 8, on weights repacked once into groups of 8 rows.
 
 The cost is x's rounding (relative error about 0.4% of a block's largest entry); the results
@@ -113,15 +114,21 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """The int8 kernel's arithmetic in float64: integer block sums, then the scales."""
+    """The int8 kernel's arithmetic in float64: an exact integer sum per sub-block of the
+    weights (32 weights, or Q6_K's 16: half a block of x), then the scales."""
     q, dx = quantize_activations(x)  # [M, nb, 32], [M, nb, 1]
-    d, m, qw = block_fields(w)  # [N, nb, 1], [N, nb, 1] or None, [N, nb, 32]
-    sums = torch.einsum("mbk,nbk->mnb", q.double(), qw.double())  # exact integers
+    d, m, qw = block_fields(w)  # [N, G, 1], [N, G, 1] or None, [N, G, S]
+    rows, groups, size = x.shape[0], qw.shape[1], qw.shape[2]
+    sums = torch.einsum(
+        "mgk,ngk->mng", q.reshape(rows, groups, size).double(), qw.double()
+    )  # exact integers
     dxb = dx.squeeze(-1)  # [M, nb]
+    dxg = dxb.repeat_interleave(QK // size, dim=1)  # [M, G]: each sub-block's block of x
     # the kernel rounds d * dx and dx * sum(q) to float32 before it uses them
-    scale = (d.squeeze(-1)[None] * dxb[:, None]).double()  # [M, N, nb]
+    scale = (d.squeeze(-1)[None] * dxg[:, None]).double()  # [M, N, G]
     y = (sums * scale).sum(-1)
     if m is not None:
+        assert size == QK, "offsets are per block of x"
         sx = (dxb * q.sum(-1)).double()  # [M, nb]
         y = y + sx @ m.squeeze(-1).double().t()
     return y.float()

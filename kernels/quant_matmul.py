@@ -1,11 +1,13 @@
-"""Linear layers over GGUF block-quantized weights (Q4_1, Q8_0), kept quantized in memory.
+"""Linear layers over GGUF block-quantized weights, kept quantized in memory.
 
-A quantized weight is its file's blocks, row by row: `blocks` is `uint8 [N, K / 32 * B]` with
-B = 20 bytes for Q4_1 (fp16 d, fp16 m, 16 bytes of nibbles) and 34 for Q8_0 (fp16 d, 32 int8).
-`quant_linear` multiplies by it on CPU through the native AVX2 kernel (`cpu/quant_gemm.c`), which
-dequantizes tiles of rows on the fly: the weights read per step are 4-7x smaller than fp32, and
-the values multiplied are exactly `dequantize_reference`'s. `quant_linear_reference` is the
-plain-torch path and the tests' oracle.
+A quantized weight is its file's blocks, row by row: `blocks` is `uint8 [N, K / W * B]` for
+blocks of W weights in B bytes: Q4_1 (W = 32, B = 20: fp16 d, fp16 m, 16 bytes of nibbles),
+Q8_0 (32, 34: fp16 d, 32 int8), and the K-quants' superblocks Q4_K (256, 144), Q5_K (256, 176)
+and Q6_K (256, 210) (layouts in `cpu/blocks.h`). `quant_linear` multiplies by it on CPU through
+the native AVX2 kernel (`cpu/quant_gemm.c`), which dequantizes tiles of rows on the fly: the
+weights read per step are 4-7x smaller than fp32, and the values multiplied are exactly
+`dequantize_reference`'s (gguf-py's). `quant_linear_reference` is the plain-torch path and the
+tests' oracle.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from .cpu_native import native_available, native_library
+from .kquants import QK_K, q4_k_fields, q5_k_fields, q6_k_fields
 
 QK = 32
-"""Weights per block."""
+"""Weights per block of Q4_1 and Q8_0, and per block of x in the int8 kernel."""
+_BLOCKS = {0: (QK, 20), 1: (QK, 34), 2: (QK_K, 144), 3: (QK_K, 176), 4: (QK_K, 210)}
 
 
 class QuantFormat(enum.IntEnum):
@@ -26,10 +30,17 @@ class QuantFormat(enum.IntEnum):
 
     Q4_1 = 0
     Q8_0 = 1
+    Q4_K = 2
+    Q5_K = 3
+    Q6_K = 4
+
+    @property
+    def block_weights(self) -> int:
+        return _BLOCKS[self.value][0]
 
     @property
     def block_bytes(self) -> int:
-        return 20 if self is QuantFormat.Q4_1 else 34
+        return _BLOCKS[self.value][1]
 
 
 @dataclass(frozen=True)
@@ -37,14 +48,14 @@ class QuantizedWeight:
     """A [out_features, in_features] weight as contiguous blocks, row after row."""
 
     fmt: QuantFormat
-    blocks: torch.Tensor  # uint8 [out_features, in_features / 32 * block_bytes], contiguous CPU
+    blocks: torch.Tensor  # uint8 [out_features, in_features / W * block_bytes], contiguous CPU
     in_features: int
 
     def __post_init__(self) -> None:
-        b = self.blocks
-        if self.in_features <= 0 or self.in_features % QK:
-            raise ValueError(f"in_features must be a positive multiple of {QK}")
-        row = self.in_features // QK * self.fmt.block_bytes
+        b, per = self.blocks, self.fmt.block_weights
+        if self.in_features <= 0 or self.in_features % per:
+            raise ValueError(f"{self.fmt.name} in_features must be a positive multiple of {per}")
+        row = self.in_features // per * self.fmt.block_bytes
         if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != row or not b.is_contiguous():
             raise ValueError(
                 f"{self.fmt.name} blocks must be contiguous uint8 [N, {row}], got "
@@ -69,11 +80,22 @@ class QuantizedWeight:
         return QuantizedWeight(first.fmt, blocks, first.in_features)
 
 
+_K_FIELDS = {
+    QuantFormat.Q4_K: q4_k_fields,
+    QuantFormat.Q5_K: q5_k_fields,
+    QuantFormat.Q6_K: q6_k_fields,
+}
+
+
 def block_fields(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The blocks' fields as float32: scale d [N, nb, 1], Q4_1's offset m [N, nb, 1] (None for
-    Q8_0) and the integer weights q [N, nb, 32]; a weight is d * q (+ m)."""
-    n, nb = w.out_features, w.in_features // QK
+    """The weights' fields as float32 over G sub-blocks a row, each of one scale: scale
+    [N, G, 1], offset [N, G, 1] (None for Q8_0 and Q6_K) and the integer weights q [N, G, K / G];
+    a weight is scale * q (+ offset). Sub-blocks are 32 weights (16 for Q6_K): Q4_1 and Q8_0's
+    blocks with their d (and m), the K-quants' d * sc (and -(dmin * m))."""
+    n, nb = w.out_features, w.in_features // w.fmt.block_weights
     raw = w.blocks.view(n, nb, w.fmt.block_bytes)
+    if w.fmt in _K_FIELDS:
+        return _K_FIELDS[w.fmt](raw)
     d = raw[..., 0:2].contiguous().view(torch.float16).float()
     if w.fmt is QuantFormat.Q8_0:
         return d, None, raw[..., 2:].contiguous().view(torch.int8).float()
@@ -83,7 +105,8 @@ def block_fields(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None,
 
 
 def dequantize_reference(w: QuantizedWeight) -> torch.Tensor:  # float32 [N, K]
-    """The fp32 weights, computed as gguf-py computes them (a multiply, then the add)."""
+    """The fp32 weights, computed as gguf-py computes them (a multiply, then the add; adding
+    the K-quants' offset -(dmin * m) is subtracting dmin * m, to the bit)."""
     d, m, q = block_fields(w)
     weights = d * q if m is None else d * q + m
     return weights.reshape(w.out_features, w.in_features)

@@ -16,7 +16,7 @@ class ModelArch:
     """
 
     architecture: str
-    """Registry key: `llama`, `qwen2`, `qwen3`."""
+    """Registry key: `llama`, `qwen2`, `qwen3`, `gemma3`."""
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -32,7 +32,15 @@ class ModelArch:
     qkv_bias: bool = False
     """Q, K and V projections carry biases (Qwen2)."""
     qk_norm: bool = False
-    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    """Per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)."""
+    layer_windows: tuple[int, ...] = ()
+    """Per layer, the sliding window its queries attend (a query at position p sees keys
+    p - window + 1..p), 0 for full attention; empty: every layer full (Gemma 3: five windowed
+    layers, then a full one)."""
+    rope_local_theta: float | None = None
+    """RoPE base of the windowed layers (None: `rope_theta`, as the full layers)."""
+    query_scale: float | None = None
+    """Attention logits' scale (None: 1 / sqrt(head_dim))."""
 
     def __post_init__(self) -> None:
         sizes = {
@@ -55,6 +63,26 @@ class ModelArch:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"invalid model metadata: head_dim={self.head_dim} must be even")
+        if self.layer_windows and (
+            len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0
+        ):
+            raise ModelLoadError(
+                f"invalid model metadata: {len(self.layer_windows)} layer windows for "
+                f"{self.num_layers} layers (each 0 for full attention or a window >= 1)"
+            )
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends the whole context."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends a sliding window."""
+        return any(self.layer_windows)
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:

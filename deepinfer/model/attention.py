@@ -34,6 +34,7 @@ _OPS: dict[str, tuple[str, str | None]] = {
     "apply_rotary": ("rotary_torch", "rotary"),
     "store_kv": ("kv_store_torch", "kv_store"),
     "silu_mul": ("activation", None),
+    "gelu_tanh_mul": ("activation", None),
     "paged_decode_attention": ("paged_attention_torch", "paged_attention"),
     "paged_prefill_attention": ("paged_attention_torch", "paged_attention"),
     "plan_paged_attention": ("paged_attention_torch", "paged_attention"),
@@ -67,6 +68,8 @@ class AttentionBackend(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
     def paged_decode_attention(
         self,
         q: torch.Tensor,
@@ -77,6 +80,7 @@ class AttentionBackend(Protocol):
         scale: float,
         *,
         plan: PagedAttentionPlan | None = None,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
     def paged_prefill_attention(
@@ -90,6 +94,7 @@ class AttentionBackend(Protocol):
         scale: float,
         *,
         plan: PagedAttentionPlan | None = None,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
     def plan_paged_attention(
@@ -113,6 +118,7 @@ class KernelBackend:
     apply_rotary: Callable[..., None]
     store_kv: Callable[..., None]
     silu_mul: Callable[..., torch.Tensor]
+    gelu_tanh_mul: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
     plan_paged_attention: Callable[..., PagedAttentionPlan | None]

@@ -22,14 +22,25 @@ import numpy as np
 import torch
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.quant_matmul import QK, QuantFormat, QuantizedWeight, dequantize
+from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.registry import check_architecture
 
 GGUF_MAGIC = b"GGUF"
-_KERNEL_FORMATS = {"Q4_1": QuantFormat.Q4_1, "Q8_0": QuantFormat.Q8_0, "Q4_0": QuantFormat.Q4_1}
-"""GGUF tensor types the native quantized matmul takes: Q4_1 and Q8_0 as they are, Q4_0 as the
-Q4_1 blocks of the same values (`q4_0_as_q4_1`)."""
+_KERNEL_FORMATS = {
+    "Q4_0": QuantFormat.Q4_1,
+    "Q4_1": QuantFormat.Q4_1,
+    "Q5_0": QuantFormat.Q8_0,
+    "Q8_0": QuantFormat.Q8_0,
+    "Q4_K": QuantFormat.Q4_K,
+    "Q5_K": QuantFormat.Q5_K,
+    "Q6_K": QuantFormat.Q6_K,
+}
+"""GGUF tensor types the native quantized matmul takes: Q4_1, Q8_0 and the K-quants as they
+are, Q4_0 as the Q4_1 blocks of the same values (`q4_0_as_q4_1`), Q5_0 as the Q8_0 blocks of
+the same values (`q5_0_as_q8_0`)."""
+KERNEL_FORMAT_NAMES = tuple(_KERNEL_FORMATS)
+"""The GGUF types served in their blocks, for messages."""
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 Q4_0_BLOCK_BYTES = 18
 """fp16 d, then 16 bytes of nibbles (the same layout as Q4_1's); a weight is d * (q - 8)."""
@@ -52,6 +63,31 @@ def q4_0_as_q4_1(blocks: np.ndarray) -> np.ndarray | None:
     out[..., 2:4] = m.view(np.uint8)
     out[..., 4:] = raw[..., 2:]
     return out.reshape(n, -1)
+
+
+Q5_0_BLOCK_BYTES = 22
+"""fp16 d, the 32 weights' fifth bits (a little-endian uint32), 16 bytes of nibbles as Q4_0's;
+a weight is d * (q - 16)."""
+
+
+def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (uint8 [N, K / 32 * 22]) as Q8_0 blocks of the same values: the same d and
+    the int8 q - 16 (in [-16, 15]), so d * (q - 16) is the same float32 product, to the bit.
+    Q8_0 blocks are 34 bytes for Q5_0's 22."""
+    n, width = blocks.shape
+    raw = blocks.reshape(n, width // Q5_0_BLOCK_BYTES, Q5_0_BLOCK_BYTES)
+    fifth = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")  # [N, nb, 32]
+    nibbles = raw[..., 6:]
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weights 0-15, then 16-31
+    q = (low | (fifth << 4)).astype(np.int8) - np.int8(16)
+    out = np.empty((n, raw.shape[1], QuantFormat.Q8_0.block_bytes), dtype=np.uint8)
+    out[..., :2] = raw[..., :2]
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(n, -1)
+
+
+_REPACKED = {"Q4_0": q4_0_as_q4_1, "Q5_0": q5_0_as_q8_0}
+"""The GGUF types served as blocks of another format, and how (None: not this matrix)."""
 
 
 _GLOBAL_NAMES = {
@@ -77,13 +113,22 @@ _LAYER_NAMES = {
 }
 
 
-def canonical_name(gguf_name: str) -> str:
+_SANDWICH_NORM_NAMES = _LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+"""Gemma 3's four norms a layer: its `ffn_norm` is the one before the FFN, not Llama's second."""
+
+
+def canonical_name(gguf_name: str, architecture: str = "llama") -> str:
     """GGUF tensor name -> canonical (HF-style) name; unknown names come back unchanged."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _SANDWICH_NORM_NAMES if architecture == "gemma3" else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"layers.{parts[1]}.{names[parts[2]]}"
     return gguf_name
 
 
@@ -194,7 +239,37 @@ def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **(_gemma3_fields(reader, hidden, num_heads) if name == "gemma3" else {}),
     )
+
+
+GEMMA3_GLOBAL_EVERY = 6
+"""Gemma 3's layer pattern where the file is silent: five windowed layers, then a full one."""
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+"""Gemma 3's windowed layers' RoPE base where the file is silent (the full layers': freq_base)."""
+
+
+def _gemma3_fields(reader: gguf.GGUFReader, hidden: int, num_heads: int) -> dict[str, Any]:
+    """Gemma 3's windows, local RoPE base and query scale (llama.cpp's keys and defaults)."""
+    layers = int(_field(reader, "gemma3.block_count"))
+    window = int(_field(reader, "gemma3.attention.sliding_window"))
+    pattern = reader.get_field("gemma3.attention.sliding_window_pattern")
+    if pattern is not None and isinstance(pattern.contents(), list):  # per layer: windowed?
+        windowed = [bool(v) for v in pattern.contents()]
+    else:  # every n-th layer full
+        every = int(pattern.contents()) if pattern is not None else GEMMA3_GLOBAL_EVERY
+        windowed = [(i + 1) % every != 0 for i in range(layers)]
+    if len(windowed) != layers:
+        raise ModelLoadError(f"a sliding-window pattern of {len(windowed)} for {layers} layers")
+    # 27B (62 layers) scales queries by its hidden size per head, the others by head_dim
+    scale = (hidden / num_heads) ** -0.5 if layers == 62 else None
+    return {
+        "layer_windows": tuple(window if w else 0 for w in windowed),
+        "rope_local_theta": float(
+            _field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
+        ),
+        "query_scale": scale,
+    }
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -208,7 +283,7 @@ class GGUFTensorSource:
     """`TensorSource` over an open reader: dequantizes each tensor when asked."""
 
     def __init__(self, reader: gguf.GGUFReader, arch: ModelArch) -> None:
-        self._tensors = {canonical_name(t.name): t for t in reader.tensors}
+        self._tensors = {canonical_name(t.name, arch.architecture): t for t in reader.tensors}
         self._arch = arch
 
     def names(self) -> set[str]:
@@ -226,21 +301,22 @@ class GGUFTensorSource:
 
     def load_quantized(self, name: str) -> QuantizedWeight | None:
         """The tensor's blocks as stored (rows in the model's order), if it is a matrix in a
-        format the native kernel takes (Q4_1, Q8_0, and Q4_0 as Q4_1); else None."""
+        format the native kernel takes (`_KERNEL_FORMATS`: Q4_0 and Q5_0 repacked); else None."""
         tensor = self._tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in _KERNEL_FORMATS:
+        kind = None if tensor is None else tensor.tensor_type.name
+        if tensor is None or kind not in _KERNEL_FORMATS:
             return None
-        fmt = _KERNEL_FORMATS[tensor.tensor_type.name]
+        fmt = _KERNEL_FORMATS[kind]
         array = self._unpermuted(name, np.asarray(tensor.data))
         if array.ndim != 2:
             return None
-        if tensor.tensor_type.name == "Q4_0":
-            repacked = q4_0_as_q4_1(array)
+        if kind in _REPACKED:
+            repacked = _REPACKED[kind](array)
             if repacked is None:
                 return None
             array = repacked
         blocks = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
-        return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * QK)
+        return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * fmt.block_weights)
 
     def load(self, name: str) -> torch.Tensor:
         blocks = self.load_quantized(name)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2 with QKV bias, Qwen3 with per-head q/k RMSNorm).
+"""The Llama-family decoder (Llama, Qwen2 with QKV bias, Qwen3 with per-head q/k RMSNorm; any
+layer may attend a sliding window, with a RoPE base of its own).
 
 Parameters are fused for fewer, larger matmuls: `qkv_proj` rows are [q; k; v] and `gate_up_proj`
 rows are [gate; up], in Hugging Face's (rotate-half RoPE) layout. The model is built on the meta
@@ -100,18 +101,22 @@ class StepContext:
     cos_sin: torch.Tensor  # [P, D]
     plan: PagedAttentionPlan | None
     """The backend's per-step attention plan (see `AttentionBackend.plan_paged_attention`)."""
+    cos_sin_local: torch.Tensor  # [P, D]
+    """The windowed layers' RoPE table (`cos_sin` itself when they share the full layers')."""
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__()
         self.arch = arch
+        self.window = arch.window(layer)
+        """This layer's sliding window (None: it attends the whole context)."""
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim)
             self.k_norm = RMSNorm(arch.head_dim)
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_scale
 
     def forward(
         self,
@@ -130,18 +135,19 @@ class LlamaAttention(nn.Module):
         if a.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, a.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, a.rms_norm_eps)
-        ops.apply_rotary(q, k, batch.positions, step.cos_sin)
+        ops.apply_rotary(q, k, batch.positions, step.cos_sin_local if self.window else step.cos_sin)
         k_cache, v_cache = kv_cache
         ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         tables, lens = batch.block_tables, batch.context_lens
         if batch.is_decode_only:  # T == B: one query per request
             out = ops.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, self.scale, plan=step.plan
+                q, k_cache, v_cache, tables, lens, self.scale, plan=step.plan, window=self.window
             )
         else:
             out = ops.paged_prefill_attention(
-                q, k_cache, v_cache, tables, batch.query_start_loc, lens, self.scale, plan=step.plan
-            )
+                q, k_cache, v_cache, tables, batch.query_start_loc, lens, self.scale,
+                plan=step.plan, window=self.window,
+            )  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, a.q_size))  # [T, H, D] -> [T, hidden]
 
 
@@ -156,11 +162,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
         self.input_norm = RMSNorm(arch.hidden_size)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, layer)
         self.post_attention_norm = RMSNorm(arch.hidden_size)
         self.mlp = LlamaMLP(arch)
 
@@ -205,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     cos_sin: torch.Tensor  # [P, D], a buffer
+    cos_sin_local: torch.Tensor  # [P, D], a buffer: the windowed layers' (`cos_sin` if shared)
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    """The layer class, built as `decoder_layer(arch, index)`."""
 
     def __init__(
         self, arch: ModelArch, device: torch.device, backend: AttentionBackend | None = None
@@ -213,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         with torch.device("meta"):
             self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-            self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+            self.layers = nn.ModuleList(self.decoder_layer(arch, i) for i in range(arch.num_layers))
             self.norm = RMSNorm(arch.hidden_size)
             self.lm_head = (
                 None
@@ -224,6 +233,14 @@ class LlamaForCausalLM(nn.Module):
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, device
         )
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [P, D]
+        local = arch.rope_local_theta
+        if local is not None and local != arch.rope_theta and arch.windowed:
+            local_cos_sin = rotary_cos_sin(
+                arch.head_dim, arch.max_position_embeddings, local, device
+            )
+        else:
+            local_cos_sin = cos_sin
+        self.register_buffer("cos_sin_local", local_cos_sin, persistent=False)
         self.attention_backend: AttentionBackend = (
             backend if backend is not None else torch_backend()
         )
@@ -271,8 +288,8 @@ class LlamaForCausalLM(nn.Module):
         a = self.arch
         if self.attention_backend.name != "cpu" or self.kv_caches is None:
             raise ValueError("needs the cpu attention backend and bound caches")
-        if a.qk_norm or a.qkv_bias:
-            raise ValueError("q/k norms and qkv biases are not in the native stack")
+        if a.qk_norm or a.qkv_bias or a.windowed:
+            raise ValueError("q/k norms, qkv biases and windows are not in the native stack")
         layers = []
         for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
@@ -300,8 +317,8 @@ class LlamaForCausalLM(nn.Module):
         plan = ops.plan_paged_attention(
             batch.block_tables, batch.query_start_loc, batch.context_lens, self.kv_caches[0][0]
         )
-        step = StepContext(batch, ops, self.cos_sin, plan)
-        h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        step = StepContext(batch, ops, self.cos_sin, plan, self.cos_sin_local)
+        h = self.embed(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         stack = self.native_stack(num_layers) if self.native_layers else None
         if stack is not None and plan is not None and step_applies(plan, h.shape[0]):
@@ -318,6 +335,9 @@ class LlamaForCausalLM(nn.Module):
             h, residual, self.norm.weight, self.arch.rms_norm_eps
         )
         return h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32

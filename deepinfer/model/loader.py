@@ -12,7 +12,12 @@ from deepinfer.errors import ModelLoadError
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend
 from deepinfer.model.fingerprint import directory_digest, file_digest, kv_fingerprint
-from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
+from deepinfer.model.gguf_loader import (
+    KERNEL_FORMAT_NAMES,
+    GGUFTensorSource,
+    gguf_arch,
+    open_gguf,
+)
 from deepinfer.model.protocol import CausalLM
 from deepinfer.model.quantized import (
     float_matrices,
@@ -69,8 +74,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
-    `quantized_matmul` (`auto|on|off`): serve a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks
-    through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
+    `quantized_matmul` (`auto|on|off`): serve a GGUF file's block-quantized matrices (Q4_0, Q4_1,
+    Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their blocks through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
     (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
 
@@ -97,7 +102,8 @@ def load_model(
         quantized = quantize_linears(model, source, arch.num_layers, int8)
     if int8 and not quantized:
         raise ModelLoadError(
-            f"--matmul-activations int8: {path} has no Q4_0, Q4_1 or Q8_0 matrices"
+            f"--matmul-activations int8: {path} has no matrices in a format the quantized "
+            f"matmul takes ({', '.join(KERNEL_FORMAT_NAMES)})"
         )
     if batch_invariant and backend.name == "triton":
         serve_fixed_order(model)  # cuBLAS's sums depend on the shape: the fixed-order matmul
@@ -121,7 +127,8 @@ def check_batch_invariant(model: torch.nn.Module, path: Path) -> None:
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
         raise ModelLoadError(
             f"--batch-invariant needs every matrix served by the quantized CPU kernel (a GGUF "
-            f"file with Q4_0/Q4_1/Q8_0 matrices, float32 on CPU, --quantized-matmul auto or on); "
+            f"file with {'/'.join(KERNEL_FORMAT_NAMES)} matrices, float32 on CPU, "
+            f"--quantized-matmul auto or on); "
             f"{path.name} would multiply {shown} in float"
         )
 

@@ -1,8 +1,9 @@
 """Serve a GGUF model's block-quantized matrices as they are stored (CPU, native kernel).
 
 After the model is loaded (fp32 weights, exactly the file's values), `quantize_linears` gives each
-linear layer whose source tensors are all Q4_1 or Q8_0 (or Q4_0, repacked as Q4_1) its blocks instead, and the tied or
-separate LM head too, then drops the fp32 copies. The float kernel multiplies by the same fp32
+linear layer whose source tensors are all in one format the kernel takes (Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K; Q4_0 repacked as Q4_1, Q5_0 as Q8_0) its blocks instead, and the tied or separate LM head
+too, then drops the fp32 copies. The float kernel multiplies by the same fp32
 values (dequantized on the fly), reading 4-7x fewer bytes per step; only the order of each dot
 product's sum differs from BLAS. With int8 activations the blocks are repacked for the integer
 kernel instead (deepinfer.kernels.int8_matmul). `quantized_matmul_wanted` and
@@ -20,7 +21,7 @@ from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_library
 from deepinfer.kernels.int8_matmul import FixedOrderWeight, NativeWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
-from deepinfer.model.gguf_loader import GGUFTensorSource
+from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
 from deepinfer.model.llama import Linear
 from deepinfer.model.weights import linear_sources
 
@@ -50,15 +51,16 @@ def quantized_matmul_wanted(mode: str, device: torch.device, dtype: torch.dtype)
 
 def int8_activations_wanted(mode: str, quantized: bool) -> bool:
     """Whether the quantized kernel takes int8 activations: `auto` where it serves the model
-    (GGUF Q4_0/Q4_1/Q8_0 matrices on CPU), `int8` (an error without that kernel), `float32` never."""
+    (GGUF matrices in a kernel format, on CPU), `int8` (an error without that kernel), `float32`
+    never."""
     if mode not in ("auto", "float32", "int8"):
         raise ModelLoadError(f"unknown matmul activations {mode!r}: choose auto, float32 or int8")
     if mode == "auto":
         return quantized
     if mode == "int8" and not quantized:
         raise ModelLoadError(
-            "--matmul-activations int8 needs the quantized matmul (a GGUF file with Q4_0/Q4_1/Q8_0 "
-            "matrices, float32 on CPU, the native kernels)"
+            "--matmul-activations int8 needs the quantized matmul (a GGUF file with "
+            f"{'/'.join(KERNEL_FORMAT_NAMES)} matrices, float32 on CPU, the native kernels)"
         )
     return mode == "int8"
 
@@ -74,7 +76,8 @@ def quantize_linears(
     if others:
         listed = ", ".join(f"{n} in {kind}" for kind, n in sorted(others.items()))
         log.info(
-            "matrices dequantized to float32 (the quantized matmul takes Q4_0, Q4_1, Q8_0): %s",
+            "matrices dequantized to float32 (the quantized matmul takes %s): %s",
+            ", ".join(KERNEL_FORMAT_NAMES),
             listed,
         )
     for i in range(num_layers):

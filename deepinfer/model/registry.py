@@ -16,6 +16,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "llama": "deepinfer.model.llama:LlamaForCausalLM",
     "qwen2": "deepinfer.model.llama:LlamaForCausalLM",
     "qwen3": "deepinfer.model.llama:LlamaForCausalLM",
+    # Sliding-window layers, four norms a layer, scaled embeddings, gelu-tanh FFN.
+    "gemma3": "deepinfer.model.gemma3:Gemma3ForCausalLM",
 }
 
 

@@ -33,7 +33,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
 
 def _rope(config: dict[str, Any]) -> float:
     """rope_theta; refuses any RoPE scaling (older configs: rope_scaling; newer: rope_parameters)."""
-    params = config.get("rope_parameters") or {}
+    params = _rope_params(config)
     scaling = config.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type != "default":
@@ -41,9 +41,56 @@ def _rope(config: dict[str, Any]) -> float:
     return float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
+"""Hugging Face model types served under another registry key."""
+
+
+def _gemma3(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 3's windows, windowed layers' RoPE base and query scale (transformers 4 and 5
+    spellings); refuses the options this implementation does not have."""
+    refused = [
+        key
+        for key in (
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+            "use_bidirectional_attention",
+        )
+        if config.get(key)
+    ]
+    if refused:
+        raise ModelLoadError(f"unsupported gemma3 config options: {', '.join(refused)}")
+    types = config.get("layer_types")
+    if types is None:
+        every = int(
+            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern", 6)
+        )
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    window = int(config["sliding_window"])
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"RoPE scaling {local['rope_type']!r} is not supported")
+    return {
+        "layer_windows": tuple(0 if t == "full_attention" else window for t in types),
+        "rope_local_theta": float(
+            local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
+        ),
+        "query_scale": float(config.get("query_pre_attn_scalar") or config["head_dim"]) ** -0.5,
+    }
+
+
+def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
+    """The full-attention layers' RoPE parameters (transformers 5 nests them per layer type)."""
+    params = config.get("rope_parameters") or {}
+    return params.get("full_attention", params)
+
+
 def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
-    """The architecture of a Hugging Face config (llama, qwen2, qwen3)."""
-    name = str(config.get("model_type", "<missing model_type>"))
+    """The architecture of a Hugging Face config (llama, qwen2, qwen3, gemma3_text)."""
+    model_type = str(config.get("model_type", "<missing model_type>"))
+    name = _MODEL_TYPES.get(model_type, model_type)
     check_architecture(name)
     unsupported = [key for key in ("mlp_bias", "use_sliding_window") if config.get(key)]
     if config.get("attention_bias") and name != "qwen2":
@@ -67,16 +114,19 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings")) or not has_lm_head,
             qkv_bias=name == "qwen2",
-            qk_norm=name == "qwen3",
+            qk_norm=name in ("qwen3", "gemma3"),
+            **(_gemma3(config, int(config["num_hidden_layers"])) if name == "gemma3" else {}),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks the key {exc.args[0]!r}") from exc
 
 
 class SafetensorsSource:
-    """`TensorSource` over the *.safetensors files of a directory (memory-mapped by safetensors)."""
+    """`TensorSource` over the *.safetensors files of a directory (memory-mapped by safetensors).
+    With `norm_offset`, every norm weight w loads as 1 + w (Gemma stores the offset from 1)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, norm_offset: bool = False) -> None:
+        self.norm_offset = norm_offset
         self.files = sorted(directory.glob("*.safetensors"))
         if not self.files:
             raise ModelLoadError(f"{directory} has config.json but no *.safetensors files")
@@ -100,11 +150,14 @@ class SafetensorsSource:
             tensor: torch.Tensor = handle.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read tensor {key!r}: {exc}") from exc
+        if self.norm_offset and name.endswith("norm.weight"):
+            return 1.0 + tensor.float()
         return tensor
 
 
 def open_safetensors_dir(directory: Path) -> tuple[ModelArch, SafetensorsSource]:
     config = _read_config(directory)
-    source = SafetensorsSource(directory)
+    gemma = _MODEL_TYPES.get(str(config.get("model_type"))) == "gemma3"
+    source = SafetensorsSource(directory, norm_offset=gemma)
     arch = hf_arch(config, has_lm_head="lm_head.weight" in source.names())
     return arch, source

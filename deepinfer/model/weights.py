@@ -1,9 +1,11 @@
 """Turn a checkpoint's tensors (under canonical names) into the model's fused state dict.
 
 Canonical names are Hugging Face's Llama names without the `model.` prefix
-(`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`).
-Loaders map their own names to these and hand over one tensor at a time, in the Hugging Face
-(rotate-half RoPE) layout.
+(`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`;
+Gemma 3 adds `pre_feedforward_layernorm` and `post_feedforward_layernorm`). Loaders map their
+own names to these and hand over one tensor at a time, in the Hugging Face (rotate-half RoPE)
+layout, norm weights as the factor they multiply by (Gemma's checkpoints store w for 1 + w:
+their loader adds the 1, as llama.cpp's converter does).
 """
 
 from __future__ import annotations
@@ -65,13 +67,25 @@ def linear_sources(i: int) -> dict[str, tuple[str, ...]]:
     }
 
 
+_NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = _NORMS | {
+    "pre_ffn_norm": "pre_feedforward_layernorm",
+    "post_ffn_norm": "post_feedforward_layernorm",
+}
+"""Gemma 3 normalizes each block's input and output: four norms a layer."""
+
+
+def norm_sources(arch: ModelArch, i: int) -> dict[str, str]:
+    """Layer i's norm weights (model names) and their canonical names."""
+    names = _SANDWICH_NORMS if arch.architecture == "gemma3" else _NORMS
+    p = f"layers.{i}."
+    return {p + ours + ".weight": p + theirs + ".weight" for ours, theirs in names.items()}
+
+
 def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
     src, dst = f"layers.{i}.", f"layers.{i}."
     attn = src + "self_attn."
-    state = {
-        dst + "input_norm.weight": take(src + "input_layernorm.weight"),
-        dst + "post_attention_norm.weight": take(src + "post_attention_layernorm.weight"),
-    }
+    state = {ours: take(theirs) for ours, theirs in norm_sources(arch, i).items()}
     for module, names in linear_sources(i).items():
         state[module + ".weight"] = take(*names)
     if arch.qkv_bias:

@@ -15,13 +15,18 @@
 
 #include <stdint.h>
 
-#define DI_QK 32           /* weights per GGUF block */
+#define DI_QK 32           /* weights per GGUF block (Q4_1, Q8_0) */
+#define DI_QK_K 256        /* weights per GGUF K-quant superblock (Q4_K, Q5_K, Q6_K) */
 #define DI_MAX_HEAD_DIM 256 /* the attention kernel's largest head size */
 #define DI_MAX_GROUP 16     /* the attention kernel's most query heads per KV head */
 
-/* GGUF block formats, numbered as `quant_matmul.QuantFormat` numbers them. */
+/* GGUF block formats, numbered as `quant_matmul.QuantFormat` numbers them (layouts: cpu/blocks.h).
+   A matrix's width K is a whole number of its format's blocks. */
 #define DI_FMT_Q4_1 0
 #define DI_FMT_Q8_0 1
+#define DI_FMT_Q4_K 2
+#define DI_FMT_Q5_K 3
+#define DI_FMT_Q6_K 4
 
 /* Matmuls, y[M, N] = x[M, K] @ W[N, K]^T (cpu/quant_gemm.c, cpu/int8_gemm.c). */
 int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,

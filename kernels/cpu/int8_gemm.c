@@ -1,4 +1,5 @@
-/* Integer-dot-product matmuls over GGUF Q4_1 / Q8_0 weights on x86-64 with AVX2 and FMA.
+/* Integer-dot-product matmuls over GGUF Q4_1 / Q8_0 weights on x86-64 with AVX2 and FMA; the
+   K-quants' packing and passes are cpu/int8_kquants.c's, driven from here as these are.
 
    y[M, N] = x[M, K] @ W[N, K]^T, as llama.cpp computes it on CPU: each row of x is quantized to
    int8 in blocks of 32 (scale dx = max|x| / 127, q = round(x / dx), and sx = dx * sum(q)), and each
@@ -34,40 +35,31 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "deepinfer_kernels.h"
+#include "int8.h"
 #include "parts.h"
 
 #define QK DI_QK
-#define GROUP 8
-#define MR 4
-#define MR_VNNI 8
-/* How far ahead of the block being read a one-row pass asks for the weights (2 KiB, or into L2
-   only, measured the same). With the float16 scales, a decode step's one-row matmuls are 11-13%
-   faster on 2 threads than before both (bench/native_ab.py, bench/RESULTS.md). */
-#define PREFETCH_AHEAD 1024
 
 enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
 
+static inline int is_kquant(int fmt) { return di_block_weights(fmt) == DI_QK_K; }
+
+/* Bytes of a Q4_1 or Q8_0 group block (8 rows of one block of 32) */
 static inline size_t group_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 160 : 272; }
 
-/* A group block `bytes` long, PREFETCH_AHEAD bytes past `g`, into the caches: the first pass over
-   a group (the only one when x has at most MR rows) streams the weight from memory. */
-static inline void prefetch_block(const uint8_t *g, int bytes) {
-    for (int o = 0; o < bytes; o += 64) {
-        _mm_prefetch((const char *)(g + PREFETCH_AHEAD + o), _MM_HINT_T0);
-    }
-}
-
-/* 8 float16 scales at `p` as float32 (exact) */
-static inline __m256 scales8(const uint8_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+/* Bytes of one packed group of 8 rows of K weights */
+static inline size_t group_bytes(int fmt, int K) {
+    if (is_kquant(fmt)) return (size_t)di_int8_kquant_group_bytes(fmt, K);
+    return (size_t)(K / QK) * group_block_bytes(fmt);
 }
 
 /* Bytes of the packed weight; 0 for bad arguments. */
 long di_int8_packed_bytes(int fmt, int N, int K) {
-    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || N <= 0 || K <= 0 || K % QK != 0) return 0;
+    if (!di_format_ok(fmt, K) || N <= 0) return 0;
     const long groups = (N + GROUP - 1) / GROUP;
-    return groups * (K / QK) * (long)group_block_bytes(fmt);
+    return groups * (long)group_bytes(fmt, K);
 }
 
 static void pack_group_q4_1(const uint8_t *w, int rows, int nb, uint8_t *out) {
@@ -96,20 +88,21 @@ static void pack_group_q8_0(const uint8_t *w, int rows, int nb, uint8_t *out) {
     }
 }
 
-/* Repack N rows of GGUF blocks (row stride K/32 blocks) into `out` (di_int8_packed_bytes). */
+/* Repack N rows of GGUF blocks (rows of K weights) into `out` (di_int8_packed_bytes). */
 int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_threads) {
     if (di_int8_packed_bytes(fmt, N, K) == 0) return -1;
     const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
-    const size_t rb = (size_t)nb * (fmt == FMT_Q4_1 ? 20 : 34);
-    const size_t gb = (size_t)nb * group_block_bytes(fmt);
+    const size_t rb = di_row_bytes(fmt, K), gb = group_bytes(fmt, K);
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
     for (int g = 0; g < groups; g++) {
         const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
         const uint8_t *src = w + (size_t)g * GROUP * rb;
         if (fmt == FMT_Q4_1) {
             pack_group_q4_1(src, rows, nb, out + g * gb);
-        } else {
+        } else if (fmt == FMT_Q8_0) {
             pack_group_q8_0(src, rows, nb, out + g * gb);
+        } else {
+            di_int8_kquant_pack(fmt, src, rows, K, out + g * gb);
         }
     }
     return 0;
@@ -153,12 +146,6 @@ static void quantize_row(const float *x, int K, int8_t *q, float *dx, float *sx)
         dx[b] = d;
         sx[b] = d * (float)_mm_cvtsi128_si32(s);
     }
-}
-
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
 }
 
 /* One group of 8 weight rows times R quantized rows of x (R a constant, so the accumulators
@@ -238,8 +225,6 @@ GROUP_Q8_0(2)
 GROUP_Q8_0(3)
 GROUP_Q8_0(4)
 
-typedef void (*group_fn)(const uint8_t *, int, const int8_t *, const float *, const float *, int,
-                         int, __m256 *);
 static const group_fn GROUP_FNS[2][MR] = {
     {group_q4_1_x1, group_q4_1_x2, group_q4_1_x3, group_q4_1_x4},
     {group_q8_0_x1, group_q8_0_x2, group_q8_0_x3, group_q8_0_x4},
@@ -248,8 +233,6 @@ static const group_fn GROUP_FNS[2][MR] = {
 /* The same passes with `vpdpbusd` (AVX-512 VNNI, on 256-bit vectors), for up to MR_VNNI rows:
    the low and high nibbles (Q4_1), or the even and odd chunks (Q8_0), sum into two int32
    accumulators a row, so a one-row pass is not one chain of dependent instructions. */
-#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-
 #define GROUP_Q4_1_VNNI(R)                                                                     \
     VNNI static void group_q4_1_vnni_x##R(const uint8_t *g, int nb, const int8_t *q,           \
                                           const float *dx, const float *sx, int K, int pf,      \
@@ -374,7 +357,7 @@ static inline void store_group(const __m256 *acc, int mr, float *y, int N, int r
 void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
                        int K, int8_t *q, float *dx, float *sx, di_team *team) {
     const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
-    const size_t gb = (size_t)nb * group_block_bytes(fmt);
+    const size_t gb = group_bytes(fmt, K);
     int r0, r1, g0, g1;
     di_team_range(team, M, &r0, &r1);
     for (int r = r0; r < r1; r++) {
@@ -383,7 +366,14 @@ void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y,
     di_team_sync(team);
     di_team_range(team, groups, &g0, &g1);
     const int vnni = use_vnni, max_rows = vnni ? MR_VNNI : MR;
-    const group_fn *fns = vnni ? GROUP_FNS_VNNI[fmt] : GROUP_FNS[fmt];
+    group_fn fns[MR_VNNI];
+    for (int r = 0; r < max_rows; r++) {
+        if (is_kquant(fmt)) {
+            fns[r] = di_int8_kquant_pass(fmt, vnni, r + 1);
+        } else {
+            fns[r] = vnni ? GROUP_FNS_VNNI[fmt][r] : GROUP_FNS[fmt][r];
+        }
+    }
     for (int g = g0; g < g1; g++) {
         const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
         const uint8_t *wg = packed + g * gb;

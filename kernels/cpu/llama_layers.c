@@ -15,13 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "deepinfer_kernels.h"
 #include "parts.h"
 
 static int matrix_ok(const di_matrix *m, int N, int K) {
     if (m->N != N || m->K != K) return 0;
     if (m->int8) return di_int8_packed_bytes(m->fmt, N, K) > 0;
-    return (m->fmt == DI_FMT_Q4_1 || m->fmt == DI_FMT_Q8_0) && K % DI_QK == 0;
+    return di_format_ok(m->fmt, K);
 }
 
 /* What the region's threads share: the step, its buffers, and the attention plan. */

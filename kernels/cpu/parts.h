@@ -36,6 +36,9 @@ DI_INTERNAL void di_silu_mul_rows(const float *gu, long gu_stride, float *out, l
 DI_INTERNAL void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
                        int K, int8_t *q, float *dx, float *sx, di_team *team);
 
+/* dequant.c: one row of K weights in `fmt`'s blocks (di_format_ok) as float32, gguf-py's values */
+DI_INTERNAL void di_dequant_row(int fmt, const uint8_t *row, int K, float *out);
+
 /* quant_gemm.c: `buf` is this thread's, di_quant_gemm_buffer_floats(K) floats, 64-byte aligned */
 DI_INTERNAL long di_quant_gemm_buffer_floats(int K);
 DI_INTERNAL void di_quant_gemm_team(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,

@@ -1,12 +1,9 @@
 /* Matmuls over GGUF block-quantized weights on x86-64 CPUs with AVX2, FMA and F16C.
 
-   y[M, N] = x[M, K] @ W[N, K]^T, W stored as llama.cpp's blocks of 32 weights per row:
-     Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (low nibbles: weights 0-15, high: 16-31),
-           w = d * q + m
-     Q8_0: fp16 d, 32 int8,  w = d * q
-   Weights are dequantized exactly as gguf-py does (a float32 multiply, then the add: this file
-   is compiled with -ffp-contract=off), so the values multiplied are the reference's fp32
-   weights, bit for bit; only the order of the sum over K differs from a BLAS call.
+   y[M, N] = x[M, K] @ W[N, K]^T, W stored as llama.cpp's blocks, row after row, in any format
+   of cpu/blocks.h (Q4_1, Q8_0; the K-quants Q4_K, Q5_K, Q6_K). Weights are dequantized exactly
+   as gguf-py does (cpu/dequant.c), so the values multiplied are the reference's fp32 weights,
+   bit for bit; only the order of the sum over K differs from a BLAS call.
 
    Work is split over tiles of NR weight rows (OpenMP, `num_threads` given by the caller: the
    calling worker thread's torch share). A tile is dequantized once into a per-thread fp32
@@ -18,73 +15,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "deepinfer_kernels.h"
 #include "parts.h"
 #include "simd.h"
 
-#define QK DI_QK
 #define NR 4
-
-typedef struct {
-    uint16_t d, m;
-    uint8_t qs[QK / 2];
-} block_q4_1;
-
-typedef struct {
-    uint16_t d;
-    int8_t qs[QK];
-} block_q8_0;
-
-_Static_assert(sizeof(block_q4_1) == 20, "Q4_1 block is 20 bytes");
-_Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block is 34 bytes");
-
-enum { FMT_Q4_1 = DI_FMT_Q4_1, FMT_Q8_0 = DI_FMT_Q8_0 };
-
-static inline __m256 bytes_to_ps(__m128i bytes8_lo, int is_signed) {
-    __m256i ints = is_signed ? _mm256_cvtepi8_epi32(bytes8_lo) : _mm256_cvtepu8_epi32(bytes8_lo);
-    return _mm256_cvtepi32_ps(ints);
-}
-
-static void dequant_row_q4_1(const block_q4_1 *b, int nb, float *out) {
-    const __m128i low_mask = _mm_set1_epi8(0x0F);
-    for (int i = 0; i < nb; i++) {
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d));
-        const __m256 m = _mm256_set1_ps(_cvtsh_ss(b[i].m));
-        const __m128i q = _mm_loadu_si128((const __m128i *)b[i].qs);
-        const __m128i lo = _mm_and_si128(q, low_mask);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low_mask);
-        float *o = out + i * QK;
-        _mm256_storeu_ps(o + 0, _mm256_add_ps(_mm256_mul_ps(d, bytes_to_ps(lo, 0)), m));
-        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(d, bytes_to_ps(_mm_srli_si128(lo, 8), 0)), m));
-        _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(d, bytes_to_ps(hi, 0)), m));
-        _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(d, bytes_to_ps(_mm_srli_si128(hi, 8), 0)), m));
-    }
-}
-
-static void dequant_row_q8_0(const block_q8_0 *b, int nb, float *out) {
-    for (int i = 0; i < nb; i++) {
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d));
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)b[i].qs);
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b[i].qs + 16));
-        float *o = out + i * QK;
-        _mm256_storeu_ps(o + 0, _mm256_mul_ps(d, bytes_to_ps(q0, 1)));
-        _mm256_storeu_ps(o + 8, _mm256_mul_ps(d, bytes_to_ps(_mm_srli_si128(q0, 8), 1)));
-        _mm256_storeu_ps(o + 16, _mm256_mul_ps(d, bytes_to_ps(q1, 1)));
-        _mm256_storeu_ps(o + 24, _mm256_mul_ps(d, bytes_to_ps(_mm_srli_si128(q1, 8), 1)));
-    }
-}
-
-static inline size_t row_bytes(int fmt, int nb) {
-    return (size_t)nb * (fmt == FMT_Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0));
-}
-
-static void dequant_row(int fmt, const uint8_t *row, int nb, float *out) {
-    if (fmt == FMT_Q4_1) {
-        dequant_row_q4_1((const block_q4_1 *)row, nb, out);
-    } else {
-        dequant_row_q8_0((const block_q8_0 *)row, nb, out);
-    }
-}
 
 /* NR weight rows (w, stride K) times MR x rows (MR = 1..3), into y (row stride N). Each output
    has its own accumulator, summed over K in ascending steps of 8 lanes, then reduced by hsum8:
@@ -133,14 +69,15 @@ static void tile_rows(const float *w, int nr, const float *x, int M, int K, floa
 
 void di_quant_gemm_team(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
                         float *buf, di_team *team) {
-    const int nb = K / QK;
-    const size_t rb = row_bytes(fmt, nb);
+    const size_t rb = di_row_bytes(fmt, K);
     int t0, t1;
     di_team_range(team, (N + NR - 1) / NR, &t0, &t1);
     for (int t = t0; t < t1; t++) {
         const int n0 = t * NR;
         const int nr = N - n0 < NR ? N - n0 : NR;
-        for (int r = 0; r < nr; r++) dequant_row(fmt, w + (size_t)(n0 + r) * rb, nb, buf + (size_t)r * K);
+        for (int r = 0; r < nr; r++) {
+            di_dequant_row(fmt, w + (size_t)(n0 + r) * rb, K, buf + (size_t)r * K);
+        }
         tile_rows(buf, nr, x, M, K, y + n0, N);
     }
 }
@@ -150,9 +87,7 @@ long di_quant_gemm_buffer_floats(int K) { return (long)NR * K; }
 /* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
 int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
                   int num_threads) {
-    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || M < 0 || N < 0 || K <= 0 || K % QK != 0) {
-        return -1;
-    }
+    if (!di_format_ok(fmt, K) || M < 0 || N < 0) return -1;
     int failed = 0;
     di_barrier barrier;
     di_barrier_init(&barrier);
@@ -169,18 +104,4 @@ int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, in
         free(buf);
     }
     return failed ? -2 : 0;
-}
-
-/* The fp32 weights, [N, K]: for long prefill chunks, where a BLAS call on them is faster. */
-int di_dequantize(int fmt, const uint8_t *w, float *out, int N, int K, int num_threads) {
-    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || N < 0 || K <= 0 || K % QK != 0) {
-        return -1;
-    }
-    const int nb = K / QK;
-    const size_t rb = row_bytes(fmt, nb);
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
-    for (int n = 0; n < N; n++) {
-        dequant_row(fmt, w + (size_t)n * rb, nb, out + (size_t)n * K);
-    }
-    return 0;
 }

@@ -19,7 +19,7 @@ import pytest
 from deepinfer.kernels import cpu_abi, cpu_native
 from deepinfer.kernels.cpu_native import native_available, native_library
 from deepinfer.kernels.paged_attention_cpu import MAX_GROUP, MAX_HEAD_DIM
-from deepinfer.kernels.quant_matmul import QK, QuantFormat
+from deepinfer.kernels.quant_matmul import QK, QK_K, QuantFormat
 
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
 
@@ -117,6 +117,7 @@ def test_every_struct_is_mirrored_field_by_field(code: str) -> None:
 def test_constants_agree_with_the_header(code: str) -> None:
     defines = parse_defines(code)
     assert defines["DI_QK"] == QK
+    assert defines["DI_QK_K"] == QK_K
     assert defines["DI_MAX_HEAD_DIM"] == MAX_HEAD_DIM
     assert defines["DI_MAX_GROUP"] == MAX_GROUP
     for fmt in QuantFormat:
@@ -159,8 +160,16 @@ def test_packed_size_comes_from_the_library() -> None:
     lib = native_library()
     # 9 rows: 2 groups of 8 (the last padded) x 2 blocks x (256 bytes + 8 float16 scales)
     assert lib.int8_packed_bytes(int(QuantFormat.Q8_0), 9, 64) == 2 * 2 * 272
+    # K-quants: 2 groups x 2 superblocks x (8 sub-blocks' quants + the scales' lanes)
+    assert lib.int8_packed_bytes(int(QuantFormat.Q4_K), 9, 512) == 2 * 2 * (8 * 128 + 160)
+    assert lib.int8_packed_bytes(int(QuantFormat.Q5_K), 9, 512) == 2 * 2 * (8 * 160 + 160)
+    assert lib.int8_packed_bytes(int(QuantFormat.Q6_K), 9, 512) == 2 * 2 * (8 * 192 + 144)
     with pytest.raises(ValueError, match="no int8 packing"):
         lib.int8_packed_bytes(int(QuantFormat.Q4_1), 8, 48)
+    with pytest.raises(ValueError, match="no int8 packing"):
+        lib.int8_packed_bytes(int(QuantFormat.Q6_K), 8, 288)  # not whole superblocks
+    with pytest.raises(ValueError, match="no int8 packing"):
+        lib.int8_packed_bytes(len(QuantFormat), 8, 256)  # no such format
 
 
 def _fake_compiler(path: Path) -> Path:

@@ -1,11 +1,12 @@
-"""The int8-activation matmul (kernels/cpu/int8_gemm.c) against its arithmetic computed in
-float64 by torch, and against the exact float product within the rounding of x."""
+"""The int8-activation matmul (kernels/cpu/int8_gemm.c, int8_kquants.c) against its arithmetic
+computed in float64 by torch, and against the exact float product within the rounding of x, for
+every format."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gguf_weights import gguf_weight, needs_native
+from gguf_weights import K_QUANTS, gguf_weight, kquant_blocks, needs_native, width
 
 from deepinfer.kernels.cpu_native import native_library
 from deepinfer.kernels.int8_matmul import (
@@ -27,7 +28,9 @@ def _weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:
 
 def _raw_weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:
     """Every byte random but the scales: all nibbles, and Q8_0's -128, which gguf-py never
-    writes but a file may hold."""
+    writes but a file may hold (K-quants: every scale, min and quant)."""
+    if fmt in K_QUANTS:
+        return QuantizedWeight(fmt, torch.from_numpy(kquant_blocks(fmt, n, k, seed)), k)
     gen = torch.Generator().manual_seed(seed)
     nb = k // 32
     blocks = torch.randint(0, 256, (n, nb, fmt.block_bytes), dtype=torch.uint8, generator=gen)
@@ -46,18 +49,20 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @needs_native
 @pytest.mark.parametrize("fmt", list(QuantFormat))
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 9, 32])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 9, 32, 33, 70])
 def test_int8_linear_matches_its_arithmetic_in_float64(fmt: QuantFormat, m: int) -> None:
-    w = _weight(fmt, 37, 96, seed=m)  # 37 rows: the last group of 8 is partial
-    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)) * 3
+    k = width(fmt, 3)
+    w = _weight(fmt, 37, k, seed=m)  # 37 rows: the last group of 8 is partial
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     _close(int8_linear(x, pack_int8(w)), int8_linear_reference(x, w))
 
 
 @needs_native
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 def test_every_byte_value_and_extreme_activations(fmt: QuantFormat) -> None:
-    w = _raw_weight(fmt, 24, 128, seed=3)
-    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    k = width(fmt, 4)
+    w = _raw_weight(fmt, 24, k, seed=3)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(3))
     x[0, :32] = 0.0  # an all-zero block: scale 0
     x[1, 32:64] = torch.where(torch.arange(32) % 2 == 0, 1e4, -1e4)  # every entry +-127
     x[2, 64:96] = 1e-30  # tiny but not zero
@@ -68,8 +73,8 @@ def test_every_byte_value_and_extreme_activations(fmt: QuantFormat) -> None:
 @needs_native
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 def test_int8_error_stays_within_the_rounding_of_x(fmt: QuantFormat) -> None:
-    w = _weight(fmt, 64, 256, seed=11)
-    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(11))
+    w = _weight(fmt, 64, 512, seed=11)  # two K-quant superblocks, 16 blocks of 32
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(11))
     got = int8_linear(x, pack_int8(w))
     exact = quant_linear_reference(x, w)
     bound = int8_error_bound(x, w)
@@ -87,8 +92,9 @@ def test_quantize_activations_rounds_to_the_nearest_step() -> None:
 @needs_native
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 def test_rows_and_threads_do_not_change_results(fmt: QuantFormat) -> None:
-    w = pack_int8(_weight(fmt, 40, 64, seed=4))
-    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(4))
+    k = width(fmt, 2)
+    w = pack_int8(_weight(fmt, 40, k, seed=4))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4))
     together = int8_linear(x, w)
     for m in range(11):
         assert torch.equal(int8_linear(x[m : m + 1], w), together[m : m + 1])
@@ -135,8 +141,9 @@ def test_vnni_and_avx2_passes_give_the_same_bits(fmt: QuantFormat) -> None:
     lib = native_library()
     if lib.int8_isa(1) != 1:
         pytest.skip("this CPU has no AVX-512 VNNI")
-    w = pack_int8(_raw_weight(fmt, 45, 160, seed=8))
-    x = torch.randn(19, 160, generator=torch.Generator().manual_seed(8)) * 2
+    k = width(fmt, 5 if fmt not in K_QUANTS else 2)
+    w = pack_int8(_raw_weight(fmt, 45, k, seed=8))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(8)) * 2
     x[2, :32] = 0.0
     x[5, 32:64] = torch.where(torch.arange(32) % 2 == 0, 1e4, -1e4)
     try:
@@ -146,5 +153,34 @@ def test_vnni_and_avx2_passes_give_the_same_bits(fmt: QuantFormat) -> None:
             avx2 = int8_linear(x[:m], w)
             assert lib.int8_isa(1) == 1
             assert torch.equal(vnni, avx2), f"{m} rows"
+    finally:
+        lib.int8_isa(1)
+
+
+def _extreme_k_weight(fmt: QuantFormat, n: int, k: int) -> QuantizedWeight:
+    """Every quant at its largest magnitude (Q4_K 15, Q5_K 31, Q6_K's q - 32 at -32): the
+    integer sums' largest (16-bit on AVX2: 8 x 15 x 127, 8 x 31 x 127, 8 x 32 x 127)."""
+    raw = kquant_blocks(fmt, n, k, seed=9).reshape(n, k // 256, fmt.block_bytes)
+    if fmt is QuantFormat.Q6_K:
+        raw[..., 0:192] = 0
+    else:
+        raw[..., 16:] = 0xFF  # Q5_K's fifth bits, then the nibbles
+    return QuantizedWeight(fmt, torch.from_numpy(raw.reshape(n, -1)), k)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_sums_at_their_largest(fmt: QuantFormat) -> None:
+    lib = native_library()
+    w = _extreme_k_weight(fmt, 16, 512)
+    x = torch.ones(5, 512)  # every block of x at +127
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, :256] = -2.0
+    want = int8_linear_reference(x, w)
+    try:
+        for isa in (1, 0) if lib.int8_isa(1) == 1 else (0,):  # VNNI where the CPU has it, AVX2
+            assert lib.int8_isa(isa) == isa
+            _close(int8_linear(x, pack_int8(w)), want)
     finally:
         lib.int8_isa(1)

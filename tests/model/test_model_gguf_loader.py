@@ -247,3 +247,96 @@ def test_unsupported_hf_architecture_and_bad_dirs(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelLoadError, match="safetensors"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+GEMMA3_TO_GGUF = {
+    **HF_TO_GGUF,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+
+
+def write_gemma3_gguf(path: Path, hf_model: Any, pattern: int | list[bool] | None) -> None:
+    """As llama.cpp's converter writes Gemma 3: norms stored as 1 + w, no Q/K permutation,
+    the window in the metadata (the layer pattern only when given)."""
+    cfg = hf_model.config
+    writer = gguf_writer(path, "gemma3", cfg, 1e6)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    if isinstance(pattern, int):
+        writer.add_uint32("gemma3.attention.sliding_window_pattern", pattern)
+    elif pattern is not None:
+        writer.add_array("gemma3.attention.sliding_window_pattern", pattern)
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy().copy()
+        if name.endswith("norm.weight"):
+            array = array + 1.0
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name != "lm_head.weight":
+            _, _, layer, rest = name.split(".", 3)
+            writer.add_tensor(f"blk.{layer}.{GEMMA3_TO_GGUF[rest]}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "windowed"),
+    [
+        (None, [True] * 5 + [False] + [True]),  # the file silent: every 6th layer full
+        (3, [True, True, False] * 2 + [True]),
+        ([True, False] * 3 + [False], [True, False] * 3 + [False]),
+    ],
+)
+def test_tiny_gemma3_gguf_matches_transformers(
+    pattern: Any, windowed: list[bool], tmp_path: Path
+) -> None:
+    """Windows of 6 keys over a 29-token prompt; the local layers' RoPE base where the file
+    is silent (10000)."""
+    torch.manual_seed(5)
+    types = ["sliding_attention" if w else "full_attention" for w in windowed]
+    config = transformers.Gemma3TextConfig(
+        **{**CONFIG, "num_hidden_layers": 7}, head_dim=16, sliding_window=6, layer_types=types,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        query_pre_attn_scalar=16,
+    )  # fmt: skip
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random norms, so that a missed one (or a missed + 1) shows
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gemma3_gguf(path, hf_model, pattern)
+    loaded = load_model(path, torch.float32, "cpu")
+    assert loaded.arch.layer_windows == tuple(6 if w else 0 for w in windowed)
+    assert loaded.arch.rope_local_theta == 10000.0 and loaded.arch.attention_scale == 0.25
+    bind_fresh_caches(loaded.model, num_blocks=32, block_size=4)
+    prompt = torch.randint(0, 61, (29,), generator=torch.Generator().manual_seed(0)).tolist()
+    (got,) = run_step(loaded.model, SequentialBlocks(4), [(0, prompt, 0)], all_rows=True)
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_gemma3_names_its_four_norms() -> None:
+    assert canonical_name("blk.3.ffn_norm.weight") == "layers.3.post_attention_layernorm.weight"
+    assert canonical_name("blk.3.ffn_norm.weight", "gemma3") == (
+        "layers.3.pre_feedforward_layernorm.weight"
+    )
+    assert canonical_name("blk.3.post_ffw_norm.weight", "gemma3") == (
+        "layers.3.post_feedforward_layernorm.weight"
+    )
+    assert canonical_name("blk.3.post_attention_norm.weight", "gemma3") == (
+        "layers.3.post_attention_layernorm.weight"
+    )

@@ -1,5 +1,6 @@
-"""Serving a GGUF file's Q4_1/Q8_0 matrices in their blocks (native kernel) on a tiny model
-written here: logits match transformers run on gguf-py's dequantization of the same file."""
+"""Serving a GGUF file's Q4_1/Q8_0 matrices (and Q4_0, Q5_0 repacked) in their blocks (native
+kernel) on a tiny model written here: logits match transformers run on gguf-py's dequantization
+of the same file."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from deepinfer.kernels.quant_matmul import (
     dequantize_reference,
 )
 from deepinfer.model import load_model, model_fingerprint
-from deepinfer.model.gguf_loader import q4_0_as_q4_1
+from deepinfer.model.gguf_loader import q4_0_as_q4_1, q5_0_as_q8_0
 
 transformers = pytest.importorskip("transformers")
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
@@ -37,6 +38,7 @@ needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU 
 CONFIG = {**BASE_CONFIG, "vocab_size": 67, "hidden_size": 64, "intermediate_size": 96}
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 Q4_0, Q5_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0
+Q5_1 = gguf.GGMLQuantizationType.Q5_1
 
 
 def _quantized(
@@ -161,12 +163,44 @@ def test_q4_0_matrices_served_as_q4_1(tmp_path: Path, caplog: pytest.LogCaptureF
     prompt, want = _reference(hf_model)
     torch.testing.assert_close(_logits(loaded.model, prompt), want, atol=1e-4, rtol=0)
     # a format the kernel does not take: dequantized, with one line saying so
-    write_quantized_gguf(tmp_path / "q5_0.gguf", hf_model, tie=True, matrices=Q5_0)
+    write_quantized_gguf(tmp_path / "q5_1.gguf", hf_model, tie=True, matrices=Q5_1)
     with caplog.at_level(logging.INFO, logger="deepinfer.model.quantized"):
-        loaded = load_model(tmp_path / "q5_0.gguf", torch.float32, "cpu", quantized_matmul="on")
+        loaded = load_model(tmp_path / "q5_1.gguf", torch.float32, "cpu", quantized_matmul="on")
     lines = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
     assert lines == ["matrices dequantized to float32 (the quantized matmul takes Q4_0, Q4_1, "
-                     f"Q8_0): {7 * CONFIG['num_hidden_layers']} in Q5_0"]  # fmt: skip
+                     "Q5_0, Q8_0, Q4_K, Q5_K, Q6_K): "
+                     f"{7 * CONFIG['num_hidden_layers']} in Q5_1"]  # fmt: skip
+    prompt, want = _reference(hf_model)
+    torch.testing.assert_close(_logits(loaded.model, prompt), want, atol=1e-4, rtol=0)
+
+
+def test_q5_0_blocks_are_q8_0_blocks_of_the_same_values() -> None:
+    """Repacked, a Q5_0 matrix dequantizes to gguf-py's values bit for bit: blocks gguf-py
+    wrote (scales from subnormal to large), and blocks of every byte value."""
+    rng = np.random.default_rng(0)
+    magnitudes = np.array([1e-9, 1e-6, 1e-3, 1.0, 30.0, 1e3, 6e4])[:, None]
+    x = (rng.standard_normal((7, 96)) * magnitudes).astype(np.float32)
+    written = gguf.quants.quantize(x, Q5_0)
+    raw = rng.integers(0, 256, (5, 3, 22), dtype=np.uint8)
+    raw[..., :2] = rng.standard_normal((5, 3)).astype(np.float16).view(np.uint8).reshape(5, 3, 2)
+    for blocks in (written, raw.reshape(5, -1)):
+        w = QuantizedWeight(QuantFormat.Q8_0, torch.from_numpy(q5_0_as_q8_0(blocks)), 96)
+        want = torch.from_numpy(gguf.quants.dequantize(blocks, Q5_0).astype(np.float32))
+        assert torch.equal(dequantize_reference(w), want)
+        if native_available():
+            assert torch.equal(dequantize(w), want)
+
+
+@needs_native
+def test_q5_0_matrices_served_as_q8_0(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(**CONFIG, tie_word_embeddings=False)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    write_quantized_gguf(tmp_path / "q5_0.gguf", hf_model, tie=False, matrices=Q5_0)
+    with caplog.at_level(logging.INFO, logger="deepinfer.model.quantized"):
+        loaded = load_model(tmp_path / "q5_0.gguf", torch.float32, "cpu", quantized_matmul="on")
+    assert not [r for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert loaded.model.lm_head_quantized.fmt is QuantFormat.Q8_0  # type: ignore[attr-defined]
     prompt, want = _reference(hf_model)
     torch.testing.assert_close(_logits(loaded.model, prompt), want, atol=1e-4, rtol=0)
 
@@ -210,7 +244,7 @@ def test_int8_activations_need_the_quantized_kernel(quantized_gguf: Any) -> None
 def test_int8_activations_need_quantized_matrices(tmp_path: Path) -> None:
     hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG))
     write_gguf(tmp_path / "f32.gguf", "llama", hf_model, tie=False)  # float32 matrices only
-    with pytest.raises(ModelLoadError, match="no Q4_0, Q4_1 or Q8_0 matrices"):
+    with pytest.raises(ModelLoadError, match="no matrices in a format the quantized matmul"):
         load_model(tmp_path / "f32.gguf", torch.float32, "cpu", matmul_activations="int8")
 
 

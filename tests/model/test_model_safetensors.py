@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints: our loader and paged forward vs transformers."""
+"""Tiny random Llama / Qwen2 / Qwen3 / Gemma 3 checkpoints: our loader and paged forward vs
+transformers (Gemma 3's windows shorter than the prompts)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,27 @@ def _config(kind: str) -> Any:
         return transformers.LlamaConfig(**COMMON, rope_theta=10000.0, tie_word_embeddings=False)
     if kind == "qwen2":
         return transformers.Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=True)
+    if kind == "gemma3":  # windows of 8 keys, a full layer between two windowed ones
+        return transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=32, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+            query_pre_attn_scalar=24, tie_word_embeddings=True,
+        )  # fmt: skip
     # head_dim differs from hidden_size / num_heads, as in real Qwen3 checkpoints
     return transformers.Qwen3Config(
         **COMMON, head_dim=32, rope_theta=1e6, tie_word_embeddings=False
     )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+ARCHITECTURES = {"gemma3_text": "gemma3"}
+"""Hugging Face model types we serve under another name."""
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def tiny(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Any]:
@@ -76,10 +91,11 @@ def _hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
 def test_arch_flags(tiny: Any) -> None:
     directory, hf_model = tiny
     loaded = load_model(directory, torch.float32, "cpu")
-    kind = hf_model.config.model_type
+    kind = ARCHITECTURES.get(hf_model.config.model_type, hf_model.config.model_type)
     assert loaded.arch.architecture == kind
     assert loaded.arch.qkv_bias == (kind == "qwen2")
-    assert loaded.arch.qk_norm == (kind == "qwen3")
+    assert loaded.arch.qk_norm == (kind in ("qwen3", "gemma3"))
+    assert loaded.arch.layer_windows == ((8, 0, 8) if kind == "gemma3" else ())
     assert loaded.arch.tie_word_embeddings == hf_model.config.tie_word_embeddings
     assert loaded.gguf_reader is None
     again = load_model(directory, torch.float32, "cpu")

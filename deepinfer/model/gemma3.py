@@ -1,0 +1,87 @@
+"""Gemma 3: the Llama-family decoder with Gemma's differences.
+
+- Five of every six layers attend a sliding window (`ModelArch.layer_windows`), with a RoPE base
+  of their own (`rope_local_theta`); q and k are RMS-normalized per head (`qk_norm`).
+- Each block's input and output are normalized (four norms a layer): the attention output and
+  the FFN output pass through a norm before they join the residual stream.
+- The FFN is gelu-tanh gated; token embeddings are scaled by sqrt(hidden); the head is tied.
+
+Norm weights are the factors they multiply by (Gemma's own checkpoints store w for 1 + w: the
+safetensors loader adds the 1, llama.cpp's converter already did), so every norm is the same
+`x * rsqrt(mean(x^2) + eps) * w` as Llama's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.attention import AttentionBackend
+from deepinfer.model.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    NativeLayerStack,
+    RMSNorm,
+    StepContext,
+)
+
+
+class Gemma3MLP(LlamaMLP):
+    def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(ops.gelu_tanh_mul(self.gate_up_proj(h)))  # [T, 2I] -> [T, D]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.input_norm = RMSNorm(arch.hidden_size)
+        self.self_attn = LlamaAttention(arch, layer)
+        self.post_attention_norm = RMSNorm(arch.hidden_size)
+        self.pre_ffn_norm = RMSNorm(arch.hidden_size)
+        self.mlp = Gemma3MLP(arch)
+        self.post_ffn_norm = RMSNorm(arch.hidden_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        step: StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's normed FFN output, the residual stream before it is added)."""
+        ops = step.ops
+        if residual is None:
+            residual = h
+            h = ops.rms_norm(h, self.input_norm.weight, self.eps)
+        else:
+            h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm.weight, self.eps)
+        h = ops.rms_norm(
+            self.self_attn(h, kv_cache, step), self.post_attention_norm.weight, self.eps
+        )
+        h, residual = ops.fused_add_rms_norm(h, residual, self.pre_ffn_norm.weight, self.eps)
+        h = ops.rms_norm(self.mlp(h, ops), self.post_ffn_norm.weight, self.eps)
+        return h, residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM`'s interface and paged caches, with Gemma 3's layers and embedding."""
+
+    decoder_layer = Gemma3DecoderLayer
+
+    def __init__(
+        self, arch: ModelArch, device: torch.device, backend: AttentionBackend | None = None
+    ) -> None:
+        super().__init__(arch, device, backend)
+        self.embed_scale = torch.tensor(math.sqrt(arch.hidden_size), dtype=torch.float32).item()
+        """sqrt(hidden) rounded to float32, as the reference multiplies by it."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def _build_stack(self, num_layers: int | None = None) -> NativeLayerStack:
+        raise ValueError("Gemma 3's layers are not in the native stack")
