@@ -11,9 +11,11 @@ the part: a model's KV caches (`bind_kv_caches`, the pool is sized from the load
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -173,8 +175,16 @@ def runtime_info(
 # -- text: the tokenizer, and the vocabulary grammars see --
 def build_tokenizer(loaded: LoadedModel, path: Path) -> Tokenizer:
     if loaded.gguf_reader is not None:
-        return Tokenizer.from_gguf(loaded.gguf_reader)
+        return _gguf_tokenizer(loaded.gguf_reader)
     return Tokenizer.from_dir(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(reader: Any) -> Tokenizer:
+    """The tokenizer of an open GGUF file, built once per reader: an engine started again on the
+    same file in this process (the loader reuses the file's parsed reader) skips the rebuild
+    (Gemma 3's 262k-token vocabulary: about 4 s). Tokenizers are never mutated once built."""
+    return Tokenizer.from_gguf(reader)
 
 
 def grammar_vocabulary(tokenizer: Tokenizer, recipe: ChatRecipe) -> GrammarVocabulary:

@@ -78,9 +78,8 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
     ) -> None:
-        serialized = hf.to_str()
-        self._special = HFTokenizer.from_str(serialized)
-        self._content = HFTokenizer.from_str(serialized)
+        self._special = hf  # owned from here on: the constructors build it for this instance
+        self._content = HFTokenizer.from_str(hf.to_str())
         self._content.encode_special_tokens = True
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
