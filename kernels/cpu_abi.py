@@ -44,11 +44,14 @@ class Matrix(ctypes.Structure):
 
 
 class LlamaLayer(ctypes.Structure):
-    """di_llama_layer: one decoder layer's weights and KV caches."""
+    """di_llama_layer: one decoder layer's weights, RoPE table, window, activation and KV
+    caches; the optional norms are 0 (NULL) where the layer has none."""
 
     _fields_ = [
         ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix), ("down", Matrix),
-        ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p),
+        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+        ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos_sin", _p), ("window", _i),
+        ("activation", _i), ("k_cache", _p), ("v_cache", _p),
     ]  # fmt: skip
 
 
@@ -57,7 +60,7 @@ class LlamaStep(ctypes.Structure):
 
     _fields_ = [
         ("T", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("head_dim", _i), ("intermediate", _i),
-        ("eps", _f), ("scale", _f), ("positions", _p), ("cos_sin", _p), ("num_positions", _l),
+        ("eps", _f), ("scale", _f), ("positions", _p), ("num_positions", _l),
         ("slots", _p), ("num_slots", _l), ("block_tables", _p), ("max_blocks", _i),
         ("context_lens", _p), ("block_size", _i), ("kv_f16", _i), ("num_threads", _i),
     ]  # fmt: skip
@@ -85,6 +88,7 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_rotary": (_i, (_p, _l, _i, _p, _l, _i, _p, _p, _l, _i, _i, _i)),
     "di_store_kv": (_i, (_p, _l, _p, _l, _p, _p, _l, _p, _i, _i, _i)),
     "di_silu_mul": (_i, (_p, _l, _p, _l, _i, _i, _i)),
+    "di_gelu_tanh_mul": (_i, (_p, _l, _p, _l, _i, _i, _i)),
     "di_argmax_rows": (_i, (_p, _l, _i, _i, _p)),
     "di_paged_decode_attention": (_i, (ctypes.POINTER(AttentionArgs),)),
     "di_llama_layers": (

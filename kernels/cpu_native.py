@@ -106,6 +106,10 @@ class NativeLibrary:
         """See `di_silu_mul` in cpu/elementwise.c."""
         _check(self._lib.di_silu_mul(*args))
 
+    def gelu_tanh_mul(self, *args: int) -> None:
+        """See `di_gelu_tanh_mul` in cpu/elementwise.c."""
+        _check(self._lib.di_gelu_tanh_mul(*args))
+
     def argmax_rows(self, x: int, stride: int, rows: int, v: int, out: int) -> None:
         """See `di_argmax_rows` in cpu/sampling.c."""
         _check(self._lib.di_argmax_rows(x, stride, rows, v, out))

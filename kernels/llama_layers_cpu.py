@@ -1,10 +1,12 @@
-"""A Llama decoder stack in one native call (`cpu/llama_layers.c`), for the `cpu` backend.
+"""A Llama-family decoder stack in one native call (`cpu/llama_layers.c`), for the `cpu` backend.
 
 The C driver calls the same kernels, with the same arguments and in the same order, as the
 Python forward does through the backend ops one by one, so its output is bit-identical; it only
-saves the ~13 Python calls a layer (most of a one-stream decode step's time). `NativeLayerStack`
-is built once per model and KV pool where everything qualifies (quantized matmuls without
-biases, no q/k norms, caches the native attention reads, shapes the kernels take) and raises
+saves the ~13 Python calls a layer (most of a one-stream decode step's time). Each layer brings
+what sets it apart (`LayerWeights`): its RoPE table and sliding window, per-head q/k norms
+(Qwen3, Gemma 3), norms of its attention and MLP outputs and a gelu_tanh gate (Gemma 3).
+`NativeLayerStack` is built once per model and KV pool where everything qualifies (quantized
+matmuls without biases, caches the native attention reads, shapes the kernels take) and raises
 `ValueError` saying why not otherwise; `step_applies` says whether a step's attention plan is
 entirely native (every query one row of the decode kernel).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -23,9 +26,17 @@ from .paged_attention_cpu import MAX_GROUP, MAX_HEAD_DIM, NATIVE_KV_DTYPES
 from .paged_attention_torch import PagedAttentionPlan
 
 
+class Activation(IntEnum):
+    """The MLP's gate activation: DI_ACT_* of cpu/deepinfer_kernels.h."""
+
+    SILU = 0
+    GELU_TANH = 1
+
+
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as the native stack reads it."""
+    """One decoder layer as the native stack reads it: the computation of `LlamaDecoderLayer`,
+    plus Gemma 3's where its optional fields are set."""
 
     qkv: BlockWeight
     o: BlockWeight
@@ -33,8 +44,21 @@ class LayerWeights:
     down: BlockWeight
     input_norm: torch.Tensor  # float32 [hidden]
     post_norm: torch.Tensor
+    """The MLP's input norm (fused with the residual add of the attention output)."""
     k_cache: torch.Tensor  # [N, S, Hkv, D] float32 or float16, contiguous
     v_cache: torch.Tensor
+    cos_sin: torch.Tensor  # [P, D] float32
+    """This layer's RoPE table (a windowed layer's may have a base of its own)."""
+    window: int = 0
+    """The sliding window its queries attend, 0 for every key."""
+    activation: Activation = Activation.SILU
+    q_norm: torch.Tensor | None = None  # float32 [D]
+    """Per-head RMSNorm of q before rotary (with `k_norm`)."""
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # float32 [hidden]
+    """RMSNorm of the attention output before it joins the residual stream."""
+    mlp_out_norm: torch.Tensor | None = None
+    """RMSNorm of the MLP output before it joins the residual stream."""
 
 
 @dataclass(frozen=True)
@@ -77,37 +101,67 @@ def _check_caches(layer: LayerWeights, s: StackShape) -> None:
         raise ValueError("K and V caches must be contiguous and of one shape")
     if k.dim() != 4 or tuple(k.shape[2:]) != (s.num_kv_heads, s.head_dim):
         raise ValueError(f"KV cache shape {tuple(k.shape)}")
-    for norm in (layer.input_norm, layer.post_norm):
-        if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (s.hidden,):
-            raise ValueError("norm weights must be contiguous float32 [hidden]")
+
+
+def _vector(w: torch.Tensor | None, size: int) -> int:
+    """A norm weight's address (0 for none); ValueError unless contiguous float32 [size]."""
+    if w is None:
+        return 0
+    if w.dtype != torch.float32 or not w.is_contiguous() or w.shape != (size,):
+        raise ValueError(f"norm weights must be contiguous float32 [{size}]")
+    return w.data_ptr()
+
+
+def _check_table(cos_sin: torch.Tensor, s: StackShape) -> None:
+    if (
+        cos_sin.dtype != torch.float32
+        or not cos_sin.is_contiguous()
+        or cos_sin.dim() != 2
+        or cos_sin.shape[1] != s.head_dim
+    ):
+        raise ValueError("a rotary table must be contiguous float32 [P, head_dim]")
+
+
+def _layer_struct(layer: LayerWeights, s: StackShape) -> LlamaLayer:
+    _check_caches(layer, s)
+    _check_table(layer.cos_sin, s)
+    if layer.window < 0:
+        raise ValueError(f"a window of {layer.window} keys")
+    width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    matrices = (
+        _matrix(layer.qkv, width, s.hidden),
+        _matrix(layer.o, s.hidden, s.num_heads * s.head_dim),
+        _matrix(layer.gate_up, 2 * s.intermediate, s.hidden),
+        _matrix(layer.down, s.hidden, s.intermediate),
+    )
+    norms = (
+        _vector(layer.input_norm, s.hidden),
+        _vector(layer.post_norm, s.hidden),
+        _vector(layer.q_norm, s.head_dim),
+        _vector(layer.k_norm, s.head_dim),
+        _vector(layer.attn_out_norm, s.hidden),
+        _vector(layer.mlp_out_norm, s.hidden),
+    )
+    return LlamaLayer(
+        *matrices, *norms, layer.cos_sin.data_ptr(), layer.window, int(layer.activation),
+        layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
+    )  # fmt: skip
 
 
 class NativeLayerStack:
     """Every decoder layer of one model over one KV pool, as one native call a step."""
 
-    def __init__(self, layers: Sequence[LayerWeights], shape: StackShape, cos_sin: torch.Tensor):
+    def __init__(self, layers: Sequence[LayerWeights], shape: StackShape):
         _check_shape(shape)
-        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.dim() != 2:
-            raise ValueError("the rotary table must be contiguous float32 [P, head_dim]")
-        s = shape
-        width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        structs = []
-        for layer in layers:
-            _check_caches(layer, s)
-            matrices = (
-                _matrix(layer.qkv, width, s.hidden),
-                _matrix(layer.o, s.hidden, s.num_heads * s.head_dim),
-                _matrix(layer.gate_up, 2 * s.intermediate, s.hidden),
-                _matrix(layer.down, s.hidden, s.intermediate),
-            )
-            tensors = (layer.input_norm, layer.post_norm, layer.k_cache, layer.v_cache)
-            structs.append(LlamaLayer(*matrices, *(t.data_ptr() for t in tensors)))
-        if not structs:
+        if not layers:
             raise ValueError("a stack of no layers")
+        structs = [_layer_struct(layer, shape) for layer in layers]
+        if len({layer.cos_sin.shape[0] for layer in layers}) != 1:
+            raise ValueError("the layers' rotary tables must cover the same positions")
         self.shape = shape
         self._layers = (LlamaLayer * len(structs))(*structs)
-        self._layers_kept = list(layers)  # with _cos_sin: the memory the pointers point into
-        self._cos_sin = cos_sin
+        self._layers_kept = list(layers)  # the memory the pointers point into
+        self._num_positions = layers[0].cos_sin.shape[0]
         k0 = layers[0].k_cache
         self._block_size = k0.shape[1]
         self._num_slots = k0.shape[0] * k0.shape[1]
@@ -137,8 +191,8 @@ class NativeLayerStack:
         s = self.shape
         step = LlamaStep(
             tokens, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
-            s.eps, s.scale, positions.data_ptr(), self._cos_sin.data_ptr(),
-            self._cos_sin.shape[0], slot_mapping.data_ptr(), self._num_slots,
+            s.eps, s.scale, positions.data_ptr(), self._num_positions,
+            slot_mapping.data_ptr(), self._num_slots,
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), self._block_size,
             self._kv_f16, torch.get_num_threads(),
         )  # fmt: skip

@@ -163,9 +163,10 @@ def triton_backend(batch_invariant: bool = False) -> KernelBackend:
 
 def cpu_backend(batch_invariant: bool = False) -> KernelBackend:
     """The torch references, with decode attention (and short prompt chunks), the norms,
-    rotary, the KV store and silu * up through the native CPU kernels; with `batch_invariant`,
-    every query's attention through the native kernel, one row each (their per-row order is
-    fixed: no reduction depends on the other rows, the chunking or the thread count)."""
+    rotary, the KV store, silu * up and gelu_tanh * up through the native CPU kernels; with
+    `batch_invariant`, every query's attention through the native kernel, one row each (their
+    per-row order is fixed: no reduction depends on the other rows, the chunking or the thread
+    count)."""
     from deepinfer.kernels import elementwise_cpu as ew
     from deepinfer.kernels import paged_attention_cpu as cpu
 
@@ -175,6 +176,7 @@ def cpu_backend(batch_invariant: bool = False) -> KernelBackend:
     ops["apply_rotary"] = ew.apply_rotary_cpu
     ops["store_kv"] = ew.store_kv_cpu
     ops["silu_mul"] = ew.silu_mul_cpu
+    ops["gelu_tanh_mul"] = ew.gelu_tanh_mul_cpu
     ops["plan_paged_attention"] = functools.partial(
         cpu.plan_paged_attention_cpu, every_row=batch_invariant
     )

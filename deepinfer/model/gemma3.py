@@ -13,20 +13,22 @@ safetensors loader adds the 1, llama.cpp's converter already did), so every norm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
-from torch import nn
 
+from deepinfer.kernels.llama_layers_cpu import Activation, LayerWeights
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.llama import (
+    DecoderLayer,
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
-    NativeLayerStack,
     RMSNorm,
     StepContext,
+    native_layer_weights,
 )
 
 
@@ -35,7 +37,7 @@ class Gemma3MLP(LlamaMLP):
         return self.down_proj(ops.gelu_tanh_mul(self.gate_up_proj(h)))  # [T, 2I] -> [T, D]
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
@@ -67,6 +69,21 @@ class Gemma3DecoderLayer(nn.Module):
         h = ops.rms_norm(self.mlp(h, ops), self.post_ffn_norm.weight, self.eps)
         return h, residual
 
+    def native_weights(
+        self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
+    ) -> LayerWeights:
+        """This layer as the native stack computes it: Llama's, with the gelu_tanh gate and the
+        norms of the attention and FFN outputs."""
+        llama = native_layer_weights(
+            self.self_attn, self.mlp, self.input_norm, self.pre_ffn_norm, kv_cache, cos_sin
+        )
+        return dataclasses.replace(
+            llama,
+            activation=Activation.GELU_TANH,
+            attn_out_norm=self.post_attention_norm.weight.data,
+            mlp_out_norm=self.post_ffn_norm.weight.data,
+        )
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM`'s interface and paged caches, with Gemma 3's layers and embedding."""
@@ -82,6 +99,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.embed_tokens(input_ids) * self.embed_scale
-
-    def _build_stack(self, num_layers: int | None = None) -> NativeLayerStack:
-        raise ValueError("Gemma 3's layers are not in the native stack")

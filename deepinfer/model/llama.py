@@ -161,7 +161,20 @@ class LlamaMLP(nn.Module):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))  # [T, 2I] -> [T, I] -> [T, D]
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
+    """A decoder layer, `layer(h, residual, kv_cache, step) -> (output, residual)`: the residual
+    stream is None before the first layer, and each layer returns it before its own output is
+    added."""
+
+    def native_weights(
+        self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
+    ) -> LayerWeights:
+        """This layer as the native stack computes it (`cos_sin`: its RoPE table); ValueError
+        where the stack cannot."""
+        raise NotImplementedError
+
+
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
@@ -188,19 +201,37 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm.weight, self.eps)
         return self.mlp(h, ops), residual
 
+    def native_weights(
+        self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
+    ) -> LayerWeights:
+        return native_layer_weights(
+            self.self_attn, self.mlp, self.input_norm, self.post_attention_norm, kv_cache, cos_sin
+        )
 
-def _layer_weights(
-    layer: LlamaDecoderLayer, kv_cache: tuple[torch.Tensor, torch.Tensor]
+
+def native_layer_weights(
+    attn: LlamaAttention,
+    mlp: LlamaMLP,
+    input_norm: RMSNorm,
+    post_norm: RMSNorm,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    cos_sin: torch.Tensor,
 ) -> LayerWeights:
-    attn, mlp = layer.self_attn, layer.mlp
+    """A Llama-family layer's attention and MLP with the norms before them, for the native stack
+    (a Qwen3 or Gemma 3 layer's q/k norms included)."""
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(lin.bias is not None for lin in linears):
         raise ValueError("the native stack has no matmul biases")
     qkv, o, gate_up, down = (lin.quantized for lin in linears)
     if qkv is None or o is None or gate_up is None or down is None:
         raise ValueError("every matmul must be served by a quantized kernel")
-    norms = (layer.input_norm.weight.data, layer.post_attention_norm.weight.data)
-    return LayerWeights(qkv, o, gate_up, down, *norms, *kv_cache)
+    q_norm = k_norm = None
+    if attn.arch.qk_norm:
+        q_norm, k_norm = attn.q_norm.weight.data, attn.k_norm.weight.data
+    return LayerWeights(
+        qkv, o, gate_up, down, input_norm.weight.data, post_norm.weight.data, *kv_cache,
+        cos_sin=cos_sin, window=attn.window or 0, q_norm=q_norm, k_norm=k_norm,
+    )  # fmt: skip
 
 
 class LlamaForCausalLM(nn.Module):
@@ -212,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
 
     cos_sin: torch.Tensor  # [P, D], a buffer
     cos_sin_local: torch.Tensor  # [P, D], a buffer: the windowed layers' (`cos_sin` if shared)
-    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    decoder_layer: type[DecoderLayer] = LlamaDecoderLayer
     """The layer class, built as `decoder_layer(arch, index)`."""
 
     def __init__(
@@ -288,18 +319,19 @@ class LlamaForCausalLM(nn.Module):
         a = self.arch
         if self.attention_backend.name != "cpu" or self.kv_caches is None:
             raise ValueError("needs the cpu attention backend and bound caches")
-        if a.qk_norm or a.qkv_bias or a.windowed:
-            raise ValueError("q/k norms, qkv biases and windows are not in the native stack")
+        if a.qkv_bias:
+            raise ValueError("qkv biases are not in the native stack")
         layers = []
-        for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
-            assert isinstance(layer, LlamaDecoderLayer)
-            layers.append(_layer_weights(layer, kv_cache))
-        layers = layers[:num_layers]
+        pairs = list(zip(self.layers, self.kv_caches, strict=True))[:num_layers]
+        for i, (layer, kv_cache) in enumerate(pairs):
+            assert isinstance(layer, DecoderLayer)
+            cos_sin = self.cos_sin_local if a.window(i) else self.cos_sin
+            layers.append(layer.native_weights(kv_cache, cos_sin))
         shape = StackShape(
             a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
-            a.rms_norm_eps, a.head_dim**-0.5,
+            a.rms_norm_eps, a.attention_scale,
         )  # fmt: skip
-        return NativeLayerStack(layers, shape, self.cos_sin)
+        return NativeLayerStack(layers, shape)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, V] float32

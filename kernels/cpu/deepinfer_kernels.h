@@ -99,6 +99,8 @@ int di_store_kv(const float *k, long k_stride, const float *v, long v_stride, vo
                 int kv_f16);
 int di_silu_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
                 int num_threads);
+int di_gelu_tanh_mul(const float *gu, long gu_stride, float *out, long out_stride, int T, int I,
+                     int num_threads);
 int di_paged_decode_attention(const di_attention_args *a);
 
 /* One weight of the decoder stack: GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1). */
@@ -110,6 +112,17 @@ typedef struct {
     int K;
 } di_matrix;
 
+/* The MLP's gate activation (di_llama_layer.activation): silu(gate) * up (di_silu_mul) or
+   gelu_tanh(gate) * up (di_gelu_tanh_mul). */
+#define DI_ACT_SILU 0
+#define DI_ACT_GELU_TANH 1
+
+/* One decoder layer. input_norm normalizes the layer's input, post_norm the MLP's (each fused
+   with the residual add before it). Optional, NULL where the layer has none: q_norm and k_norm
+   [head_dim], an RMSNorm of every head of q and k before rotary (Qwen3, Gemma 3);
+   attn_out_norm and mlp_out_norm [hidden], an RMSNorm of the attention and MLP outputs before
+   they join the residual stream (Gemma 3). cos_sin: the layer's RoPE table [num_positions,
+   head_dim] (di_rotary's); window: its sliding window, 0 for every key (di_attention_args). */
 typedef struct {
     di_matrix qkv;
     di_matrix o;
@@ -117,6 +130,13 @@ typedef struct {
     di_matrix down;
     const float *input_norm;
     const float *post_norm;
+    const float *q_norm;
+    const float *k_norm;
+    const float *attn_out_norm;
+    const float *mlp_out_norm;
+    const float *cos_sin;
+    int window;
+    int activation;
     void *k_cache;
     void *v_cache;
 } di_llama_layer;
@@ -132,7 +152,6 @@ typedef struct {
     float eps;
     float scale;
     const int64_t *positions;
-    const float *cos_sin;
     long num_positions;
     const int64_t *slots;
     long num_slots;

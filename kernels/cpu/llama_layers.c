@@ -1,9 +1,10 @@
-/* A Llama decoder stack on CPU in one call: for each layer, the same kernels the Python forward
-   calls one by one (RMSNorm, the q/k/v, o, gate/up and down matmuls, rotary, the KV store,
-   paged attention, silu * up), in the same order on the same rows, so the result is
-   bit-identical to that path. What it saves: ~13 Python calls a layer (tens of microseconds
-   each: most of a one-stream decode step, a tenth of a 32-stream one), and OpenMP's fork, join
-   and futex waits: the whole stack is one parallel region whose threads share out each op
+/* A Llama-family decoder stack on CPU in one call: for each layer, the same kernels the Python
+   forward calls one by one (RMSNorm, the q/k/v, o, gate/up and down matmuls, the q/k norms,
+   rotary, the KV store, paged attention over the layer's window, silu or gelu_tanh * up, and
+   Gemma 3's norms of the attention and MLP outputs), in the same order on the same rows, so the
+   result is bit-identical to that path. What it saves: ~13 Python calls a layer (tens of
+   microseconds each: most of a one-stream decode step, a tenth of a 32-stream one), and
+   OpenMP's fork, join and futex waits: the whole stack is one parallel region whose threads share out each op
    (cpu/parts.h) and meet at spinning barriers between ops (cpu/team.h).
 
    For steps whose every query the native attention kernel takes (decode rows, short chunks
@@ -25,7 +26,7 @@ static int matrix_ok(const di_matrix *m, int N, int K) {
     return di_format_ok(m->fmt, K);
 }
 
-/* What the region's threads share: the step, its buffers, and the attention plan. */
+/* What the region's threads share: the step, its buffers, and the attention plans. */
 typedef struct {
     const di_llama_step *s;
     float *hn, *qkv, *attn, *gu, *act;
@@ -33,7 +34,9 @@ typedef struct {
     float *dx, *sx;
     float *tiles; /* per thread: di_quant_gemm_buffer_floats(max K) floats */
     long tile_floats;
-    di_attention_plan plan;
+    di_attention_plan *plans; /* one per distinct window among the layers */
+    int num_plans;
+    int *plan_of; /* [num_layers]: each layer's plan */
 } stack_buffers;
 
 static void linear(const di_matrix *w, const float *x, float *y, const stack_buffers *b,
@@ -60,7 +63,8 @@ static void rows_of(const di_team *team, int T, int split, int *t0, int *t1) {
 }
 
 /* out = rms_norm(h (+ residual)) * w; with a residual, the sum is written back into it (the
-   residual stream, updated in place). Without one, h is copied into `residual`. */
+   residual stream, updated in place). Without one, h is copied into `residual` unless that is
+   NULL (a plain norm, which may write over h itself). */
 static void rms_norm(const float *h, float *residual, int has_residual, const float *w,
                      float *out, const stack_buffers *b, di_team *team) {
     const di_llama_step *s = b->s;
@@ -73,10 +77,25 @@ static void rms_norm(const float *h, float *residual, int has_residual, const fl
     int t0, t1;
     rows_of(team, s->T, di_rms_norm_parallel(&a), &t0, &t1);
     di_rms_norm_rows(&a, t0, t1);
-    if (!has_residual && t1 > t0) {
+    if (!has_residual && residual != NULL && t1 > t0) {
         memcpy(residual + t0 * D, h + t0 * D, sizeof(float) * (size_t)(t1 - t0) * D);
     }
     di_team_sync(team);
+}
+
+/* Every head of tokens [t0, t1) of x [T, heads, head_dim] (token stride given) RMS-normalized
+   in place by w, where w is not NULL: the rows the cpu backend's rms_norm of that view
+   computes. */
+static void head_norm(float *x, long stride, int heads, const float *w, const di_llama_step *s,
+                      int t0, int t1) {
+    if (w == NULL) return;
+    for (int t = t0; t < t1; t++) {
+        float *row = x + t * stride;
+        const di_rms_norm_args a = {
+            .x = row, .x_stride = s->head_dim, .w = w, .out = row, .out_stride = s->head_dim,
+            .T = heads, .D = s->head_dim, .eps = s->eps, .num_threads = 1};
+        di_rms_norm_rows(&a, 0, heads);
+    }
 }
 
 static di_attention_args attention_args(const float *q, long q_stride, const di_llama_layer *y,
@@ -86,50 +105,80 @@ static di_attention_args attention_args(const float *q, long q_stride, const di_
         .v_cache = y->v_cache, .block_tables = s->block_tables, .max_blocks = s->max_blocks,
         .context_lens = s->context_lens, .out = out, .B = s->T, .H = s->H, .Hkv = s->Hkv,
         .D = s->head_dim, .S = s->block_size, .scale = s->scale,
-        .num_threads = s->num_threads, .kv_f16 = s->kv_f16};
+        .num_threads = s->num_threads, .kv_f16 = s->kv_f16, .window = y->window};
     return a;
 }
 
-static void layer(const di_llama_layer *y, int first, stack_buffers *b, float *h,
-                  float *residual, di_team *team) {
+/* b->attn = attention of the q/k/v rows in b->qkv: their q/k norms and rotary in place and the
+   KV store (per-token ops: a thread's tokens go through all three), then paged attention. */
+static void attention(const di_llama_layer *y, di_attention_plan *plan, stack_buffers *b,
+                      di_team *team) {
     const di_llama_step *s = b->s;
-    const int T = s->T, hd = s->head_dim, I = s->intermediate;
+    const int T = s->T, hd = s->head_dim;
     const int q_size = s->H * hd, kv_size = s->Hkv * hd, W = q_size + 2 * kv_size;
-    rms_norm(h, residual, !first, y->input_norm, b->hn, b, team);
-    linear(&y->qkv, b->hn, b->qkv, b, team);
     float *q = b->qkv, *k = b->qkv + q_size, *v = b->qkv + q_size + kv_size;
     int t0, t1;
     rows_of(team, T, di_rotary_parallel(T, s->H, s->Hkv, hd), &t0, &t1);
-    di_rotary_rows(q, W, s->H, k, W, s->Hkv, s->positions, s->cos_sin, hd, t0, t1);
+    head_norm(q, W, s->H, y->q_norm, s, t0, t1);
+    head_norm(k, W, s->Hkv, y->k_norm, s, t0, t1);
+    di_rotary_rows(q, W, s->H, k, W, s->Hkv, s->positions, y->cos_sin, hd, t0, t1);
     di_store_kv_rows(k, W, v, W, y->k_cache, y->v_cache, s->slots, kv_size, s->kv_f16, t0, t1);
     di_team_sync(team);
     const di_attention_args a = attention_args(q, W, y, b->attn, s);
-    di_attention_team(&a, &b->plan, team);
+    di_attention_team(&a, plan, team);
     di_team_sync(team);
-    linear(&y->o, b->attn, h, b, team);
-    rms_norm(h, residual, 1, y->post_norm, b->hn, b, team);
+}
+
+/* h = down(act(gate) * up) of the rows in b->hn. */
+static void mlp(const di_llama_layer *y, stack_buffers *b, float *h, di_team *team) {
+    const int T = b->s->T, I = b->s->intermediate;
     linear(&y->gate_up, b->hn, b->gu, b, team);
-    rows_of(team, T, di_silu_mul_parallel(T, I), &t0, &t1);
-    di_silu_mul_rows(b->gu, 2 * I, b->act, I, I, t0, t1);
+    int t0, t1;
+    rows_of(team, T, di_gated_mul_parallel(T, I), &t0, &t1);
+    if (y->activation == DI_ACT_GELU_TANH) {
+        di_gelu_tanh_mul_rows(b->gu, 2 * I, b->act, I, I, t0, t1);
+    } else {
+        di_silu_mul_rows(b->gu, 2 * I, b->act, I, I, t0, t1);
+    }
     di_team_sync(team);
     linear(&y->down, b->act, h, b, team);
 }
 
-static int check(const di_llama_layer *layers, int num_layers, const di_llama_step *s) {
+static void layer(const di_llama_layer *y, di_attention_plan *plan, int first, stack_buffers *b,
+                  float *h, float *residual, di_team *team) {
+    rms_norm(h, residual, !first, y->input_norm, b->hn, b, team);
+    linear(&y->qkv, b->hn, b->qkv, b, team);
+    attention(y, plan, b, team);
+    linear(&y->o, b->attn, h, b, team);
+    if (y->attn_out_norm != NULL) rms_norm(h, NULL, 0, y->attn_out_norm, h, b, team);
+    rms_norm(h, residual, 1, y->post_norm, b->hn, b, team);
+    mlp(y, b, h, team);
+    if (y->mlp_out_norm != NULL) rms_norm(h, NULL, 0, y->mlp_out_norm, h, b, team);
+}
+
+static int check_layer(const di_llama_layer *y, const di_llama_step *s) {
     const int D = s->hidden, hd = s->head_dim, I = s->intermediate;
     const int q_size = s->H * hd, kv_size = s->Hkv * hd, W = q_size + 2 * kv_size;
-    const di_rms_norm_args norm = {.T = s->T, .D = D};
+    const di_attention_args a = attention_args(NULL, W, y, NULL, s);
+    if (di_attention_check(&a) != 0) return -1;
+    if (y->input_norm == NULL || y->post_norm == NULL || y->cos_sin == NULL) return -1;
+    if (y->activation != DI_ACT_SILU && y->activation != DI_ACT_GELU_TANH) return -1;
+    if (!matrix_ok(&y->qkv, W, D) || !matrix_ok(&y->o, D, q_size) ||
+        !matrix_ok(&y->gate_up, 2 * I, D) || !matrix_ok(&y->down, D, I)) {
+        return -1;
+    }
+    return 0;
+}
+
+static int check(const di_llama_layer *layers, int num_layers, const di_llama_step *s) {
+    const int hd = s->head_dim, I = s->intermediate;
+    const int kv_size = s->Hkv * hd;
+    const di_rms_norm_args norm = {.T = s->T, .D = s->hidden};
     if (di_rms_norm_check(&norm) != 0 || I <= 0 || I % 8 != 0) return -1;
     if (di_rotary_check(s->positions, s->num_positions, s->T, hd) != 0) return -1;
     if (di_store_kv_check(s->num_slots, s->slots, s->T, kv_size) != 0) return -1;
     for (int l = 0; l < num_layers; l++) {
-        const di_llama_layer *y = &layers[l];
-        const di_attention_args a = attention_args(NULL, W, y, NULL, s);
-        if (di_attention_check(&a) != 0) return -1;
-        if (!matrix_ok(&y->qkv, W, D) || !matrix_ok(&y->o, D, q_size) ||
-            !matrix_ok(&y->gate_up, 2 * I, D) || !matrix_ok(&y->down, D, I)) {
-            return -1;
-        }
+        if (check_layer(&layers[l], s) != 0) return -1;
     }
     return 0;
 }
@@ -143,11 +192,34 @@ static void free_buffers(stack_buffers *b) {
     free(b->q8);
     free(b->dx);
     free(b->tiles);
-    di_attention_plan_free(&b->plan);
+    for (int p = 0; p < b->num_plans; p++) di_attention_plan_free(&b->plans[p]);
+    free(b->plans);
+    free(b->plan_of);
 }
 
-static int alloc_buffers(stack_buffers *b, const di_llama_layer *layers, const di_llama_step *s,
-                         int threads) {
+/* One attention plan per distinct window (a plan's tasks cover the keys its window reads); the
+   layers of one window share theirs. */
+static int plan_attention(stack_buffers *b, const di_llama_layer *layers, int num_layers,
+                          int threads) {
+    b->plans = calloc((size_t)num_layers, sizeof(di_attention_plan));
+    b->plan_of = malloc(sizeof(int) * (size_t)num_layers);
+    if (b->plans == NULL || b->plan_of == NULL) return -2;
+    for (int l = 0; l < num_layers; l++) {
+        int j = 0;
+        while (j < l && layers[j].window != layers[l].window) j++;
+        if (j < l) {
+            b->plan_of[l] = b->plan_of[j];
+            continue;
+        }
+        const di_attention_args a = attention_args(NULL, 0, &layers[l], NULL, b->s);
+        if (di_attention_plan_init(&b->plans[b->num_plans], &a, threads) != 0) return -2;
+        b->plan_of[l] = b->num_plans++;
+    }
+    return 0;
+}
+
+static int alloc_buffers(stack_buffers *b, const di_llama_layer *layers, int num_layers,
+                         const di_llama_step *s, int threads) {
     const size_t T = (size_t)s->T, D = (size_t)s->hidden, I = (size_t)s->intermediate;
     const size_t q_size = (size_t)s->H * s->head_dim, kv_size = (size_t)s->Hkv * s->head_dim;
     size_t max_k = D > I ? D : I;
@@ -163,19 +235,17 @@ static int alloc_buffers(stack_buffers *b, const di_llama_layer *layers, const d
     b->sx = b->dx == NULL ? NULL : b->dx + T * (max_k / DI_QK);
     b->tile_floats = (di_quant_gemm_buffer_floats((int)max_k) + 15) / 16 * 16;
     b->tiles = aligned_alloc(64, sizeof(float) * (size_t)threads * (size_t)b->tile_floats);
-    const di_attention_args a = attention_args(NULL, 0, &layers[0], NULL, s);
-    const int plan = di_attention_plan_init(&b->plan, &a, threads);
-    if (!b->hn || !b->qkv || !b->attn || !b->gu || !b->act || !b->q8 || !b->dx || !b->tiles ||
-        plan != 0) {
+    if (!b->hn || !b->qkv || !b->attn || !b->gu || !b->act || !b->q8 || !b->dx || !b->tiles) {
         return -2;
     }
-    return 0;
+    return plan_attention(b, layers, num_layers, threads);
 }
 
 /* h [T, hidden]: in, the first layer's input (embeddings) or the previous stack's output; out,
-   the last layer's MLP output. residual [T, hidden]: the residual stream (in, when
-   `has_residual`; out, before the last MLP output is added), as the Python forward keeps them.
-   Returns 0, -1 on bad arguments, -2 when out of memory. */
+   the last layer's MLP output (normed by its mlp_out_norm, where it has one). residual
+   [T, hidden]: the residual stream (in, when `has_residual`; out, before the last MLP output
+   is added), as the Python forward keeps them. Returns 0, -1 on bad arguments, -2 when out of
+   memory. */
 int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama_step *s,
                     float *h, float *residual, int has_residual) {
     if (s->T < 0 || num_layers < 0) return -1;
@@ -183,7 +253,7 @@ int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama
     if (check(layers, num_layers, s) != 0) return -1;
     const int threads = s->num_threads > 0 ? s->num_threads : 1;
     stack_buffers b = {0};
-    if (alloc_buffers(&b, layers, s, threads) != 0) {
+    if (alloc_buffers(&b, layers, num_layers, s, threads) != 0) {
         free_buffers(&b);
         return -2;
     }
@@ -193,7 +263,8 @@ int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama
     {
         di_team team = di_team_join(&barrier);
         for (int l = 0; l < num_layers; l++) {
-            layer(&layers[l], l == 0 && !has_residual, &b, h, residual, &team);
+            layer(&layers[l], &b.plans[b.plan_of[l]], l == 0 && !has_residual, &b, h, residual,
+                  &team);
         }
     }
     free_buffers(&b);

@@ -28,9 +28,11 @@ DI_INTERNAL int di_store_kv_check(long num_slots, const int64_t *slots, int T, i
 DI_INTERNAL void di_store_kv_rows(const float *k, long k_stride, const float *v, long v_stride,
                       void *k_cache, void *v_cache, const int64_t *slots, int width, int kv_f16,
                       int t0, int t1);
-DI_INTERNAL int di_silu_mul_parallel(int T, int I);
+DI_INTERNAL int di_gated_mul_parallel(int T, int I); /* silu * up and gelu_tanh * up */
 DI_INTERNAL void di_silu_mul_rows(const float *gu, long gu_stride, float *out, long out_stride, int I, int t0,
                       int t1);
+DI_INTERNAL void di_gelu_tanh_mul_rows(const float *gu, long gu_stride, float *out, long out_stride, int I,
+                           int t0, int t1);
 
 /* int8_gemm.c: y = x @ W^T with x quantized into q [M, K], dx and sx [M, K / 32] */
 DI_INTERNAL void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,

@@ -18,6 +18,7 @@ import pytest
 
 from deepinfer.kernels import cpu_abi, cpu_native
 from deepinfer.kernels.cpu_native import native_available, native_library
+from deepinfer.kernels.llama_layers_cpu import Activation
 from deepinfer.kernels.paged_attention_cpu import MAX_GROUP, MAX_HEAD_DIM
 from deepinfer.kernels.quant_matmul import QK, QK_K, QuantFormat
 
@@ -122,6 +123,9 @@ def test_constants_agree_with_the_header(code: str) -> None:
     assert defines["DI_MAX_GROUP"] == MAX_GROUP
     for fmt in QuantFormat:
         assert defines[f"DI_FMT_{fmt.name}"] == fmt.value, fmt
+    assert {k: v for k, v in defines.items() if k.startswith("DI_ACT_")} == {
+        f"DI_ACT_{act.name}": act.value for act in Activation
+    }
 
 
 def test_every_source_includes_the_header() -> None:

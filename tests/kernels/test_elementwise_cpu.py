@@ -1,5 +1,6 @@
-"""The `cpu` backend's native norm, rotary, KV-store and silu * up kernels (kernels/cpu/elementwise.c)
-against the torch references they replace, on the strided views a forward pass gives them."""
+"""The `cpu` backend's native norm, rotary, KV-store, silu * up and gelu_tanh * up kernels
+(kernels/cpu/elementwise.c) against the torch references they replace, on the strided views a
+forward pass gives them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import elementwise_cpu as ew
-from deepinfer.kernels.activation import silu_mul_reference
+from deepinfer.kernels.activation import gelu_tanh_mul_reference, silu_mul_reference
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.kv_store import store_kv_reference
 from deepinfer.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -41,6 +42,18 @@ def test_norm_reads_strided_rows() -> None:
     x = wide[:, 128:704]  # row stride 1024
     w = torch.randn(576)
     torch.testing.assert_close(ew.rms_norm_cpu(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+def test_per_head_norm_is_the_norm_of_every_head() -> None:
+    """q [T, H, D], a view of the fused projection (q/k norms): the rows of the 2-D kernel."""
+    q, _, _ = _qkv(5, seed=2)
+    w = torch.randn(D)
+    got = ew.rms_norm_cpu(q, w, 1e-6)
+    assert got.shape == q.shape
+    assert torch.equal(got, ew.rms_norm_cpu(q.reshape(-1, D).clone(), w, 1e-6).view(q.shape))
+    torch.testing.assert_close(got, rms_norm_reference(q, w, 1e-6), rtol=1e-6, atol=1e-6)
+    one = _qkv(1, seed=2)[0]  # one token: its heads are rows of one stride, no copy
+    assert torch.equal(ew.rms_norm_cpu(one, w, 1e-6)[0], ew.rms_norm_cpu(one[0], w, 1e-6))
 
 
 @pytest.mark.parametrize("t", [1, 6, 200])
@@ -107,3 +120,48 @@ def test_silu_mul_reads_strided_rows_and_falls_back_elsewhere() -> None:
     torch.testing.assert_close(ew.silu_mul_cpu(view), silu_mul_reference(view), rtol=1e-6, atol=0)
     odd = torch.randn(3, 24)  # halves of 12: not the kernel's
     assert torch.equal(ew.silu_mul_cpu(odd), silu_mul_reference(odd))
+
+
+def _gelu_gates() -> torch.Tensor:
+    """Dense over [-12, 12] (where torch's tanh saturates to -1 and past it), and beyond."""
+    dense = torch.linspace(-12.0, 12.0, 48_000)
+    edges = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 88.0, -88.0, 1e3, -1e3])
+    huge = torch.tensor([1e10, -1e10, 1e20, -1e20, 3e38, -3e38])  # x^3 overflows
+    wide = torch.randn(16, generator=torch.Generator().manual_seed(0)) * 30
+    return torch.cat([dense, edges, huge, wide])  # 48_032 = 2 x 24_016: whole 8-lane rows
+
+
+@pytest.mark.parametrize("t", [1, 2])  # 2 x 24016: split over threads
+def test_gelu_tanh_mul_matches_the_reference(t: int) -> None:
+    gate = _gelu_gates().view(t, -1)
+    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(t)) * 4
+    gate_up = torch.cat([gate, up], dim=1)
+    got, want = ew.gelu_tanh_mul_cpu(gate_up), gelu_tanh_mul_reference(gate_up)
+    assert got.shape == gate.shape
+    # torch's 1 + tanh(y) cancels for negative gates (its own error reaches ~2 ulps of the
+    # gate): the two agree within a few ulps of |gate * up|, and within 1e-6 where they cannot
+    # cancel
+    scale = (gate * up).abs().double() * 2.0**-24
+    close = (got.double() - want.double()).abs() <= 4 * scale
+    assert (close | (got == want)).all()  # equal: the products that overflow, to -inf alike
+    positive = gate > 0
+    torch.testing.assert_close(got[positive], want[positive], rtol=1e-6, atol=0)
+    exact = gate.double() * torch.special.expit(  # gelu_tanh(x) = x * sigmoid(2 y)
+        2 * (2 / torch.pi) ** 0.5 * (gate.double() + 0.044715 * gate.double() ** 3)
+    )
+    # each ulp of rounding in exp's argument (up to 11 at |gate| = 4) moves the result by ~|arg|
+    # ulps: within 2e-6 where the result is above ~1e-4 of the gate
+    small = gate.abs() < 4
+    torch.testing.assert_close(
+        got[small].double(), (exact * up.double())[small], rtol=2e-6, atol=1e-30
+    )
+    assert torch.equal(got[gate < -11], want[gate < -11])  # both -0 (or +0 for up < 0)
+
+
+def test_gelu_tanh_mul_reads_strided_rows_and_falls_back_elsewhere() -> None:
+    wide = torch.randn(3, 200) * 3
+    view = wide[:, 4:196]
+    scale = (view[:, :96] * view[:, 96:]).abs() * 2.0**-24
+    assert ((ew.gelu_tanh_mul_cpu(view) - gelu_tanh_mul_reference(view)).abs() <= 4 * scale).all()
+    odd = torch.randn(3, 24)
+    assert torch.equal(ew.gelu_tanh_mul_cpu(odd), gelu_tanh_mul_reference(odd))

@@ -20,6 +20,7 @@ from model_test_utils import (
     prefill_then_decode_logits,
     run_step,
 )
+from test_native_stack import _counting
 
 from deepinfer.environment import default_model_dir
 from deepinfer.kernels.cpu_native import native_available
@@ -150,6 +151,31 @@ def test_greedy_matches_transformers_generate(
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
         want = out[0, len(prompt) :].tolist()
         assert len(want) == 24 and got == want
+
+
+@pytest.mark.skipif(not native_available(), reason="the native CPU kernels")
+def test_native_stack_is_bit_identical_on_the_real_model(
+    gemma3_ours: LoadedModel, gemma3_reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps through the one-call decoder stack (windowed and full layers, q/k norms,
+    the norms of the attention and FFN outputs, gelu_tanh) equal the layer-by-layer forward,
+    contexts past two windows included."""
+    prompts = gemma3_reference[1]
+    prefill_lens = [len(p) - n for p, n in zip(prompts, (6, 5, 4), strict=True)]
+    outs = []
+    for native in (False, True):
+        model, blocks = _fresh(gemma3_ours)
+        model.native_layers = native
+        calls = _counting(monkeypatch)
+        try:
+            outs.append(prefill_then_decode_logits(model, blocks, prompts, prefill_lens))
+        finally:
+            model.native_layers = True
+            monkeypatch.undo()
+        assert calls[0] == (6 if native else 0)  # every decode step, no long prompt
+    assert gemma3_ours.model.native_stack() is not None
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not native_available(), reason="the native CPU kernels")

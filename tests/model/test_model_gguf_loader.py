@@ -39,6 +39,8 @@ HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 CONFIG = dict(
     vocab_size=61,
@@ -76,7 +78,27 @@ def gguf_writer(path: Path, arch: str, cfg: Any, rope_theta: float) -> gguf.GGUF
     return writer
 
 
-def write_gguf(path: Path, arch: str, hf_model: Any, tie: bool) -> None:
+def add_layer_tensor(
+    writer: gguf.GGUFWriter,
+    name: str,
+    array: np.ndarray,
+    matrices: gguf.GGMLQuantizationType | None,
+) -> None:
+    """A layer's tensor: float32, or a matrix in `matrices`' blocks where that is given."""
+    if matrices is None or array.ndim != 2:
+        writer.add_tensor(name, array)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, matrices), raw_dtype=matrices)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    hf_model: Any,
+    tie: bool,
+    matrices: gguf.GGMLQuantizationType | None = None,
+) -> None:
+    """The layers' matrices in float32, or in `matrices`' blocks."""
     cfg = hf_model.config
     writer = gguf_writer(path, arch, cfg, CONFIG["rope_theta"])
     for name, tensor in hf_model.state_dict().items():
@@ -94,7 +116,7 @@ def write_gguf(path: Path, arch: str, hf_model: Any, tie: bool) -> None:
                 array = llama_cpp_permute(array, cfg.num_attention_heads)
             elif arch == "llama" and "k_proj" in rest:
                 array = llama_cpp_permute(array, cfg.num_key_value_heads)
-            writer.add_tensor(f"blk.{layer}.{HF_TO_GGUF[rest]}", array)
+            add_layer_tensor(writer, f"blk.{layer}.{HF_TO_GGUF[rest]}", array, matrices)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -254,14 +276,18 @@ GEMMA3_TO_GGUF = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
-def write_gemma3_gguf(path: Path, hf_model: Any, pattern: int | list[bool] | None) -> None:
+def write_gemma3_gguf(
+    path: Path,
+    hf_model: Any,
+    pattern: int | list[bool] | None,
+    matrices: gguf.GGMLQuantizationType | None = None,
+) -> None:
     """As llama.cpp's converter writes Gemma 3: norms stored as 1 + w, no Q/K permutation,
-    the window in the metadata (the layer pattern only when given)."""
+    the window in the metadata (the layer pattern only when given); the layers' matrices in
+    float32, or in `matrices`' blocks."""
     cfg = hf_model.config
     writer = gguf_writer(path, "gemma3", cfg, 1e6)
     writer.add_key_length(cfg.head_dim)
@@ -281,7 +307,7 @@ def write_gemma3_gguf(path: Path, hf_model: Any, pattern: int | list[bool] | Non
             writer.add_tensor("output_norm.weight", array)
         elif name != "lm_head.weight":
             _, _, layer, rest = name.split(".", 3)
-            writer.add_tensor(f"blk.{layer}.{GEMMA3_TO_GGUF[rest]}", array)
+            add_layer_tensor(writer, f"blk.{layer}.{GEMMA3_TO_GGUF[rest]}", array, matrices)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,22 +1,31 @@
 """The decoder stack as one native call (`kernels/cpu/llama_layers.c`): bit-identical logits and
 KV to the layer-by-layer forward on the same kernels, for prefill chunks, decode batches and
-mixed steps, float32 and int8 activations; used only where it applies, refused with a reason
-elsewhere. (The real model's comparisons against transformers run through it too.)"""
+mixed steps, float32 and int8 activations, Llama layers and Gemma 3's (sliding windows shorter
+than the contexts, q/k norms, sandwich norms, gelu_tanh) and Qwen3's (q/k norms); used only
+where it applies, refused with a reason elsewhere. (The real models' comparisons against
+transformers run through it too.)"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
+from test_model_gguf_loader import write_gemma3_gguf, write_gguf
 from test_model_quantized import needs_native, quantized_gguf  # noqa: F401 (a fixture)
 
 import deepinfer.kernels.llama_layers_cpu as stack_module
 from deepinfer.kernels.paged_attention_cpu import NATIVE_ALWAYS_ROWS
 from deepinfer.model import load_model
 from deepinfer.model.attention import torch_backend
+
+transformers = pytest.importorskip("transformers")
+Q8_0, Q4_1 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
+WINDOW = 8
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -104,10 +113,124 @@ def test_stack_is_refused_where_it_does_not_apply(quantized_gguf: Any) -> None: 
     assert model.native_stack() is None and "cpu attention backend" in model._stack
 
 
+def _tiny_config(kind: str) -> Any:
+    """Widths of whole 32-weight blocks; Gemma 3's windows of 8 keys around a full layer."""
+    common = dict(
+        vocab_size=67, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, num_hidden_layers=2, rope_theta=5000.0)
+    windowed = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return transformers.Gemma3TextConfig(
+        **common, num_hidden_layers=4, sliding_window=WINDOW, layer_types=windowed
+    )
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("gemma3", Q8_0), ("gemma3", Q4_1), ("qwen3", Q8_0)],
+    ids=["gemma3-q8_0", "gemma3-q4_1", "qwen3-q8_0"],
+)
+def qk_norm_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model with q/k norms, every layer matrix in Q8_0 or Q4_1 blocks."""
+    kind, matrices = request.param
+    torch.manual_seed(11)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_tiny_config(kind)).eval()
+    with torch.no_grad():  # random norms, so that a norm applied twice or missed shows
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.5 + torch.rand_like(param))
+    path = tmp_path_factory.mktemp("qk-norm") / f"tiny-{kind}.gguf"
+    if kind == "gemma3":
+        windowed = [t == "sliding_attention" for t in hf_model.config.layer_types]
+        write_gemma3_gguf(path, hf_model, windowed, matrices)
+    else:
+        write_gguf(path, kind, hf_model, tie=True, matrices=matrices)
+    return path
+
+
+def _window_steps(model: Any, native: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three prompts (31, 6 and 19 tokens) prefilled in one step, then decoded together for ten
+    steps, a fourth prompt's 12-token chunk joining the third step: contexts from 6 to 41 keys,
+    windows of 8 (the short request crosses its first window while decoding)."""
+    model.native_layers = native
+    bind_fresh_caches(model, num_blocks=64, block_size=4)
+    blocks = SequentialBlocks(4)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 67, (n,), generator=gen).tolist() for n in (31, 6, 19, 12)]
+    logits = run_step(model, blocks, [(i, p, 0) for i, p in enumerate(prompts[:3])], True)
+    lens = [31, 6, 19]
+    for step in range(10):
+        pieces = [(i, [(step * 5 + i) % 67], lens[i]) for i in range(3)]
+        if step == 2:
+            pieces.append((3, prompts[3], 0))
+        logits += run_step(model, blocks, pieces, True)
+        lens = [n + 1 for n in lens]
+    return logits, [c.clone() for pair in model.kv_caches for c in pair]
+
+
+@needs_native
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_windows_and_qk_norms_are_bit_identical_to_the_layers(
+    qk_norm_gguf: Path, activations: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(qk_norm_gguf, torch.float32, "cpu", matmul_activations=activations).model
+    if model.arch.architecture == "gemma3":
+        assert model.arch.layer_windows == (WINDOW, WINDOW, 0, WINDOW)
+        assert not torch.equal(model.cos_sin, model.cos_sin_local)
+    layered, layered_kv = _window_steps(model, native=False)
+    calls = _counting(monkeypatch)
+    stacked, stacked_kv = _window_steps(model, native=True)
+    assert calls[0] == 11, "every step of this test is all native rows"
+    for a, b in zip(layered + layered_kv, stacked + stacked_kv, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_native
+def test_the_stack_scales_queries_as_the_layers(qk_norm_gguf: Path) -> None:
+    """A query scale other than 1 / sqrt(head_dim) (Gemma 3 27B's kind) reaches the stack."""
+    model = load_model(qk_norm_gguf, torch.float32, "cpu").model
+    model.arch = dataclasses.replace(model.arch, query_scale=0.3)
+    for layer in model.layers:
+        layer.self_attn.scale = 0.3
+    layered, _ = _window_steps(model, native=False)
+    stacked, _ = _window_steps(model, native=True)
+    assert model.native_stack() is not None and model.native_stack().shape.scale == 0.3
+    for a, b in zip(layered, stacked, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_stack_checks_its_inputs(tmp_path: Path) -> None:
     shape = stack_module.StackShape(64, 4, 2, 24, 96, 1e-5, 0.2)
     with pytest.raises(ValueError, match="head size 24"):
-        stack_module.NativeLayerStack([], shape, torch.zeros(8, 24))
+        stack_module.NativeLayerStack([], shape)
     shape = stack_module.StackShape(64, 6, 4, 16, 96, 1e-5, 0.25)
     with pytest.raises(ValueError, match="6 query heads over 4"):
-        stack_module.NativeLayerStack([], shape, torch.zeros(8, 16))
+        stack_module.NativeLayerStack([], shape)
+    shape = stack_module.StackShape(64, 4, 2, 16, 96, 1e-5, 0.25)
+    with pytest.raises(ValueError, match="no layers"):
+        stack_module.NativeLayerStack([], shape)
+
+
+@needs_native
+def test_stack_checks_each_layers_extras(qk_norm_gguf: Path) -> None:
+    model = load_model(qk_norm_gguf, torch.float32, "cpu").model
+    bind_fresh_caches(model, num_blocks=8, block_size=4)
+    stack = model.native_stack()
+    assert stack is not None
+    layers = list(stack._layers_kept)
+    bad = {
+        "q_norm": torch.ones(8),
+        "mlp_out_norm": torch.ones(64, dtype=torch.float64),
+        "cos_sin": model.cos_sin[:, :8].contiguous(),
+        "window": -1,
+    }
+    for field, value in bad.items():
+        broken = [dataclasses.replace(layers[0], **{field: value}), *layers[1:]]
+        with pytest.raises(ValueError):
+            stack_module.NativeLayerStack(broken, stack.shape)
+    shorter = dataclasses.replace(layers[0], cos_sin=model.cos_sin[:64].contiguous())
+    with pytest.raises(ValueError, match="same positions"):
+        stack_module.NativeLayerStack([shorter, *layers[1:]], stack.shape)
