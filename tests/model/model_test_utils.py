@@ -44,11 +44,13 @@ def run_step(
     blocks: SequentialBlocks,
     pieces: list[tuple[int, list[int], int]],
     all_rows: bool = False,
+    columns: int | None = None,
 ) -> list[torch.Tensor]:
     """One forward over (request, token_ids, start_position) pieces; logits per piece.
 
     With `all_rows` every token's logits come back ([n, V] per piece); else the last token's ([V]).
-    Logits come back on the CPU, whatever the model's device.
+    Logits come back on the CPU, whatever the model's device; with `columns`, only the first
+    `columns` of the vocabulary (a large vocabulary's logits of long prompts take gigabytes).
     """
     chunks = [
         BatchChunk(tokens, start, blocks.table(req, start + len(tokens)))
@@ -60,6 +62,8 @@ def run_step(
         rows = torch.arange(batch.num_tokens, device=device)
         batch = dataclasses.replace(batch, logits_indices=rows)
     logits = model(batch).float().cpu()
+    if columns is not None:
+        logits = logits[:, :columns].clone()
     if not all_rows:
         return list(logits)
     bounds = batch.query_start_loc.tolist()
@@ -67,7 +71,11 @@ def run_step(
 
 
 def chunked_prefill_logits(
-    model: Any, blocks: SequentialBlocks, prompts: list[list[int]], chunk: int
+    model: Any,
+    blocks: SequentialBlocks,
+    prompts: list[list[int]],
+    chunk: int,
+    columns: int | None = None,
 ) -> list[torch.Tensor]:
     """All-position logits of each prompt, prefilled `chunk` tokens per request per step, batched."""
     outs: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -77,7 +85,7 @@ def chunked_prefill_logits(
             (i, p[start : start + chunk], start) for i, p in enumerate(prompts) if start < len(p)
         ]
         for (i, _, _), logits in zip(
-            pieces, run_step(model, blocks, pieces, all_rows=True), strict=True
+            pieces, run_step(model, blocks, pieces, all_rows=True, columns=columns), strict=True
         ):
             outs[i].append(logits)
         start += chunk
@@ -85,7 +93,11 @@ def chunked_prefill_logits(
 
 
 def prefill_then_decode_logits(
-    model: Any, blocks: SequentialBlocks, prompts: list[list[int]], prefill_lens: list[int]
+    model: Any,
+    blocks: SequentialBlocks,
+    prompts: list[list[int]],
+    prefill_lens: list[int],
+    columns: int | None = None,
 ) -> list[torch.Tensor]:
     """Prefill each prompt's first tokens, then feed the rest one token per step, all requests in
     one decode batch; returns the logits of positions prefill_len-1 .. len-1 per prompt."""
@@ -95,6 +107,7 @@ def prefill_then_decode_logits(
             model,
             blocks,
             [(i, p[:n], 0) for i, (p, n) in enumerate(zip(prompts, prefill_lens, strict=True))],
+            columns=columns,
         )
     ]
     step = 0
@@ -106,7 +119,9 @@ def prefill_then_decode_logits(
         ]
         if not pieces:
             break
-        for (i, _, _), logits in zip(pieces, run_step(model, blocks, pieces), strict=True):
+        for (i, _, _), logits in zip(
+            pieces, run_step(model, blocks, pieces, columns=columns), strict=True
+        ):
             outs[i].append(logits)
         step += 1
     return [torch.stack(o) for o in outs]

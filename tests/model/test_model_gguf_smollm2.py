@@ -52,9 +52,10 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_reference() -> tuple[Any, list[list[int]]]:
-    """(transformers model, token id lists); the slow part of these tests, loaded once."""
+    """(transformers model, token id lists); the slow part of these tests, loaded once per module
+    (and freed after it: a worker runs other files after this one)."""
     path = default_model_path()
     kwargs = {"gguf_file": path.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
@@ -66,13 +67,13 @@ def smollm2_reference() -> tuple[Any, list[list[int]]]:
     return hf_model, prompts
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_ours() -> LoadedModel:
     """The default, exact arithmetic (float32 activations): within ATOL of transformers."""
     return load_model(default_model_path(), torch.float32, DEVICE)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_logits(smollm2_reference: Any) -> list[torch.Tensor]:
     hf_model, prompts = smollm2_reference
     with torch.no_grad():
