@@ -57,11 +57,7 @@ class Gemma3DecoderLayer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's normed FFN output, the residual stream before it is added)."""
         ops = step.ops
-        if residual is None:
-            residual = h
-            h = ops.rms_norm(h, self.input_norm.weight, self.eps)
-        else:
-            h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm.weight, self.eps)
+        h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
         h = ops.rms_norm(
             self.self_attn(h, kv_cache, step), self.post_attention_norm.weight, self.eps
         )

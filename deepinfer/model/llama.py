@@ -173,6 +173,19 @@ class DecoderLayer(nn.Module):
         where the stack cannot."""
         raise NotImplementedError
 
+    @staticmethod
+    def add_and_norm_input(
+        ops: AttentionBackend,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's normed input, the residual stream including the last layer's output)."""
+        if residual is None:
+            return ops.rms_norm(h, weight, eps), h
+        return ops.fused_add_rms_norm(h, residual, weight, eps)
+
 
 class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, arch: ModelArch, layer: int) -> None:
@@ -192,11 +205,7 @@ class LlamaDecoderLayer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added)."""
         ops = step.ops
-        if residual is None:
-            residual = h
-            h = ops.rms_norm(h, self.input_norm.weight, self.eps)
-        else:
-            h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm.weight, self.eps)
+        h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
         h = self.self_attn(h, kv_cache, step)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm.weight, self.eps)
         return self.mlp(h, ops), residual
