@@ -84,6 +84,13 @@ class CacheConfig:
     """Exact number of KV blocks (overrides the byte budget; tests use it)."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests with identical prefixes (chained block hashes)."""
+    window_kv: Literal["window", "all"] = "window"
+    """A model with sliding-window layers (Gemma 3): `window` keeps only each request's window
+    of their KV, in a pool of their own (freed as the window slides); prefix hits rebuild it
+    from a stored window or by a bounded replay, and the host and disk tiers store the full
+    layers' KV alone. `all` keeps every token in every layer (and caches every layer). With
+    separate prefill and decode device groups or a worker-side draft (`--speculative layers`,
+    `draft-model`), `all` is used (logged)."""
 
 
 @dataclass(frozen=True)

@@ -56,13 +56,16 @@ class LlamaLayer(ctypes.Structure):
 
 
 class LlamaStep(ctypes.Structure):
-    """di_llama_step: what one step of the stack shares across layers."""
+    """di_llama_step: what one step of the stack shares across layers; the window_* fields
+    address the sliding-window layers' own KV pool, window_slots 0 (NULL) for one pool."""
 
     _fields_ = [
         ("T", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("head_dim", _i), ("intermediate", _i),
         ("eps", _f), ("scale", _f), ("positions", _p), ("num_positions", _l),
         ("slots", _p), ("num_slots", _l), ("block_tables", _p), ("max_blocks", _i),
         ("context_lens", _p), ("block_size", _i), ("kv_f16", _i), ("num_threads", _i),
+        ("window_slots", _p), ("window_num_slots", _l), ("window_block_tables", _p),
+        ("window_max_blocks", _i),
     ]  # fmt: skip
 
 

@@ -9,6 +9,10 @@ what sets it apart (`LayerWeights`): its RoPE table and sliding window, per-head
 matmuls without biases, caches the native attention reads, shapes the kernels take) and raises
 `ValueError` saying why not otherwise; `step_applies` says whether a step's attention plan is
 entirely native (every query one row of the decode kernel).
+
+The sliding-window layers may keep their KV in a paged pool of their own (caches of another
+number of blocks, addressed by a slot mapping and block tables of their own): `run` then takes
+that pool's slot mapping and attention plan next to the full layers'.
 """
 
 from __future__ import annotations
@@ -103,6 +107,26 @@ def _check_caches(layer: LayerWeights, s: StackShape) -> None:
         raise ValueError(f"KV cache shape {tuple(k.shape)}")
 
 
+@dataclass(frozen=True)
+class _Pool:
+    """The caches of one group of layers (the full ones, or the windowed ones): one shape."""
+
+    num_slots: int
+    block_size: int
+    dtype: torch.dtype
+
+
+def _pool(layers: Sequence[LayerWeights], kind: str) -> _Pool | None:
+    """The pool `layers` share (None for no layers); ValueError unless every cache is of one
+    shape and dtype, as the native step addresses each pool with one slot mapping."""
+    if not layers:
+        return None
+    k0 = layers[0].k_cache
+    if any(x.k_cache.shape != k0.shape or x.k_cache.dtype != k0.dtype for x in layers):
+        raise ValueError(f"the {kind} layers' KV caches must share one shape and dtype")
+    return _Pool(k0.shape[0] * k0.shape[1], k0.shape[1], k0.dtype)
+
+
 def _vector(w: torch.Tensor | None, size: int) -> int:
     """A norm weight's address (0 for none); ValueError unless contiguous float32 [size]."""
     if w is None:
@@ -149,7 +173,8 @@ def _layer_struct(layer: LayerWeights, s: StackShape) -> LlamaLayer:
 
 
 class NativeLayerStack:
-    """Every decoder layer of one model over one KV pool, as one native call a step."""
+    """Every decoder layer of one model, over one KV pool or (the sliding-window layers' KV
+    apart) two, as one native call a step."""
 
     def __init__(self, layers: Sequence[LayerWeights], shape: StackShape):
         _check_shape(shape)
@@ -158,14 +183,22 @@ class NativeLayerStack:
         structs = [_layer_struct(layer, shape) for layer in layers]
         if len({layer.cos_sin.shape[0] for layer in layers}) != 1:
             raise ValueError("the layers' rotary tables must cover the same positions")
+        full = _pool([x for x in layers if x.window == 0], "full")
+        windowed = _pool([x for x in layers if x.window > 0], "windowed")
+        pools = [p for p in (full, windowed) if p is not None]
+        if len({(p.block_size, p.dtype) for p in pools}) != 1:
+            raise ValueError("the full and windowed layers' caches must share block size and dtype")
         self.shape = shape
         self._layers = (LlamaLayer * len(structs))(*structs)
         self._layers_kept = list(layers)  # the memory the pointers point into
         self._num_positions = layers[0].cos_sin.shape[0]
-        k0 = layers[0].k_cache
-        self._block_size = k0.shape[1]
-        self._num_slots = k0.shape[0] * k0.shape[1]
-        self._kv_f16 = int(k0.dtype == torch.float16)
+        self._block_size = pools[0].block_size
+        self._kv_f16 = int(pools[0].dtype == torch.float16)
+        self._num_slots = pools[0].num_slots
+        """The pool every layer uses without a window pool: the full layers' where there are."""
+        self._window_num_slots = windowed.num_slots if windowed is not None else 0
+        self._pools_differ = windowed is not None and windowed.num_slots != self._num_slots
+        """Then a step must address the windowed layers' pool: the full one's slots overrun it."""
         self._lib = native_library()
 
     def run(
@@ -174,9 +207,14 @@ class NativeLayerStack:
         positions: torch.Tensor,  # [T] int64
         slot_mapping: torch.Tensor,  # [T] int64
         plan: PagedAttentionPlan,
+        window_slot_mapping: torch.Tensor | None = None,  # [T] int64
+        window_plan: PagedAttentionPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it), as the Python layers
-        return them; the caller has checked `step_applies(plan, ...)`."""
+        return them; the caller has checked `step_applies(plan, ..., window_plan)`. With
+        `window_slot_mapping` and `window_plan` (both or neither), the sliding-window layers
+        store and read their KV through those (their own pool's), the full layers through
+        `slot_mapping` and `plan`; without, every layer through the latter."""
         native = plan.native
         assert native is not None and native.rows is None, "a step the stack does not take"
         tokens = h.shape[0]
@@ -188,24 +226,72 @@ class NativeLayerStack:
         out = h.contiguous().clone()
         residual = torch.empty_like(out)
         tables, lens = native.block_tables, native.context_lens
+        window = self._window_fields(tokens, tables, window_slot_mapping, window_plan)
         s = self.shape
         step = LlamaStep(
             tokens, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             s.eps, s.scale, positions.data_ptr(), self._num_positions,
             slot_mapping.data_ptr(), self._num_slots,
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), self._block_size,
-            self._kv_f16, torch.get_num_threads(),
+            self._kv_f16, torch.get_num_threads(), *window,
         )  # fmt: skip
         self._lib.llama_layers(self._layers, step, out.data_ptr(), residual.data_ptr())
         return out, residual
 
+    def _window_fields(
+        self,
+        tokens: int,
+        tables: torch.Tensor,  # the full layers' [T, max_blocks] int32
+        slot_mapping: torch.Tensor | None,
+        plan: PagedAttentionPlan | None,
+    ) -> tuple[int, int, int, int]:
+        """The step's (window_slots, window_num_slots, window_block_tables, window_max_blocks):
+        the windowed layers' pool, or zeros (NULL: every layer in the full layers' pool)."""
+        if (slot_mapping is None) != (plan is None):
+            raise ValueError("the windowed layers' pool needs both its slot mapping and plan")
+        if slot_mapping is None or plan is None:
+            if self._pools_differ:
+                raise ValueError("the windowed layers keep a pool of their own: pass its slots")
+            return 0, 0, 0, 0
+        native = plan.native
+        assert native is not None and native.rows is None, "a step the stack does not take"
+        if (
+            slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+            or slot_mapping.shape != (tokens,)
+        ):
+            raise ValueError("window slots must be contiguous int64 [T]")
+        window_tables = native.block_tables
+        if (
+            window_tables.dtype != torch.int32
+            or not window_tables.is_contiguous()
+            or window_tables.dim() != 2
+            or window_tables.shape[0] != tables.shape[0]
+        ):
+            raise ValueError("window block tables must be contiguous int32 [T, max_blocks]")
+        return (
+            slot_mapping.data_ptr(), self._window_num_slots,
+            window_tables.data_ptr(), window_tables.shape[1],
+        )  # fmt: skip
 
-def step_applies(plan: PagedAttentionPlan | None, num_tokens: int) -> bool:
-    """Whether every query of the step is one row of the native attention kernel, in order."""
+
+def _plan_applies(plan: PagedAttentionPlan | None, num_tokens: int) -> bool:
     return (
         plan is not None
         and plan.native is not None
         and plan.native.rows is None
         and len(plan.single_query) == len(plan.context_lens)
         and plan.native.context_lens.shape[0] == num_tokens
+    )
+
+
+def step_applies(
+    plan: PagedAttentionPlan | None,
+    num_tokens: int,
+    window_plan: PagedAttentionPlan | None = None,
+) -> bool:
+    """Whether every query of the step is one row of the native attention kernel, in order:
+    in `plan`, and in `window_plan` (the windowed layers' pool's) where one is given."""
+    return _plan_applies(plan, num_tokens) and (
+        window_plan is None or _plan_applies(window_plan, num_tokens)
     )

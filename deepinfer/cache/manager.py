@@ -16,16 +16,24 @@ Lifecycle of a request's blocks, driven by the scheduler:
    hits, so a shared prefix in flight is computed once.
 4. `free(req)` on finish, abort or preemption: blocks return to the LRU free queue with their
    content and hashes, so a preempted request's recompute and a follow-up turn hit them.
+
+A model with sliding-window layers adds a second group (`WindowGroup`, its own pool): the
+windowed layers' blocks, only each request's current window, allocated per chunk by
+`chunk_tables`. A prefix hit then may start computing before its end (a stored window or a
+bounded replay, see `cache/window_group.py`); the full layers' cached K/V up to the hit's end
+is read, never rewritten (`ChunkTables.cached_until`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from deepinfer.cache.block_hash import BlockHash, block_hashes_for, seed_bytes
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.free_queue import Block, require
+from deepinfer.cache.window_group import WindowGroup, WindowSpec
 from deepinfer.request import Request
 
 
@@ -42,7 +50,21 @@ class CacheUsage:
     num_query_tokens: int
     """Tokens of requests admitted (or readmitted after preemption) with prefix caching on."""
     num_hit_tokens: int
-    """Of those, tokens served from cache."""
+    """Of those, tokens served from cache (not computed again)."""
+    num_window_blocks: int = 0
+    """Usable blocks of the windowed layers' pool (0: the model has none)."""
+    num_window_used_blocks: int = 0
+    """Of those, blocks in some request's window."""
+
+
+class ChunkTables(NamedTuple):
+    """Where one chunk's KV lives: the full layers' block table, the windowed layers' (empty
+    without a window group), and the end of the prefix whose full-layer K/V is cached and must
+    not be rewritten (0: none; positions before it are replayed for the windowed layers)."""
+
+    block_ids: tuple[int, ...]
+    window_block_ids: tuple[int, ...]
+    cached_until: int
 
 
 class KVCacheManager:
@@ -54,6 +76,8 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         *,
         track_new_blocks: bool = False,
+        window: WindowSpec | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -75,6 +99,16 @@ class KVCacheManager:
         self._claims: dict[BlockHash, str] = {}
         """Hashes of prompt blocks being computed -> the request computing them."""
         self._claimed: dict[str, list[BlockHash]] = {}
+        self.window = (
+            WindowGroup(window, num_window_blocks, block_size, enable_prefix_caching)
+            if window is not None
+            else None
+        )
+        """The windowed layers' blocks (None: every layer keeps every token here)."""
+        self._starts: dict[str, int] = {}
+        """Where each request planned by `get_computed_blocks` starts computing."""
+        self._cached_until: dict[str, int] = {}
+        """Requests replaying part of their hit: the hit's end (full-layer K/V not rewritten)."""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -112,19 +146,26 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """The longest cached prefix in full blocks, and its length in tokens (a multiple of the
-        block size, at most `num_tokens - 1`). The blocks are not referenced until
-        `allocate_slots` takes them, which must follow before any other allocation."""
-        if not self.enable_prefix_caching or request.request_id in self._blocks:
+        """The longest cached prefix in full blocks, and where computing starts: its length in
+        tokens (a multiple of the block size, at most `num_tokens - 1`), or with a window group
+        possibly before it (a stored window or a bounded replay). The blocks are not referenced
+        until `allocate_slots` takes them, which must follow before any other allocation."""
+        rid = request.request_id
+        if not self.enable_prefix_caching or rid in self._blocks:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
-        for block_hash in self.block_hashes(request)[:max_blocks]:
+        hashes = self.block_hashes(request)
+        for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        start = len(hits) * self.block_size
+        if self.window is not None and hits:
+            start, _ = self.window.plan_hit(rid, hashes, len(hits))
+        self._starts[rid] = start
+        return hits, start
 
     def _num_blocks_short(
         self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block]
@@ -132,8 +173,11 @@ class KVCacheManager:
         """(blocks to allocate, free blocks they may come from) for this allocation."""
         held = self._blocks.get(request.request_id, [])
         assert not (held and hit_blocks), "prefix hits are only taken on admission"
-        num_tokens = request.num_computed_tokens + len(hit_blocks) * self.block_size
-        num_tokens += num_new_tokens
+        if hit_blocks:
+            start = self._starts.get(request.request_id, len(hit_blocks) * self.block_size)
+            num_tokens = max(start + num_new_tokens, len(hit_blocks) * self.block_size)
+        else:
+            num_tokens = request.num_computed_tokens + num_new_tokens
         needed = -(-num_tokens // self.block_size) - len(held) - len(hit_blocks)
         # Touching a free cached hit takes it out of the free queue: it no longer counts as free.
         free = self.pool.num_free_blocks - sum(1 for b in hit_blocks if b.ref_count == 0)
@@ -160,9 +204,17 @@ class KVCacheManager:
         if needed > free:
             return False
         rid = request.request_id
-        if rid not in self._blocks and self.enable_prefix_caching:
-            self.num_query_tokens += request.num_tokens
-            self.num_hit_tokens += len(hit_blocks) * self.block_size
+        planned = self._starts.pop(rid, None)
+        start = (
+            (planned if planned is not None else len(hit_blocks) * self.block_size)
+            if hit_blocks
+            else 0
+        )
+        if rid not in self._blocks:
+            if self.enable_prefix_caching:
+                self.num_query_tokens += request.num_tokens
+                self.num_hit_tokens += start
+            self._admit_window(rid, start, len(hit_blocks) * self.block_size)
         table = self._blocks.setdefault(rid, [])
         if hit_blocks:
             self.pool.touch(hit_blocks)
@@ -170,6 +222,28 @@ class KVCacheManager:
             self._num_registered[rid] = len(hit_blocks)
         table.extend(self.pool.allocate(needed))
         return True
+
+    def _admit_window(self, rid: str, start: int, hit_end: int) -> None:
+        """Take the window hit planned for a request computing from `start` (of a `hit_end`
+        prefix hit): its stored window, or a replay whose full-layer K/V stays as cached."""
+        if self.window is None:
+            return
+        if start < hit_end:
+            self._cached_until[rid] = hit_end
+        self.window.take(rid, start)
+
+    def chunk_tables(self, request: Request, end: int) -> ChunkTables:
+        """The tables of a chunk computing the request's positions from `num_computed_tokens`
+        to `end`; with a window group, first allocating the windowed blocks it writes (never
+        waits: the pool is sized for every request's window and the steps in flight)."""
+        rid = request.request_id
+        if self.window is None:
+            return ChunkTables(self.block_ids(rid), (), 0)
+        self.window.allocate(rid, request.num_computed_tokens, end)
+        cached_until = self._cached_until.get(rid, 0)
+        if cached_until <= request.num_computed_tokens:
+            cached_until = 0
+        return ChunkTables(self.block_ids(rid), self.window.block_ids(rid), cached_until)
 
     def claim_prompt_blocks(self, request: Request) -> None:
         """On admission: claim the request's full prompt blocks past its computed prefix that
@@ -213,7 +287,11 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Register the hashes of the request's blocks that are full and fully computed
-        (call after the step that advanced `num_computed_tokens` has run)."""
+        (call after the step that advanced `num_computed_tokens` has run); with a window group,
+        also those of its windowed blocks, then free the ones that left its window."""
+        if self.window is not None:
+            hashes = self.block_hashes(request) if self.enable_prefix_caching else []
+            self.window.register_and_slide(request.request_id, hashes, request.num_computed_tokens)
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
@@ -296,11 +374,18 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
         self._release_claims(rid)
+        self._starts.pop(rid, None)
+        self._cached_until.pop(rid, None)
+        if self.window is not None:
+            self.window.free(rid)
 
     def reset_prefix_cache(self) -> int:
         """Forget every free block's cached content (in-use blocks keep theirs). Returns how many
         blocks were dropped."""
-        return self.pool.reset_prefix_cache()
+        dropped = self.pool.reset_prefix_cache()
+        if self.window is not None:
+            dropped += self.window.pool.reset_prefix_cache()
+        return dropped
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         return tuple(b.block_id for b in self._blocks.get(request_id, ()))
@@ -317,7 +402,20 @@ class KVCacheManager:
             num_cached_blocks=pool.num_cached_blocks,
             num_query_tokens=self.num_query_tokens,
             num_hit_tokens=self.num_hit_tokens,
+            num_window_blocks=0 if self.window is None else self.window.pool.num_usable_blocks,
+            num_window_used_blocks=self._num_window_used(),
         )
+
+    def _num_window_used(self) -> int:
+        if self.window is None:
+            return 0
+        pool = self.window.pool
+        return pool.num_usable_blocks - pool.num_free_blocks
+
+    def check_window(self, request: Request) -> None:
+        """A running request holds no windowed block its next query cannot read."""
+        if self.window is not None:
+            self.window.check_window(request.request_id, request.num_computed_tokens)
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref count equals the number of tables holding it,
@@ -347,3 +445,7 @@ class KVCacheManager:
         require(set(self._claimed) <= set(self._blocks), "claims of a freed request")
         owners = {h: rid for rid, hashes in self._claimed.items() for h in hashes}
         require(owners == self._claims, "claim tables disagree")
+        if self.window is not None:
+            self.window.check_integrity()
+            require(set(self.window.holders()) <= set(self._blocks), "a window of a freed request")
+        require(set(self._cached_until) <= set(self._blocks), "replay state of a freed request")

@@ -133,7 +133,7 @@ def build_engine(config: Config) -> EngineParts:
         groups=groups,
         tokenizer=tokenizer,
         recipe=recipe,
-        kv_caches=replicas.prefill.kv_caches,
+        kv_caches=replicas.prefill.tier_caches,
         kv=kv,
         decode_kv=decode_kv,
         host=host,
@@ -161,7 +161,9 @@ def runtime_info(
         num_blocks=prefill.num_blocks,
         block_size=block_size,
         max_model_len=max_len,
-        fingerprint=model_fingerprint(loaded, loaded.dtype, block_size, replicas.kv_dtype),
+        fingerprint=model_fingerprint(
+            loaded, loaded.dtype, block_size, replicas.kv_dtype, prefill.window is not None
+        ),
         attention_backend=loaded.model.attention_backend.name,
         quantized_bytes=loaded.quantized_bytes,
         int8_activations=loaded.int8_activations,
@@ -203,7 +205,7 @@ def open_tiers(
     """The host tier (prefix caching only) and the disk tier under the prefill pool."""
     host = None
     if config.cache.enable_prefix_caching:
-        host = open_host_tier(config.host_cache, prefill.device, prefill.kv_caches)
+        host = open_host_tier(config.host_cache, prefill.device, prefill.tier_caches)
     return host, open_disk_tier(config.disk_cache, fingerprint)
 
 
@@ -238,12 +240,15 @@ def build_block_managers(
     """The prefill pool's manager (the prefix cache; it records new blocks for the lower tiers
     when there are any), and the decode pool's when it is separate."""
     block_size = config.cache.block_size
+    prefill = replicas.prefill
     kv = KVCacheManager(
-        replicas.prefill.num_blocks,
+        prefill.num_blocks,
         block_size,
         fingerprint,
         config.cache.enable_prefix_caching,
         track_new_blocks=host is not None or disk is not None,
+        window=prefill.window,
+        num_window_blocks=prefill.num_window_blocks,
     )
     decode_kv = None
     if replicas.split:

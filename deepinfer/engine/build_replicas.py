@@ -13,10 +13,16 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.cache.window_group import WindowSpec
 from deepinfer.config import Config
-from deepinfer.engine.kv_sizing import kv_cache_dtype, num_kv_blocks
+from deepinfer.engine.kv_sizing import kv_cache_dtype, num_kv_blocks, split_kv_blocks, window_spec
 from deepinfer.errors import ConfigError
-from deepinfer.model.kv_layout import KVCaches, allocate_kv_caches, kv_bytes_per_block
+from deepinfer.model.kv_layout import (
+    KVCaches,
+    allocate_kv_caches,
+    full_layer_caches,
+    kv_bytes_per_block,
+)
 from deepinfer.model.loader import LoadedModel, load_model
 from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.cuda_graphs import DecodeGraphs, capture_decode_graphs
@@ -34,6 +40,14 @@ class Replica:
     device: torch.device
     draft: CausalLM | None = None
     """`--speculative draft-model`: the draft, bound to caches of `num_blocks` blocks of its own."""
+    window: WindowSpec | None = None
+    """The sliding-window layers' KV in a pool of its own (`--window-kv window`), else None."""
+    num_window_blocks: int = 0
+
+    @property
+    def tier_caches(self) -> KVCaches:
+        """The caches a block's payload in the host and disk tiers covers."""
+        return full_layer_caches(self.model.arch, self.kv_caches, self.window is not None)
 
 
 @dataclass(frozen=True)
@@ -58,13 +72,14 @@ def build_replicas(config: Config, path: Path, groups: DeviceGroups) -> Replicas
     backend = loaded.model.attention_backend.name
     kv_dtype = kv_cache_dtype(config.cache, dtype, backend, groups.prefill)
     draft = load_draft(config, loaded, groups.decode)
+    split = groups.split
     prefill = build_replica(
-        config, loaded, loaded.model, kv_dtype, groups.prefill, None if groups.split else draft
+        config, loaded, loaded.model, kv_dtype, groups.prefill, None if split else draft, split
     )
     decode = prefill
-    if groups.split:
+    if split:
         decode_model = load(config, path, dtype, groups.decode).model
-        decode = build_replica(config, loaded, decode_model, kv_dtype, groups.decode, draft)
+        decode = build_replica(config, loaded, decode_model, kv_dtype, groups.decode, draft, split)
     return Replicas(loaded, prefill, decode, kv_dtype)
 
 
@@ -121,25 +136,44 @@ def build_replica(
     kv_dtype: torch.dtype,
     device: torch.device,
     draft: LoadedModel | None = None,
+    split: bool = False,
 ) -> Replica:
     """A KV pool on `device`, sized by the cache config and bound to `model` (and `draft`:
     each block holds both models' KV)."""
-    block_size = config.cache.block_size
-    block_bytes = kv_bytes_per_block(loaded.arch, block_size, kv_dtype)
-    if draft is not None:
-        block_bytes += kv_bytes_per_block(draft.arch, block_size, kv_dtype)
-    num_blocks = num_kv_blocks(config.cache, block_bytes, device)
-    kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, kv_dtype, device)
+    block_size, arch = config.cache.block_size, loaded.arch
+    spec = window_spec(config, arch, split)
+    num_window_blocks = 0
+    if spec is not None:
+        n_w = spec.num_windowed_layers
+        full_bytes = kv_bytes_per_block(arch, block_size, kv_dtype, arch.num_layers - n_w)
+        window_bytes = kv_bytes_per_block(arch, block_size, kv_dtype, n_w)
+        num_blocks, num_window_blocks = split_kv_blocks(
+            config, spec, full_bytes, window_bytes, device
+        )
+    else:
+        block_bytes = kv_bytes_per_block(arch, block_size, kv_dtype)
+        if draft is not None:
+            block_bytes += kv_bytes_per_block(draft.arch, block_size, kv_dtype)
+        num_blocks = num_kv_blocks(config.cache, block_bytes, device)
+    kv_caches = allocate_kv_caches(
+        arch, num_blocks, block_size, kv_dtype, device, num_window_blocks
+    )
     model.bind_kv_caches(kv_caches)
     if draft is not None:
         draft.model.bind_kv_caches(
             allocate_kv_caches(draft.arch, num_blocks, block_size, kv_dtype, device)
         )
-    return Replica(model, kv_caches, num_blocks, device, draft.model if draft else None)
+    draft_model = draft.model if draft else None
+    return Replica(model, kv_caches, num_blocks, device, draft_model, spec, num_window_blocks)
 
 
 def capture_graphs(config: Config, decode: Replica, max_len: int) -> DecodeGraphs | None:
-    """The decode group's CUDA graphs per `--cuda-graphs` (None: eager decode)."""
+    """The decode group's CUDA graphs per `--cuda-graphs` (None: eager decode; so too with a
+    windowed pool of its own, whose tables the captured graphs do not take)."""
+    if decode.window is not None:
+        if config.runtime.cuda_graphs == "on":
+            raise ConfigError("--cuda-graphs on needs --window-kv all for this model")
+        return None
     max_blocks = -(-max_len // config.cache.block_size)
     return capture_decode_graphs(
         config.runtime.cuda_graphs,

@@ -3,13 +3,18 @@ can serve. Pure functions of the config and what the device reports."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
-from deepinfer.config import CacheConfig
+from deepinfer.cache.window_group import WindowSpec, window_pool_blocks
+from deepinfer.config import CacheConfig, Config
 from deepinfer.errors import ConfigError, ModelLoadError
+from deepinfer.model.arch import ModelArch
 from deepinfer.runner.device import resolve_kv_dtype
+
+log = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_CAP = 4 << 30
 """Default KV pool on CPU: a quarter of physical memory, at most this."""
@@ -65,3 +70,47 @@ def serving_max_len(
     if max_len < MIN_SERVING_LEN:
         raise ModelLoadError(f"the KV pool of {num_blocks} blocks is too small to serve")
     return max_len
+
+
+def window_spec(config: Config, arch: ModelArch, split: bool) -> WindowSpec | None:
+    """The windowed layers' own pool (`--window-kv window`), or None: every layer in the main
+    pool (the model has no windowed layer, `--window-kv all`, or a setup that needs it)."""
+    if config.cache.window_kv == "all" or not arch.windowed:
+        return None
+    worker_drafts = config.speculative.speculative in ("layers", "draft-model")
+    if split or worker_drafts:
+        why = "separate prefill and decode device groups" if split else "a worker-side draft"
+        log.info("--window-kv window is not supported with %s: every layer keeps its KV", why)
+        return None
+    windows = [arch.window(i) or 0 for i in range(arch.num_layers)]
+    return WindowSpec(max(windows), sum(1 for w in windows if w))
+
+
+def max_step_tokens(config: Config) -> int:
+    """Most tokens the steps in flight compute at once (both workers', or the one's)."""
+    s, w = config.scheduler, config.workers
+    if w.colocated:
+        return s.max_num_batched_tokens
+    max_drafts = (
+        config.speculative.num_draft_tokens if config.speculative.speculative != "none" else 0
+    )
+    return w.prefill_max_batched_tokens + s.max_num_seqs * (1 + max_drafts)
+
+
+def split_kv_blocks(
+    config: Config,
+    spec: WindowSpec,
+    full_block_bytes: int,
+    window_block_bytes: int,
+    device: torch.device,
+) -> tuple[int, int]:
+    """(full-layer blocks, windowed-layer blocks): the windowed pool sized for the worst case
+    (`window_pool_blocks`), the full pool from what the budget leaves (or `--num-blocks`)."""
+    block_size = config.cache.block_size
+    num_window = window_pool_blocks(
+        spec, block_size, config.scheduler.max_num_seqs, max_step_tokens(config)
+    )
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks, num_window
+    left = kv_memory_bytes(config.cache, device) - num_window * window_block_bytes
+    return max(2, left // full_block_bytes), num_window

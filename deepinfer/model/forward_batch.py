@@ -16,6 +16,11 @@ class ForwardBatch:
     new tokens sit at the last positions of its context: `context_lens[b]` counts the cached
     prefix plus the new tokens. Every new token's K/V is written to `slot_mapping` before
     attention reads the blocks listed in `block_tables[b]`.
+
+    A model whose sliding-window layers keep their KV in a pool of their own gets their slots
+    and tables in `window_slot_mapping` and `window_block_tables` (None: every layer uses the
+    main ones). A negative slot is not written: a replayed position whose full-layer K/V is
+    already cached.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -27,6 +32,15 @@ class ForwardBatch:
     is_decode_only: bool
     """Every request has exactly one new token: use paged decode attention."""
     logits_indices: torch.Tensor  # [B_sample] int64, token rows to compute logits for
+    window_slot_mapping: torch.Tensor | None = None  # [T] int64, in the windowed pool
+    window_block_tables: torch.Tensor | None = None  # [B, max_window_blocks] int32
+
+    def group(self, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot mapping, block tables) of the full layers, or of the windowed ones."""
+        if windowed and self.window_slot_mapping is not None:
+            assert self.window_block_tables is not None
+            return self.window_slot_mapping, self.window_block_tables
+        return self.slot_mapping, self.block_tables
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +65,10 @@ class BatchChunk:
     num_logits: int = 1
     """With `sample`: logits for the chunk's last `num_logits` tokens (speculative decoding
     verifies every drafted position)."""
+    window_block_ids: Sequence[int] = ()
+    """The windowed layers' block table, where they have a pool of their own."""
+    cached_until: int = 0
+    """Positions before this keep their cached full-layer K/V (not written)."""
 
 
 def build_forward_batch(
@@ -63,27 +81,19 @@ def build_forward_batch(
     lengths = [len(c.token_ids) for c in chunks]
     if min(lengths) < 1:
         raise ValueError("every chunk needs at least one token")
-    max_blocks = max(len(c.block_ids) for c in chunks)
+    windowed = any(c.window_block_ids for c in chunks)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    tables: list[list[int]] = []
+    window_slots: list[int] = []
     query_start_loc = [0]
     for c, n in zip(chunks, lengths, strict=True):
         end = c.start_position + n
-        blocks = list(c.block_ids)
-        if len(blocks) < -(-end // block_size):
-            raise ValueError(
-                f"chunk ending at position {end} needs {-(-end // block_size)} blocks, "
-                f"got {len(blocks)}"
-            )
         input_ids.extend(c.token_ids)
         positions.extend(range(c.start_position, end))
-        slots.extend(
-            blocks[p // block_size] * block_size + p % block_size
-            for p in range(c.start_position, end)
-        )
-        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        slots.extend(_slots(c.block_ids, c.start_position, end, block_size, c.cached_until))
+        if windowed:
+            window_slots.extend(_slots(c.window_block_ids, c.start_position, end, block_size))
         query_start_loc.append(query_start_loc[-1] + n)
     sample_rows = [
         row
@@ -93,13 +103,46 @@ def build_forward_batch(
     ]
     context_lens = [c.start_position + n for c, n in zip(chunks, lengths, strict=True)]
     int32, int64 = torch.int32, torch.int64
+    window = (
+        (
+            torch.tensor(window_slots, dtype=int64, device=device),
+            _tables([c.window_block_ids for c in chunks], device),
+        )
+        if windowed
+        else (None, None)
+    )
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=int64, device=device),
         positions=torch.tensor(positions, dtype=int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=int64, device=device),
-        block_tables=torch.tensor(tables, dtype=int32, device=device),
+        block_tables=_tables([c.block_ids for c in chunks], device),
         query_start_loc=torch.tensor(query_start_loc, dtype=int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=int32, device=device),
         is_decode_only=max(lengths) == 1,
         logits_indices=torch.tensor(sample_rows, dtype=int64, device=device),
+        window_slot_mapping=window[0],
+        window_block_tables=window[1],
     )
+
+
+def _slots(
+    block_ids: Sequence[int], start: int, end: int, block_size: int, skip_before: int = 0
+) -> list[int]:
+    """Slots of positions [start, end) through a block table; -1 (not written) before
+    `skip_before`."""
+    if len(block_ids) < -(-end // block_size):
+        raise ValueError(
+            f"chunk ending at position {end} needs {-(-end // block_size)} blocks, "
+            f"got {len(block_ids)}"
+        )
+    return [
+        -1 if p < skip_before else block_ids[p // block_size] * block_size + p % block_size
+        for p in range(start, end)
+    ]
+
+
+def _tables(tables: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    """Block tables as one [B, max_blocks] int32 tensor, padded with the null block."""
+    width = max(len(t) for t in tables)
+    rows = [list(t) + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device)

@@ -10,10 +10,13 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
 
 
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
+def kv_bytes_per_block(
+    arch: ModelArch, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """Bytes one block takes across all layers (or `num_layers` of them), keys and values."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.kv_size * element_bytes
+    layers = arch.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * arch.kv_size * element_bytes
 
 
 def allocate_kv_caches(
@@ -22,16 +25,34 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    num_window_blocks: int = 0,
 ) -> KVCaches:
-    """Zero-filled caches for every layer (zeros: padded reads never see NaN garbage)."""
-    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    """Zero-filled caches for every layer (zeros: padded reads never see NaN garbage); with
+    `num_window_blocks`, the sliding-window layers' caches hold that many blocks (a pool of
+    their own) and the full layers' `num_blocks`."""
+
+    def blocks(layer: int) -> int:
+        return num_window_blocks if num_window_blocks and arch.window(layer) else num_blocks
+
     return [
         (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(blocks(i), block_size, *_head_shape(arch), dtype=dtype, device=device),
+            torch.zeros(blocks(i), block_size, *_head_shape(arch), dtype=dtype, device=device),
         )
-        for _ in range(arch.num_layers)
+        for i in range(arch.num_layers)
     ]
+
+
+def _head_shape(arch: ModelArch) -> tuple[int, int]:
+    return arch.num_kv_heads, arch.head_dim
+
+
+def full_layer_caches(arch: ModelArch, kv_caches: KVCaches, windowed_pool: bool) -> KVCaches:
+    """The caches a prefix-cache block's payload covers: every layer's, or with a windowed
+    pool of its own the full layers' alone."""
+    if not windowed_pool:
+        return kv_caches
+    return [kv for i, kv in enumerate(kv_caches) if not arch.window(i)]
 
 
 def check_kv_caches(arch: ModelArch, kv_caches: KVCaches, dtype: torch.dtype | None = None) -> None:

@@ -103,6 +103,12 @@ class StepContext:
     """The backend's per-step attention plan (see `AttentionBackend.plan_paged_attention`)."""
     cos_sin_local: torch.Tensor  # [P, D]
     """The windowed layers' RoPE table (`cos_sin` itself when they share the full layers')."""
+    window_plan: PagedAttentionPlan | None = None
+    """The windowed layers' plan, where their KV has a pool of its own (else they use `plan`)."""
+
+    def attention_plan(self, windowed: bool) -> PagedAttentionPlan | None:
+        own_pool = windowed and self.batch.window_block_tables is not None
+        return self.window_plan if own_pool else self.plan
 
 
 class LlamaAttention(nn.Module):
@@ -137,16 +143,18 @@ class LlamaAttention(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, a.rms_norm_eps)
         ops.apply_rotary(q, k, batch.positions, step.cos_sin_local if self.window else step.cos_sin)
         k_cache, v_cache = kv_cache
-        ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        tables, lens = batch.block_tables, batch.context_lens
+        windowed = self.window is not None
+        slots, tables = batch.group(windowed)
+        plan, lens = step.attention_plan(windowed), batch.context_lens
+        ops.store_kv(k, v, k_cache, v_cache, slots)
         if batch.is_decode_only:  # T == B: one query per request
             out = ops.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, self.scale, plan=step.plan, window=self.window
+                q, k_cache, v_cache, tables, lens, self.scale, plan=plan, window=self.window
             )
         else:
             out = ops.paged_prefill_attention(
                 q, k_cache, v_cache, tables, batch.query_start_loc, lens, self.scale,
-                plan=step.plan, window=self.window,
+                plan=plan, window=self.window,
             )  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, a.q_size))  # [T, H, D] -> [T, hidden]
 
@@ -354,16 +362,15 @@ class LlamaForCausalLM(nn.Module):
         first layers only (self-speculation's draft: they write their layers' KV alone)."""
         if self.kv_caches is None:
             raise RuntimeError("call bind_kv_caches() before running the model")
-        ops = self.attention_backend
-        plan = ops.plan_paged_attention(
-            batch.block_tables, batch.query_start_loc, batch.context_lens, self.kv_caches[0][0]
-        )
-        step = StepContext(batch, ops, self.cos_sin, plan, self.cos_sin_local)
+        step = self._step_context(batch)
+        plan, window_plan = step.plan, step.window_plan
         h = self.embed(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         stack = self.native_stack(num_layers) if self.native_layers else None
-        if stack is not None and plan is not None and step_applies(plan, h.shape[0]):
-            h, residual = stack.run(h, batch.positions, batch.slot_mapping, plan)
+        if stack is not None and plan is not None and step_applies(plan, h.shape[0], window_plan):
+            h, residual = stack.run(
+                h, batch.positions, batch.slot_mapping, plan, batch.window_slot_mapping, window_plan
+            )
         else:
             layers = list(zip(self.layers, self.kv_caches, strict=True))[:num_layers]
             for layer, kv_cache in layers:
@@ -376,6 +383,21 @@ class LlamaForCausalLM(nn.Module):
             h, residual, self.norm.weight, self.arch.rms_norm_eps
         )
         return h
+
+    def _step_context(self, batch: ForwardBatch) -> StepContext:
+        """The step's attention plans (one per KV pool) and RoPE tables."""
+        assert self.kv_caches is not None
+        ops, starts, lens = self.attention_backend, batch.query_start_loc, batch.context_lens
+        windows = [self.arch.window(i) for i in range(self.arch.num_layers)]
+        full = windows.index(None) if None in windows else 0
+        plan = ops.plan_paged_attention(batch.block_tables, starts, lens, self.kv_caches[full][0])
+        window_plan = None
+        if batch.window_block_tables is not None:
+            window_cache = self.kv_caches[next(i for i, w in enumerate(windows) if w)][0]
+            window_plan = ops.plan_paged_attention(
+                batch.window_block_tables, starts, lens, window_cache
+            )
+        return StepContext(batch, ops, self.cos_sin, plan, self.cos_sin_local, window_plan)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.embed_tokens(input_ids)

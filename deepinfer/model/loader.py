@@ -134,9 +134,15 @@ def check_batch_invariant(model: torch.nn.Module, path: Path) -> None:
 
 
 def model_fingerprint(
-    loaded: LoadedModel, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+    loaded: LoadedModel,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
+    full_layers_only: bool = False,
 ) -> str:
-    """sha256 hex digest of weights identity + serving dtype + KV layout: seeds prefix-cache keys."""
+    """sha256 hex digest of weights identity + serving dtype + KV layout: seeds prefix-cache keys.
+    `full_layers_only`: a block's payload holds the full-attention layers alone (the windowed
+    ones keep their own pool)."""
     a = loaded.arch
     # the quantized kernel sums in another order than BLAS: KV from one is not the other's
     numerics = f"{dtype}+quantized-matmul" if loaded.quantized_bytes else str(dtype)
@@ -146,6 +152,8 @@ def model_fingerprint(
         numerics += f"+kv-{kv_dtype}"
     if loaded.batch_invariant:  # prompts attended row by row: other bits than chunked prefill
         numerics += "+batch-invariant"
+    if full_layers_only:
+        numerics += "+full-layers-only"
     return kv_fingerprint(
         loaded.weights_digest, numerics, a.num_layers, a.num_kv_heads, a.head_dim, block_size
     )

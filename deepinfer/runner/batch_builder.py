@@ -25,6 +25,14 @@ def _batch_chunks(chunk: ScheduledChunk) -> list[BatchChunk]:
     decode kernels, no switch to the prefill path for a few extra rows), and each row is
     computed exactly as the plain decode at its position would be."""
     tokens, start = chunk.token_ids(), chunk.start_position
+    window, cached_until = chunk.window_block_ids, chunk.cached_until
     if not chunk.draft_token_ids:
-        return [BatchChunk(tokens, start, chunk.block_ids, chunk.sample, chunk.num_logits)]
-    return [BatchChunk([t], start + j, chunk.block_ids, True, 1) for j, t in enumerate(tokens)]
+        return [
+            BatchChunk(
+                tokens, start, chunk.block_ids, chunk.sample, chunk.num_logits, window, cached_until
+            )
+        ]
+    return [
+        BatchChunk([t], start + j, chunk.block_ids, True, 1, window, cached_until)
+        for j, t in enumerate(tokens)
+    ]

@@ -125,7 +125,7 @@ class WaitingQueue:
             if len(admitted) >= max_count or token_budget == 0:
                 break
             hits, num_hit = self.kv.get_computed_blocks(request)
-            if self.kv.computing_elsewhere(request, num_hit):
+            if self.kv.computing_elsewhere(request, len(hits) * self.kv.block_size):
                 self._pass_over(request, num_hit)
                 continue
             num_new = request.num_tokens - num_hit

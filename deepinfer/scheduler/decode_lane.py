@@ -15,20 +15,23 @@ from deepinfer.scheduler.token_delta import take_tokens
 
 
 def decode_chunk(
-    request: Request, block_ids: tuple[int, ...], draft: Draft | None = None
+    request: Request, kv: KVCacheManager, draft: Draft | None = None
 ) -> ScheduledChunk:
     """A decoder's chunk: its last token, then its drafts (slots already allocated)."""
     start = request.num_computed_tokens
     draft = draft or Draft()
     assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
+    tables = kv.chunk_tables(request, start + 1 + draft.size)
     return ScheduledChunk(
         request=request,
         start_position=start,
         num_new_tokens=1 + draft.size,
-        block_ids=block_ids,
+        block_ids=tables.block_ids,
         sample=True,
         draft_token_ids=draft.token_ids,
         num_worker_drafts=draft.num_worker_tokens,
+        window_block_ids=tables.window_block_ids,
+        cached_until=tables.cached_until,
     )
 
 
@@ -54,7 +57,7 @@ def plan_decodes(
             and draft is not None
             and drafter.take_slots(kv, request, draft, reserve_blocks=len(decoding) - i - 1)
         ):
-            chunks.append(decode_chunk(request, kv.block_ids(request.request_id), draft))
+            chunks.append(decode_chunk(request, kv, draft))
             i += 1
             continue
         while not kv.allocate_slots(request, 1):
@@ -64,7 +67,7 @@ def plan_decodes(
             if victim is request:
                 break
         else:
-            chunks.append(decode_chunk(request, kv.block_ids(request.request_id)))
+            chunks.append(decode_chunk(request, kv))
             i += 1
     return chunks, preempted
 

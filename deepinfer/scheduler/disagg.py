@@ -173,13 +173,16 @@ class DisaggScheduler:
         for pc in plan.chunks:
             request = self.prefilling[pc.request_id]
             assert pc.start_position == request.num_computed_tokens, "planner out of step"
+            tables = self.kv.chunk_tables(request, pc.start_position + pc.num_new_tokens)
             chunks.append(
                 ScheduledChunk(
                     request=request,
                     start_position=pc.start_position,
                     num_new_tokens=pc.num_new_tokens,
-                    block_ids=self.kv.block_ids(pc.request_id),
+                    block_ids=tables.block_ids,
                     sample=pc.is_last,
+                    window_block_ids=tables.window_block_ids,
+                    cached_until=tables.cached_until,
                 )
             )
         return chunks

@@ -32,11 +32,13 @@ def check_disagg_integrity(s: DisaggScheduler) -> None:
         require(r.status is RequestStatus.RUNNING, f"{r.request_id} prefills as {r.status}")
         short = s.kv.num_blocks_of(r.request_id) < -(-r.num_tokens // bs)
         require(not short, f"{r.request_id} holds too few blocks for its prompt")
+        s.kv.check_window(r)
     for r in s.decoding:
         require(r.status is RequestStatus.RUNNING, f"{r.request_id} decodes as {r.status}")
         require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
         stale = s.split_pools and s.kv.num_blocks_of(r.request_id) > 0
         require(not stale, f"{r.request_id} decodes holding prefill blocks")
+        s.decode_kv.check_window(r)
     _check_handoffs(s)
     s.queue.check_integrity()
     for r in s.waiting:

@@ -40,6 +40,12 @@ class ScheduledChunk:
     num_worker_drafts: int = 0
     """Drafts the runner makes at the start of the step (a model proposer), with slots here;
     the runner verifies the chunk with them as `draft_token_ids`."""
+    window_block_ids: tuple[int, ...] = ()
+    """A model with sliding-window layers: their block table (block 0 where the window no
+    longer reaches); empty: every layer uses `block_ids`."""
+    cached_until: int = 0
+    """Positions before this already have the full layers' K/V, cached: the chunk recomputes
+    them for the windowed layers only (a prefix hit's replay) and does not rewrite it."""
 
     @property
     def num_drafts(self) -> int:

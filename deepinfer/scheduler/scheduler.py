@@ -121,7 +121,7 @@ class Scheduler:
             draft = drafted.get(request.request_id)
             after = len(self.running) - i - 1
             if draft is not None and self._take_draft_slots(request, draft, budget, after):
-                chunks.append(decode_chunk(request, self.kv.block_ids(request.request_id), draft))
+                chunks.append(decode_chunk(request, self.kv, draft))
                 budget -= 1 + draft.size
                 i += 1
                 continue
@@ -171,12 +171,15 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        tables = self.kv.chunk_tables(request, start + num_new)
         return ScheduledChunk(
             request=request,
             start_position=start,
             num_new_tokens=num_new,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=tables.block_ids,
             sample=start + num_new == request.num_tokens,
+            window_block_ids=tables.window_block_ids,
+            cached_until=tables.cached_until,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -250,6 +253,7 @@ class Scheduler:
         for r in self.running:
             require(r.status is RequestStatus.RUNNING, f"{r.request_id} running as {r.status}")
             require(r.num_computed_tokens < r.num_tokens, f"{r.request_id} has nothing to compute")
+            self.kv.check_window(r)
             blocks_needed = -(-r.num_computed_tokens // self.kv.block_size)
             require(self.kv.num_blocks_of(r.request_id) >= blocks_needed, "computed KV lost")
         self.queue.check_integrity()

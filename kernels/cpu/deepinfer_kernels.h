@@ -141,7 +141,12 @@ typedef struct {
     void *v_cache;
 } di_llama_layer;
 
-/* What one step of the stack shares across layers. */
+/* What one step of the stack shares across layers. slots [T] (negative: a token whose K/V is
+   not stored) index the caches' rows, block_tables [T, max_blocks] their blocks. Where the
+   sliding-window layers keep their KV in a paged pool of their own, window_slots,
+   window_block_tables and their sizes address that pool for every layer with window > 0 (the
+   other layers keep slots and block_tables); NULL window_slots: one pool for all layers.
+   positions and context_lens are the same for both pools. */
 typedef struct {
     int T;
     int hidden;
@@ -161,6 +166,10 @@ typedef struct {
     int block_size;
     int kv_f16;
     int num_threads;
+    const int64_t *window_slots;
+    long window_num_slots;
+    const int32_t *window_block_tables;
+    int window_max_blocks;
 } di_llama_step;
 
 /* The decoder stack in one call (cpu/llama_layers.c). */

@@ -5,7 +5,8 @@
    result is bit-identical to that path. What it saves: ~13 Python calls a layer (tens of
    microseconds each: most of a one-stream decode step, a tenth of a 32-stream one), and
    OpenMP's fork, join and futex waits: the whole stack is one parallel region whose threads share out each op
-   (cpu/parts.h) and meet at spinning barriers between ops (cpu/team.h).
+   (cpu/parts.h) and meet at spinning barriers between ops (cpu/team.h). The sliding-window
+   layers may keep their KV in a paged pool of their own (di_llama_step's window_* fields).
 
    For steps whose every query the native attention kernel takes (decode rows, short chunks
    given one row per query), float32 activations and weights served by the quantized kernels
@@ -98,11 +99,34 @@ static void head_norm(float *x, long stride, int heads, const float *w, const di
     }
 }
 
+/* One paged KV pool as the step addresses it: the rows new tokens are stored at, the tables. */
+typedef struct {
+    const int64_t *slots;
+    long num_slots;
+    const int32_t *block_tables;
+    int max_blocks;
+} kv_pool;
+
+/* A sliding-window layer's pool is the step's window_* one where the step has it (the windowed
+   layers' KV then lives apart from the full layers'), else the one every layer shares. */
+static int in_window_pool(const di_llama_layer *y, const di_llama_step *s) {
+    return y->window > 0 && s->window_slots != NULL;
+}
+
+static kv_pool pool_of(const di_llama_layer *y, const di_llama_step *s) {
+    if (in_window_pool(y, s)) {
+        return (kv_pool){s->window_slots, s->window_num_slots, s->window_block_tables,
+                         s->window_max_blocks};
+    }
+    return (kv_pool){s->slots, s->num_slots, s->block_tables, s->max_blocks};
+}
+
 static di_attention_args attention_args(const float *q, long q_stride, const di_llama_layer *y,
                                         float *out, const di_llama_step *s) {
+    const kv_pool pool = pool_of(y, s);
     const di_attention_args a = {
         .q = q, .q_stride_b = q_stride, .q_stride_h = s->head_dim, .k_cache = y->k_cache,
-        .v_cache = y->v_cache, .block_tables = s->block_tables, .max_blocks = s->max_blocks,
+        .v_cache = y->v_cache, .block_tables = pool.block_tables, .max_blocks = pool.max_blocks,
         .context_lens = s->context_lens, .out = out, .B = s->T, .H = s->H, .Hkv = s->Hkv,
         .D = s->head_dim, .S = s->block_size, .scale = s->scale,
         .num_threads = s->num_threads, .kv_f16 = s->kv_f16, .window = y->window};
@@ -122,7 +146,8 @@ static void attention(const di_llama_layer *y, di_attention_plan *plan, stack_bu
     head_norm(q, W, s->H, y->q_norm, s, t0, t1);
     head_norm(k, W, s->Hkv, y->k_norm, s, t0, t1);
     di_rotary_rows(q, W, s->H, k, W, s->Hkv, s->positions, y->cos_sin, hd, t0, t1);
-    di_store_kv_rows(k, W, v, W, y->k_cache, y->v_cache, s->slots, kv_size, s->kv_f16, t0, t1);
+    di_store_kv_rows(k, W, v, W, y->k_cache, y->v_cache, pool_of(y, s).slots, kv_size, s->kv_f16,
+                     t0, t1);
     di_team_sync(team);
     const di_attention_args a = attention_args(q, W, y, b->attn, s);
     di_attention_team(&a, plan, team);
@@ -170,13 +195,31 @@ static int check_layer(const di_llama_layer *y, const di_llama_step *s) {
     return 0;
 }
 
+/* Each pool's slots are checked where a layer stores into them, and only there: a stack of the
+   full layers alone (or of windowed ones alone) may be handed the slots of a pool it does not
+   have, sized for another. */
+static int check_pools(const di_llama_layer *layers, int num_layers, const di_llama_step *s) {
+    const int kv_size = s->Hkv * s->head_dim;
+    int main_used = 0, window_used = 0;
+    for (int l = 0; l < num_layers; l++) {
+        if (in_window_pool(&layers[l], s)) {
+            window_used = 1;
+        } else {
+            main_used = 1;
+        }
+    }
+    if (main_used && di_store_kv_check(s->num_slots, s->slots, s->T, kv_size) != 0) return -1;
+    if (!window_used) return 0;
+    if (s->window_block_tables == NULL) return -1;
+    return di_store_kv_check(s->window_num_slots, s->window_slots, s->T, kv_size);
+}
+
 static int check(const di_llama_layer *layers, int num_layers, const di_llama_step *s) {
-    const int hd = s->head_dim, I = s->intermediate;
-    const int kv_size = s->Hkv * hd;
+    const int I = s->intermediate;
     const di_rms_norm_args norm = {.T = s->T, .D = s->hidden};
     if (di_rms_norm_check(&norm) != 0 || I <= 0 || I % 8 != 0) return -1;
-    if (di_rotary_check(s->positions, s->num_positions, s->T, hd) != 0) return -1;
-    if (di_store_kv_check(s->num_slots, s->slots, s->T, kv_size) != 0) return -1;
+    if (di_rotary_check(s->positions, s->num_positions, s->T, s->head_dim) != 0) return -1;
+    if (check_pools(layers, num_layers, s) != 0) return -1;
     for (int l = 0; l < num_layers; l++) {
         if (check_layer(&layers[l], s) != 0) return -1;
     }
@@ -198,7 +241,9 @@ static void free_buffers(stack_buffers *b) {
 }
 
 /* One attention plan per distinct window (a plan's tasks cover the keys its window reads); the
-   layers of one window share theirs. */
+   layers of one window share theirs. A plan depends on the context lengths and the window, never
+   on block tables, and every layer of one window is in one pool (pool_of), so a plan per window
+   is one per (window, pool) as well. */
 static int plan_attention(stack_buffers *b, const di_llama_layer *layers, int num_layers,
                           int threads) {
     b->plans = calloc((size_t)num_layers, sizeof(di_attention_plan));
