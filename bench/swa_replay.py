@@ -6,7 +6,9 @@ Engine only (`EngineCore.step`, no HTTP), one colocated lane, the serving defaul
 own, the cache stores the full layers for every block) against `--window-kv all` (every layer
 keeps every token and is cached).
 - Bytes stored per cached token: the KV one token takes in a block of the host and disk tiers
-  (the full layers only, or every layer), keys and values, at the serving KV dtype.
+  (the full layers only, or every layer), keys and values, at the serving KV dtype; and with
+  the windowed layers' window the disk tier keeps before each prompt's end, per token of a
+  session of each length.
 - Resumed agent session: a session of N prompt tokens has run (its blocks cached); its next
   turn, the same N tokens and 64 more, is timed to its first token: resumed from the windows
   the windowed pool still holds (exact, nothing replayed), by a bounded replay (the windowed
@@ -110,13 +112,20 @@ def resumed_ttft(path: Path, length: int, mode: str) -> float:
     return ttft
 
 
-def long_request(path: Path, length: int, window_kv: str) -> tuple[int, int]:
-    """(bytes a cached token takes in the lower tiers, peak bytes of a `length`-token request)."""
+def long_request(path: Path, length: int, window_kv: str) -> tuple[int, int, int]:
+    """(bytes a cached token takes in the lower tiers, bytes of the windowed layers' blocks the
+    disk tier keeps before a prompt's end (0: none), peak bytes of a `length`-token request)."""
     core = make_core(path, length // 16 + 64, True, window_kv)
     per_token = block_payload_bytes(core.kv_caches) // core.info.block_size
-    _, peak = run(core, "long", prompt(0, length), 4)
+    window = core.kv.window
+    boundary = 0
+    if window is not None:
+        size = core.info.block_size
+        blocks = -(-(window.spec.window - 1) // size)  # at most: the blocks of one window
+        boundary = blocks * block_payload_bytes(core.window_caches)
+    _, peak = run(core, "long", prompt(0, length - 4), 4)  # the context holds `length` in all
     core.close()
-    return per_token, peak
+    return per_token, boundary, peak
 
 
 def main() -> None:
@@ -127,10 +136,15 @@ def main() -> None:
     ns = ap.parse_args()
     path = ns.model.expanduser()
     print(f"\n### Sliding-window cache: `bench/swa_replay.py`\n\n{provenance()}\n")
-    window_token, window_peak = long_request(path, ns.long, "window")
-    all_token, all_peak = long_request(path, ns.long, "all")
+    window_token, boundary, window_peak = long_request(path, ns.long, "window")
+    all_token, _, all_peak = long_request(path, ns.long, "all")
     print(f"- bytes stored per cached token: {window_token} (full layers) vs {all_token} "
-          f"(every layer): {all_token / window_token:.1f}x fewer")  # fmt: skip
+          f"(every layer): {all_token / window_token:.1f}x fewer; the window kept before a "
+          f"prompt's end adds {boundary / 1e6:.1f} MB a prompt")  # fmt: skip
+    for n in ns.sessions:
+        with_boundary = (n * window_token + boundary) / n
+        print(f"  - a {n}-token session with its prompt-end window: {with_boundary:.0f} bytes "
+              f"per token, {all_token / with_boundary:.1f}x fewer than every layer")  # fmt: skip
     print(f"- peak KV of a {ns.long}-token request: {window_peak / 1e6:.1f} MB (windowed "
           f"layers keep their window) vs {all_peak / 1e6:.1f} MB (every layer every token)")  # fmt: skip
     for length in ns.sessions:

@@ -51,6 +51,17 @@ class _EngineCollector(Collector):
                 "KV blocks in the decode device group's own pool",
                 stats.decode_blocks_total,
             )
+        if stats.window_blocks_total:
+            yield _gauge(
+                "deepinfer_window_kv_blocks_used",
+                "KV blocks in requests' windows in the sliding-window layers' own pool",
+                stats.window_blocks_used,
+            )
+            yield _gauge(
+                "deepinfer_window_kv_blocks_total",
+                "KV blocks in the sliding-window layers' own pool",
+                stats.window_blocks_total,
+            )
         yield CounterMetricFamily(
             "deepinfer_failed_steps",
             "Engine steps that raised (each failed only its own requests)",

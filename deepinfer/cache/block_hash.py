@@ -29,6 +29,7 @@ HASH_NUM_BYTES = 32
 ROOT_TAG = b"deepinfer/kv-root/v1\x00"
 BLOCK_TAG = b"deepinfer/kv-block/v1\x00"
 SALT_TAG = b"salt\x00"
+WINDOW_TAG = b"deepinfer/kv-window/v1\x00"
 _U32 = struct.Struct("<I")
 
 
@@ -43,6 +44,13 @@ def salt_extra(salt: str | None) -> bytes:
     `""` is a salt like any other (it differs from None): callers wanting "no salt" pass None.
     """
     return b"" if salt is None else SALT_TAG + salt.encode("utf-8")
+
+
+def window_key(block_hash: BlockHash) -> BlockHash:
+    """The key under which the lower tiers keep a block's sliding-window layers' KV (its own
+    hash keys the full layers'): sha256(WINDOW_TAG || hash)."""
+    assert len(block_hash) == HASH_NUM_BYTES, "a block hash is 32 bytes"
+    return hashlib.sha256(WINDOW_TAG + block_hash).digest()
 
 
 def root_hash(seed: bytes) -> BlockHash:

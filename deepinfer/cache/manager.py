@@ -94,6 +94,7 @@ class KVCacheManager:
         self.track_new_blocks = track_new_blocks
         """When set (a lower tier is attached), newly registered blocks are recorded for it."""
         self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
+        self._new_windows: list[tuple[list[tuple[int, BlockHash]], str | None]] = []
         self._reserved: dict[int, list[Block]] = {}
         self._next_reservation = 0
         self._claims: dict[BlockHash, str] = {}
@@ -204,17 +205,14 @@ class KVCacheManager:
         if needed > free:
             return False
         rid = request.request_id
+        hit_end = len(hit_blocks) * self.block_size
         planned = self._starts.pop(rid, None)
-        start = (
-            (planned if planned is not None else len(hit_blocks) * self.block_size)
-            if hit_blocks
-            else 0
-        )
+        start = hit_end if planned is None else min(planned, hit_end)
         if rid not in self._blocks:
             if self.enable_prefix_caching:
                 self.num_query_tokens += request.num_tokens
                 self.num_hit_tokens += start
-            self._admit_window(rid, start, len(hit_blocks) * self.block_size)
+            self._admit_window(rid, start, hit_end)
         table = self._blocks.setdefault(rid, [])
         if hit_blocks:
             self.pool.touch(hit_blocks)
@@ -290,8 +288,7 @@ class KVCacheManager:
         (call after the step that advanced `num_computed_tokens` has run); with a window group,
         also those of its windowed blocks, then free the ones that left its window."""
         if self.window is not None:
-            hashes = self.block_hashes(request) if self.enable_prefix_caching else []
-            self.window.register_and_slide(request.request_id, hashes, request.num_computed_tokens)
+            self._cache_window(request)
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
@@ -308,6 +305,28 @@ class KVCacheManager:
         self._num_registered[rid] = num_full
         if rid in self._claimed:
             self._release_claims(rid, set(hashes[start:num_full]))
+
+    def _cache_window(self, request: Request) -> None:
+        """The windowed blocks' share of `cache_blocks`: hash, keep the window before the
+        prompt's end for the lower tiers (when attached), slide."""
+        assert self.window is not None
+        hashes = self.block_hashes(request) if self.enable_prefix_caching else []
+        track = self.track_new_blocks and self.enable_prefix_caching
+        prompt_end = request.num_prompt_tokens // self.block_size * self.block_size
+        rid = request.request_id
+        self.window.register_and_slide(
+            rid, hashes, request.num_computed_tokens, prompt_end if track else None
+        )
+        if track:
+            boundaries = self.window.drain_boundaries()
+            self._new_windows.extend((window, request.retention) for window in boundaries)
+
+    def drain_new_windows(self) -> list[tuple[list[tuple[int, BlockHash]], str | None]]:
+        """Windows before prompts' ends kept since the last drain, for the disk tier: each its
+        windowed blocks' (block id, hash) and the request's retention class. Pin them
+        (`window.pin`) before the next step."""
+        new, self._new_windows = self._new_windows, []
+        return new
 
     def drain_new_blocks(self) -> list[tuple[int, BlockHash, str | None]]:
         """(block id, hash, retention class) of blocks registered since the last drain, for the lower
@@ -447,5 +466,5 @@ class KVCacheManager:
         require(owners == self._claims, "claim tables disagree")
         if self.window is not None:
             self.window.check_integrity()
-            require(set(self.window.holders()) <= set(self._blocks), "a window of a freed request")
+            require(self.window.request_ids() <= set(self._blocks), "a window of a freed request")
         require(set(self._cached_until) <= set(self._blocks), "replay state of a freed request")

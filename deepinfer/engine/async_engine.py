@@ -157,6 +157,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         core, driver = self.core, self._driver
+        usage = core.kv.usage()
         return EngineStats(
             num_waiting=core.scheduler.num_waiting,
             num_running=core.scheduler.num_running,
@@ -164,6 +165,8 @@ class AsyncEngine:
             num_blocks_used=core.kv.num_used_blocks,
             decode_blocks_total=core.info.decode_num_blocks,
             decode_blocks_used=core.decode_kv.num_used_blocks if core.decode_kv else 0,
+            window_blocks_total=usage.num_window_blocks,
+            window_blocks_used=usage.num_window_used_blocks,
             handoffs=driver.handoffs if driver is not None else HandoffStats(),
             max_model_len=core.info.max_model_len,
             disk=core.disk.stats() if core.disk is not None else None,

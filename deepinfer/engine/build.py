@@ -90,7 +90,9 @@ class EngineParts:
     tokenizer: Tokenizer
     recipe: ChatRecipe
     kv_caches: KVCaches
-    """The prefill pool's caches (the prefix cache and its lower tiers)."""
+    """The prefill pool's caches whose blocks the lower tiers keep (all, or the full layers')."""
+    window_caches: KVCaches
+    """The sliding-window layers' caches where they have a pool of their own (else empty)."""
     kv: KVCacheManager
     decode_kv: KVCacheManager | None
     """The decode pool's blocks (separate device groups only; no prefix cache there)."""
@@ -134,6 +136,7 @@ def build_engine(config: Config) -> EngineParts:
         tokenizer=tokenizer,
         recipe=recipe,
         kv_caches=replicas.prefill.tier_caches,
+        window_caches=replicas.prefill.window_caches,
         kv=kv,
         decode_kv=decode_kv,
         host=host,

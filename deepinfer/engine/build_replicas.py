@@ -45,6 +45,13 @@ class Replica:
     num_window_blocks: int = 0
 
     @property
+    def window_caches(self) -> KVCaches:
+        """The sliding-window layers' caches where they have a pool of their own."""
+        if self.window is None:
+            return []
+        return [kv for i, kv in enumerate(self.kv_caches) if self.model.arch.window(i)]
+
+    @property
     def tier_caches(self) -> KVCaches:
         """The caches a block's payload in the host and disk tiers covers."""
         return full_layer_caches(self.model.arch, self.kv_caches, self.window is not None)

@@ -39,6 +39,7 @@ class EngineCore:
         self.tokenizer = parts.tokenizer
         self.recipe = parts.recipe
         self.kv_caches = parts.kv_caches
+        self.window_caches = parts.window_caches
         self.kv = parts.kv
         self.decode_kv = parts.decode_kv
         self.host = parts.host

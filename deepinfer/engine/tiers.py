@@ -26,6 +26,7 @@ from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.config import Retention
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.tier_windows import fill_window_from_disk, write_windows_behind
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import Request
 from deepinfer.runner.host_kv import write_blocks_from_views
@@ -63,13 +64,23 @@ class _FillPlan:
 
 async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Request) -> TierFill:
     """Load the prompt's leading blocks that are in the host or disk tier but not on the device
-    into free device blocks, registered under their hashes, so admission hits them."""
+    into free device blocks, registered under their hashes, so admission hits them; with a
+    windowed pool, then a window from the disk tier where the hit would replay."""
     kv, host, disk = core.kv, core.host, core.disk
     if (host is None and disk is None) or not kv.enable_prefix_caching:
         return TierFill()
     if request.retention == Retention.NONE:
         return TierFill()
     hashes = kv.prompt_hashes(request)
+    fill = await _fill_blocks_from_tiers(core, forward, request, hashes)
+    await fill_window_from_disk(core, forward, hashes)
+    return fill
+
+
+async def _fill_blocks_from_tiers(
+    core: EngineCore, forward: Executor, request: Request, hashes: list[BlockHash]
+) -> TierFill:
+    kv, host, disk = core.kv, core.host, core.disk
     num_device = kv.cached_prefix_len(hashes)
     rest = hashes[num_device:]
     num_host = host.contains_prefix(rest) if host is not None else 0
@@ -168,6 +179,7 @@ async def write_behind(core: EngineCore, forward: Executor) -> None:
     """Offer blocks registered in the last step to the host and disk tiers: a snapshot copy (and
     the host tier's copy) on the forward thread now; the disk write happens on the disk tier's
     writer thread, or is dropped."""
+    await write_windows_behind(core, forward)
     new = [b for b in core.kv.drain_new_blocks() if b[2] != Retention.NONE]
     if not new or (core.disk is None and core.host is None):
         return

@@ -94,6 +94,9 @@ class EngineStats:
     """Blocks of the decode pool, when the decode worker has its own device group (else 0:
     the one pool above serves both)."""
     decode_blocks_used: int = 0
+    window_blocks_total: int = 0
+    """Blocks of the sliding-window layers' own pool (`--window-kv window`; else 0)."""
+    window_blocks_used: int = 0
     handoffs: HandoffStats = HandoffStats()
     num_failed_steps: int = 0
     """Steps that raised since start; each failed only its own requests."""

@@ -73,6 +73,6 @@ async def test_cache_hits_never_change_answers(tmp_path: Path) -> None:
 
     restarted, usage = await _run(_config(tmp_path / "disk", disk=True))
     assert restarted == cold
-    # the disk tier holds the full layers alone: the windowed layers are replayed from
-    # 15 x 511 positions before the hit's end, here the whole prompt
-    assert usage[0].cached_tokens == 0
+    # the disk tier holds the full layers' blocks, and the windowed layers' window before the
+    # first run's prompt end: the same prompt resumes there, nothing replayed
+    assert usage[0].disk_cached_tokens >= usage[0].prompt_tokens - 32
