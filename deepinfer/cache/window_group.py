@@ -66,11 +66,6 @@ class WindowSpec:
                 f"a window of {self.window} keys over {self.num_windowed_layers} layers"
             )
 
-    @property
-    def replay_len(self) -> int:
-        """Positions before a hit's end that a replay recomputes (before block rounding)."""
-        return self.num_windowed_layers * (self.window - 1)
-
     def replay_start(self, hit_end: int, block_size: int) -> int:
         """Where a replay of a `hit_end`-token prefix starts: R, rounded down so that the whole
         first block the next query reads is exact (its blocks can then be hashed), and to a
@@ -177,13 +172,6 @@ class WindowGroup:
         self._held[request_id] = _Held(table, len(table), exact_from)
 
     # -- a request's window --
-    def num_blocks_needed(self, request_id: str, start: int, end: int) -> int:
-        held = self._held.get(request_id)
-        table = held.table if held is not None else []
-        last = -(-end // self.block_size)
-        first = min(start // self.block_size, last)
-        return sum(1 for i in range(first, last) if i >= len(table) or table[i] is None)
-
     def allocate(self, request_id: str, start: int, end: int) -> None:
         """Blocks for positions [start, end) (a chunk about to be computed)."""
         held = self._held.setdefault(request_id, _Held([], 0, 0))

@@ -39,14 +39,16 @@ async def write_windows_behind(core: EngineCore, forward: Executor) -> None:
     new = [w for w in core.kv.drain_new_windows() if w[1] != Retention.NONE]
     if not new or core.disk is None:
         return
-    ids = [block_id for blocks, _ in new for block_id, _ in blocks]
+    blocks = {h: (block_id, retention) for window_blocks, retention in new
+              for block_id, h in window_blocks}  # fmt: skip  # requests may share a window
+    ids = [block_id for block_id, _ in blocks.values()]
     pin = window.pin(ids)  # the windows slide on: freed blocks may be reused meanwhile
     try:
         loop = asyncio.get_running_loop()
         payloads = await loop.run_in_executor(forward, read_blocks, core.window_caches, ids)
     finally:
         window.unpin(pin)
-    keys = [(window_key(h), retention) for blocks, retention in new for _, h in blocks]
+    keys = [(window_key(h), retention) for h, (_, retention) in blocks.items()]
     core.offer_to_disk(keys, payloads)
 
 
