@@ -40,7 +40,9 @@ CudaGraphsMode = Literal["auto", "on", "off"]
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path | None = None
-    """GGUF file or Hugging Face directory (config.json + safetensors); None: the default model."""
+    """GGUF file or Hugging Face directory (config.json + safetensors); None: the default model.
+    `null` (or `null:PATH.gguf`): the null model, the default model's (or that file's) tokenizer
+    and chat format over a forward pass that costs nothing, for measuring the serving path."""
     dtype: DType = "auto"
     """Serving dtype: `auto` is float32 on CPU and bfloat16 on CUDA."""
     max_model_len: int | None = None

@@ -18,6 +18,7 @@ from deepinfer.model.gguf_loader import (
     gguf_arch,
     open_gguf,
 )
+from deepinfer.model.null_model import is_null_model, open_null_model
 from deepinfer.model.protocol import CausalLM
 from deepinfer.model.quantized import (
     float_matrices,
@@ -85,6 +86,9 @@ def load_model(
     device = torch.device(device)
     # fail fast, before parsing
     backend = select_attention_backend(attention_backend, device, batch_invariant=batch_invariant)
+    if is_null_model(path):
+        null, arch, digest, vocabulary = open_null_model(path, device, backend)
+        return LoadedModel(null, arch, path, dtype, device, digest, vocabulary)
     arch, source, weights_digest, reader = _open(path)
     model = get_model_class(arch.architecture)(arch, device=device, backend=backend)
     state = build_state_dict(arch, source, dtype, device, desc=f"loading {path.name}")

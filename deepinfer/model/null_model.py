@@ -1,0 +1,111 @@
+"""`NullModel`: everything but the model, for measuring the serving path alone.
+
+`--model null` serves the default model's tokenizer and chat format through the whole engine
+(API, scheduler, KV blocks and prefix cache, sampler, detokenizer, SSE) with a forward pass that
+costs next to nothing: no matrix, no attention, no KV written. Its logits put all the mass on one
+token chosen from the input token and its position alone, among the vocabulary's plain lowercase
+words, so greedy output is deterministic, different for prompts that end differently or are of
+other lengths, and real text (a stream of words, each a single token, as the detokenizer sees
+real models' output). `null:PATH` takes
+another GGUF file's vocabulary instead.
+
+Nothing here depends on the batch: a row's token is a function of its own input token and
+position, so
+the outputs of a request are the same whatever runs beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from pathlib import Path
+
+import gguf
+import torch
+from torch import nn
+
+from deepinfer.environment import default_model_path
+from deepinfer.errors import ModelLoadError
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.attention import AttentionBackend
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.model.gguf_loader import gguf_arch, open_gguf
+from deepinfer.model.kv_layout import KVCaches
+
+NULL_MODEL = "null"
+"""`--model null` (the default model's vocabulary) or `null:PATH` (a GGUF file's)."""
+
+_WORD = re.compile(rb"^(\xc4\xa0|\xe2\x96\x81)[a-z]{2,9}$")
+"""A space-led lowercase word as a byte-level BPE (GPT-2's `Ġ`) or SentencePiece (`▁`) vocabulary
+spells it."""
+
+_LOGIT = 30.0
+"""The chosen token's logit (every other is 0): greedy picks it, sampling almost always does."""
+
+
+def is_null_model(path: Path) -> bool:
+    text = str(path)
+    return text == NULL_MODEL or text.startswith(NULL_MODEL + ":")
+
+
+def vocabulary_path(path: Path) -> Path:
+    """The GGUF file whose vocabulary (and chat format) a null model serves."""
+    text = str(path)
+    return Path(text[len(NULL_MODEL) + 1 :]) if ":" in text else default_model_path()
+
+
+def open_null_model(
+    path: Path, device: torch.device, backend: AttentionBackend
+) -> tuple[NullModel, ModelArch, str, gguf.GGUFReader]:
+    """(the model, its one-layer arch, its weights digest, the vocabulary file's reader)."""
+    source = vocabulary_path(path)
+    if not source.is_file():
+        raise ModelLoadError(f"{path}: the vocabulary file {source} does not exist")
+    reader = open_gguf(source)
+    arch = dataclasses.replace(gguf_arch(reader), num_layers=1, layer_windows=())
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError(f"{source} has no vocabulary")
+    words = [i for i, part in enumerate(tokens.data) if _WORD.match(bytes(tokens.parts[part]))]
+    if len(words) < 2:
+        raise ModelLoadError(f"{source}: too few plain words in the vocabulary for a null model")
+    digest = hashlib.sha256(f"{NULL_MODEL}:{source.resolve()}".encode()).hexdigest()
+    return NullModel(arch, words, device, backend), arch, digest, reader
+
+
+class NullModel(nn.Module):
+    """A `CausalLM` whose forward pass is a table lookup (see the module docstring)."""
+
+    def __init__(
+        self, arch: ModelArch, words: list[int], device: torch.device, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.attention_backend = backend
+        self.device = device
+        self.words = torch.tensor(words, dtype=torch.int64, device=device)
+        self.kv_caches: KVCaches | None = None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, V] float32
+        return self.compute_logits(self.forward_hidden(batch))
+
+    def forward_hidden(
+        self, batch: ForwardBatch, num_layers: int | None = None
+    ) -> torch.Tensor:  # [B_sample, 1]: the next token's index among the words, as a float
+        rows = batch.logits_indices
+        mixed = batch.input_ids[rows] * 7919 + batch.positions[rows] * 104729 + 17
+        return (mixed % self.words.shape[0]).to(torch.float32).unsqueeze(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
+        rows = hidden.shape[0]
+        logits = torch.zeros(rows, self.arch.vocab_size, dtype=torch.float32, device=self.device)
+        chosen = self.words[hidden[:, 0].to(torch.int64)]
+        logits.scatter_(1, chosen.unsqueeze(1), _LOGIT)
+        return logits
+
+    def bind_kv_caches(self, kv_caches: KVCaches) -> None:
+        self.kv_caches = kv_caches  # never written: nothing reads them back
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        self.attention_backend = backend
