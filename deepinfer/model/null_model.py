@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import threading
 from pathlib import Path
 
 import gguf
@@ -86,6 +87,10 @@ class NullModel(nn.Module):
         self.device = device
         self.words = torch.tensor(words, dtype=torch.int64, device=device)
         self.kv_caches: KVCaches | None = None
+        self._logits = threading.local()
+        """Per worker thread: a zeroed [rows, V] buffer and the entries the last step set (the
+        sampler never writes logits; zeroing 200 KB a row every step would cost more than the
+        rest of the null forward)."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, V] float32
         return self.compute_logits(self.forward_hidden(batch))
@@ -98,10 +103,20 @@ class NullModel(nn.Module):
         return (mixed % self.words.shape[0]).to(torch.float32).unsqueeze(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
+        """Logits with `_LOGIT` at each row's word, 0 elsewhere: a view of this thread's buffer,
+        valid until its next call (the runner samples a step's logits before the next)."""
         rows = hidden.shape[0]
-        logits = torch.zeros(rows, self.arch.vocab_size, dtype=torch.float32, device=self.device)
-        chosen = self.words[hidden[:, 0].to(torch.int64)]
-        logits.scatter_(1, chosen.unsqueeze(1), _LOGIT)
+        local = self._logits
+        buffer: torch.Tensor | None = getattr(local, "buffer", None)
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = torch.zeros(max(rows, 64), self.arch.vocab_size, device=self.device)
+            local.buffer, local.set = buffer, None
+        if local.set is not None:  # clear what the previous step set
+            buffer[: local.set.shape[0]].scatter_(1, local.set, 0.0)
+        chosen = self.words[hidden[:, 0].to(torch.int64)].unsqueeze(1)  # [rows, 1]
+        logits = buffer[:rows]
+        logits.scatter_(1, chosen, _LOGIT)
+        local.set = chosen
         return logits
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:

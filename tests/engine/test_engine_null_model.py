@@ -91,3 +91,15 @@ def test_streams_through_the_openai_client(null_server: LiveServer) -> None:
     )
     assert whole.choices[0].message.content == text
     assert WORDS.match(text), text
+
+
+def test_logits_hold_one_word_per_row_across_steps() -> None:
+    """The logits buffer is reused from step to step: each step's rows still hold exactly their
+    own word, whatever the previous step's rows were."""
+    null = load_model(Path("null"), torch.float32, "cpu").model
+    for rows in (5, 70, 3, 70, 1):
+        hidden = torch.randint(0, 1000, (rows, 1)).float()
+        logits = null.compute_logits(hidden)
+        assert logits.shape == (rows, null.arch.vocab_size)
+        assert bool(((logits != 0).sum(dim=1) == 1).all())
+        assert logits.argmax(dim=1).tolist() == null.compute_logits(hidden).argmax(dim=1).tolist()
