@@ -83,6 +83,9 @@ def window_spec(config: Config, arch: ModelArch, split: bool) -> WindowSpec | No
         log.info("--window-kv window is not supported with %s: every layer keeps its KV", why)
         return None
     windows = [arch.window(i) or 0 for i in range(arch.num_layers)]
+    if all(windows):  # no full layer: nothing for the prefix cache's blocks to hold
+        log.info("--window-kv window needs some full-attention layers: every layer keeps its KV")
+        return None
     return WindowSpec(max(windows), sum(1 for w in windows if w))
 
 
