@@ -5,6 +5,8 @@ in the module docstring), windows kept where prompts end, and the invariants aft
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.cache.window_group import WindowSpec, best_window_end, window_pool_blocks
@@ -136,3 +138,50 @@ def test_the_window_before_a_prompts_end_is_kept_for_the_lower_tiers(prompt_len:
     first = SPEC.first_block_needed(end, BS)
     assert [h for _, h in blocks] == hashes[first : end // BS]
     assert kv.drain_new_windows() == []  # once per request
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_sessions_keep_the_pools_sound(data: st.DataObject) -> None:
+    """Random prompts sharing random prefixes of one session, prefilled in random chunks,
+    decoded a few tokens, freed; the windowed pool's cache now and then forgotten. After every
+    step: both pools' invariants, no block behind a request's window; on every admission the
+    start is either the replay start or a boundary whose whole window the request now holds."""
+    kv = _manager()
+    window = kv.window
+    assert window is not None
+    base = data.draw(st.lists(st.integers(1, 9), min_size=8, max_size=70), label="session")
+    for n in range(data.draw(st.integers(1, 6), label="requests")):
+        shared = data.draw(st.integers(0, len(base)), label="shared")
+        tail = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=12), label="tail")
+        request = _request(f"r{n}", base[:shared] + tail)
+        hits, start = kv.get_computed_blocks(request)
+        hit_end = len(hits) * BS
+        assert kv.allocate_slots(request, request.num_tokens - start, hits)
+        request.num_computed_tokens = start
+        replayed = start == SPEC.replay_start(hit_end, BS)
+        event("no hit" if not hits else "replay" if replayed else "stored window")
+        if start < hit_end and not replayed:
+            first = SPEC.first_block_needed(start, BS)
+            assert all(window.block_ids(request.request_id)[first : start // BS])
+        while request.num_computed_tokens < request.num_tokens:
+            chunk = data.draw(st.integers(1, 12), label="chunk")
+            end = min(request.num_computed_tokens + chunk, request.num_tokens)
+            kv.chunk_tables(request, end)
+            request.num_computed_tokens = end
+            kv.cache_blocks(request)
+            kv.check_integrity()
+            kv.check_window(request)
+        for token in data.draw(st.lists(st.integers(1, 3), max_size=6), label="decoded"):
+            request.output_token_ids.append(token)
+            assert kv.allocate_slots(request, 1)
+            kv.chunk_tables(request, request.num_computed_tokens + 1)
+            request.num_computed_tokens += 1
+            kv.cache_blocks(request)
+            kv.check_integrity()
+            kv.check_window(request)
+        kv.free(request)
+        if data.draw(st.booleans(), label="forget windows"):
+            window.pool.reset_prefix_cache()
+        kv.check_integrity()
+    assert kv.usage().num_window_used_blocks == 0
