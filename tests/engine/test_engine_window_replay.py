@@ -8,6 +8,7 @@ request holds a windowed block its next query cannot read."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,8 +139,13 @@ async def _generate(engine: AsyncEngine, ids: list[int]) -> tuple[list[int], lis
     return tokens, logprobs, cached
 
 
-def _same(got: tuple[list[int], list[float], int], want: tuple[list[int], list[float], int]):
+Answer = tuple[list[int], list[float], int]
+"""Greedy tokens, the top-5 log-probabilities at each, the prompt tokens served from cache."""
+
+
+def _same(got: Answer, want: Answer) -> None:
     assert got[0] == want[0]
+    assert len(got[1]) == len(want[1]) == 5 * len(want[0])
     assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-3, rtol=0)
 
 
@@ -159,15 +165,13 @@ def _sessions() -> list[tuple[list[int], list[int], list[int]]]:
     return out
 
 
-async def _cold(model: Path, tmp: Path) -> list[list[tuple[list[int], list[float], int]]]:
+async def _cold(model: Path, tmp: Path) -> list[list[Answer]]:
     async with AsyncEngine(_config(model, tmp, prefix_caching=False)) as engine:
         return [[await _generate(engine, p) for p in s] for s in _sessions()]
 
 
 @pytest.fixture(scope="module")
-def cold(gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import asyncio
-
+def cold(gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[Answer]]:
     return asyncio.run(_cold(gemma_dir, tmp_path_factory.mktemp("cold")))
 
 
