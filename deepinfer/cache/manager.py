@@ -27,44 +27,14 @@ is read, never rewritten (`ChunkTables.cached_until`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from deepinfer.cache.block_hash import BlockHash, block_hashes_for, seed_bytes
 from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.claims import PromptClaims
 from deepinfer.cache.free_queue import Block, require
+from deepinfer.cache.usage import CacheUsage, ChunkTables
 from deepinfer.cache.window_group import WindowGroup, WindowSpec
 from deepinfer.request import Request
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    num_total_blocks: int
-    """Usable blocks (the reserved null block excluded)."""
-    num_used_blocks: int
-    """Blocks referenced by at least one request."""
-    num_free_blocks: int
-    """Blocks allocatable now (some still hold cached content)."""
-    num_cached_blocks: int
-    """Blocks whose hash is registered (in use or free)."""
-    num_query_tokens: int
-    """Tokens of requests admitted (or readmitted after preemption) with prefix caching on."""
-    num_hit_tokens: int
-    """Of those, tokens served from cache (not computed again)."""
-    num_window_blocks: int = 0
-    """Usable blocks of the windowed layers' pool (0: the model has none)."""
-    num_window_used_blocks: int = 0
-    """Of those, blocks in some request's window."""
-
-
-class ChunkTables(NamedTuple):
-    """Where one chunk's KV lives: the full layers' block table, the windowed layers' (empty
-    without a window group), and the end of the prefix whose full-layer K/V is cached and must
-    not be rewritten (0: none; positions before it are replayed for the windowed layers)."""
-
-    block_ids: tuple[int, ...]
-    window_block_ids: tuple[int, ...]
-    cached_until: int
 
 
 class KVCacheManager:
@@ -97,9 +67,7 @@ class KVCacheManager:
         self._new_windows: list[tuple[list[tuple[int, BlockHash]], str | None]] = []
         self._reserved: dict[int, list[Block]] = {}
         self._next_reservation = 0
-        self._claims: dict[BlockHash, str] = {}
-        """Hashes of prompt blocks being computed -> the request computing them."""
-        self._claimed: dict[str, list[BlockHash]] = {}
+        self._claims = PromptClaims()
         self.window = (
             WindowGroup(window, num_window_blocks, block_size, enable_prefix_caching)
             if window is not None
@@ -248,14 +216,12 @@ class KVCacheManager:
         nobody else computes or has cached, until `cache_blocks` registers them or `free`."""
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
         first = request.num_computed_tokens // self.block_size
-        claimed = self._claimed.setdefault(rid, [])
-        for block_hash in self.block_hashes(request)[first:]:
-            if block_hash in self._claims or self.pool.get_cached_block(block_hash) is not None:
-                continue
-            self._claims[block_hash] = rid
-            claimed.append(block_hash)
+        hashes = self.block_hashes(request)[first:]
+        self._claims.claim(request.request_id, hashes, self._is_cached)
+
+    def _is_cached(self, block_hash: BlockHash) -> bool:
+        return self.pool.get_cached_block(block_hash) is not None
 
     def computing_elsewhere(self, request: Request, num_hit: int) -> bool:
         """Whether the block after a `num_hit`-token prefix hit, one a hit could cover, is being
@@ -263,25 +229,8 @@ class KVCacheManager:
         index = num_hit // self.block_size
         if not self._claims or index >= (request.num_tokens - 1) // self.block_size:
             return False
-        owner = self._claims.get(self.block_hashes(request)[index])
+        owner = self._claims.owner(self.block_hashes(request)[index])
         return owner is not None and owner != request.request_id
-
-    def _release_claims(self, rid: str, registered: set[BlockHash] | None = None) -> None:
-        """Drop the request's claims: those in `registered`, or all of them."""
-        claimed = self._claimed.get(rid)
-        if not claimed:
-            self._claimed.pop(rid, None)
-            return
-        kept = []
-        for block_hash in claimed:
-            if registered is None or block_hash in registered:
-                self._claims.pop(block_hash, None)
-            else:
-                kept.append(block_hash)
-        if kept:
-            self._claimed[rid] = kept
-        else:
-            del self._claimed[rid]
 
     def cache_blocks(self, request: Request) -> None:
         """Register the hashes of the request's blocks that are full and fully computed
@@ -303,8 +252,8 @@ class KVCacheManager:
             if registered and self.track_new_blocks:
                 self._new_blocks.append((table[i].block_id, hashes[i], request.retention))
         self._num_registered[rid] = num_full
-        if rid in self._claimed:
-            self._release_claims(rid, set(hashes[start:num_full]))
+        if self._claims.holds(rid):
+            self._claims.release(rid, set(hashes[start:num_full]))
 
     def _cache_window(self, request: Request) -> None:
         """The windowed blocks' share of `cache_blocks`: hash, keep the window before the
@@ -392,7 +341,7 @@ class KVCacheManager:
             self.pool.free(table)
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
-        self._release_claims(rid)
+        self._claims.release(rid)
         self._starts.pop(rid, None)
         self._cached_until.pop(rid, None)
         if self.window is not None:
@@ -461,9 +410,7 @@ class KVCacheManager:
         require(
             set(self._num_registered) <= set(self._blocks), "registration state of a freed request"
         )
-        require(set(self._claimed) <= set(self._blocks), "claims of a freed request")
-        owners = {h: rid for rid, hashes in self._claimed.items() for h in hashes}
-        require(owners == self._claims, "claim tables disagree")
+        self._claims.check_integrity(set(self._blocks))
         if self.window is not None:
             self.window.check_integrity()
             require(self.window.request_ids() <= set(self._blocks), "a window of a freed request")

@@ -81,6 +81,11 @@ class WindowSpec:
             return start
         return start + (self.num_windowed_layers - 1) * (self.window - 1)
 
+    def blocks_per_request(self, block_size: int) -> int:
+        """Most blocks one request holds during a step, besides its chunk's: ceil((W - 1) / S)
+        for the window, the partly filled one, the one its chunk starts in, one more."""
+        return -(-(self.window - 1) // block_size) + 3
+
     def first_block_needed(self, position: int, block_size: int) -> int:
         """The first block the query at `position` reads in a windowed layer."""
         return max(0, position - self.window + 1) // block_size
@@ -93,7 +98,7 @@ def window_pool_blocks(
     (ceil((W - 1) / S) blocks, plus the partly filled one and the one a chunk starts in), plus
     every token of the steps in flight (`max_step_tokens`, both lanes' together) one block
     each at worst, plus one window being filled from the disk tier, plus the null block."""
-    per_request = -(-(spec.window - 1) // block_size) + 3
+    per_request = spec.blocks_per_request(block_size)
     return (max_num_seqs + 1) * per_request + -(-max_step_tokens // block_size) + 1
 
 
@@ -261,7 +266,7 @@ class WindowGroup:
         leaves room for one window beside every request's), or None."""
         if self._fill is not None or num_blocks > self.pool.num_free_blocks:
             return None
-        if num_blocks > -(-(self.spec.window - 1) // self.block_size) + 3:
+        if num_blocks > self.spec.blocks_per_request(self.block_size):
             return None
         self._fill = self.pool.allocate(num_blocks)
         return [b.block_id for b in self._fill]

@@ -27,9 +27,9 @@ from deepinfer.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
-    StepContext,
     native_layer_weights,
 )
+from deepinfer.model.step_context import StepContext
 
 
 class Gemma3MLP(LlamaMLP):

@@ -8,8 +8,6 @@ device and receives its weights through `load_state_dict(..., assign=True)`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +19,6 @@ from deepinfer.kernels.llama_layers_cpu import (
     StackShape,
     step_applies,
 )
-from deepinfer.kernels.paged_attention_torch import PagedAttentionPlan
 from deepinfer.kernels.rotary_torch import rotary_cos_sin
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend, torch_backend
@@ -31,6 +28,7 @@ from deepinfer.model.kv_layout import KVCaches, check_kv_caches
 # Re-exported for callers that import the KV helpers next to the model.
 from deepinfer.model.kv_layout import allocate_kv_caches as allocate_kv_caches
 from deepinfer.model.kv_layout import kv_bytes_per_block as kv_bytes_per_block
+from deepinfer.model.step_context import StepContext, step_context
 
 _TRANSPOSED_ROWS = range(2, 65)
 """Row counts for which CPU matmuls run as W @ x^T (see `cpu_aware_linear`)."""
@@ -90,25 +88,6 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What every layer of one forward pass shares (built once per pass, never stored)."""
-
-    batch: ForwardBatch
-    ops: AttentionBackend
-    cos_sin: torch.Tensor  # [P, D]
-    plan: PagedAttentionPlan | None
-    """The backend's per-step attention plan (see `AttentionBackend.plan_paged_attention`)."""
-    cos_sin_local: torch.Tensor  # [P, D]
-    """The windowed layers' RoPE table (`cos_sin` itself when they share the full layers')."""
-    window_plan: PagedAttentionPlan | None = None
-    """The windowed layers' plan, where their KV has a pool of its own (else they use `plan`)."""
-
-    def attention_plan(self, windowed: bool) -> PagedAttentionPlan | None:
-        own_pool = windowed and self.batch.window_block_tables is not None
-        return self.window_plan if own_pool else self.plan
 
 
 class LlamaAttention(nn.Module):
@@ -362,7 +341,11 @@ class LlamaForCausalLM(nn.Module):
         first layers only (self-speculation's draft: they write their layers' KV alone)."""
         if self.kv_caches is None:
             raise RuntimeError("call bind_kv_caches() before running the model")
-        step = self._step_context(batch)
+        assert self.kv_caches is not None
+        step = step_context(
+            batch, self.attention_backend, self.arch, self.kv_caches, self.cos_sin,
+            self.cos_sin_local,
+        )  # fmt: skip
         plan, window_plan = step.plan, step.window_plan
         h = self.embed(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
@@ -383,21 +366,6 @@ class LlamaForCausalLM(nn.Module):
             h, residual, self.norm.weight, self.arch.rms_norm_eps
         )
         return h
-
-    def _step_context(self, batch: ForwardBatch) -> StepContext:
-        """The step's attention plans (one per KV pool) and RoPE tables."""
-        assert self.kv_caches is not None
-        ops, starts, lens = self.attention_backend, batch.query_start_loc, batch.context_lens
-        windows = [self.arch.window(i) for i in range(self.arch.num_layers)]
-        full = windows.index(None) if None in windows else 0
-        plan = ops.plan_paged_attention(batch.block_tables, starts, lens, self.kv_caches[full][0])
-        window_plan = None
-        if batch.window_block_tables is not None:
-            window_cache = self.kv_caches[next(i for i, w in enumerate(windows) if w)][0]
-            window_plan = ops.plan_paged_attention(
-                batch.window_block_tables, starts, lens, window_cache
-            )
-        return StepContext(batch, ops, self.cos_sin, plan, self.cos_sin_local, window_plan)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.embed_tokens(input_ids)
