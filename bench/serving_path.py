@@ -8,9 +8,14 @@ token counts from the final usage chunk). Reported per level: tokens/s streamed,
 process's CPU time per token (from /proc), and the client process's own CPU time (it must not
 be the limit: well under its wall time).
 
+With `--before REF`, the same server at git revision REF (checked out in a temporary worktree)
+runs beside this tree's, and each level is measured on both in turn, `--repeats` times (medians
+reported), so a before/after comparison shares one run and the machine's drift.
+
 Run from the repository root:
 
     python bench/serving_path.py
+    python bench/serving_path.py --before 03e2efa --repeats 3
     python bench/serving_path.py --clients 32 128 256 --max-tokens 256 --requests 2
 """
 
@@ -18,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from common import provenance
@@ -100,12 +109,14 @@ def run_client(port: int, clients: int, requests: int, max_tokens: int) -> dict[
 
 
 # -- the server --
-def start_server(port: int, max_num_seqs: int) -> subprocess.Popen[bytes]:
+def start_server(root: Path, port: int, max_num_seqs: int) -> subprocess.Popen[bytes]:
+    """`root/server.py` on the null model (its own `deepinfer`: the script's folder comes first
+    on the import path)."""
     server = subprocess.Popen(
-        [sys.executable, str(ROOT / "server.py"), "--model", "null", "--port", str(port),
+        [sys.executable, str(root / "server.py"), "--model", "null", "--port", str(port),
          "--no-disk-cache", "--kv-memory-gb", "1", "--max-num-seqs", str(max_num_seqs),
          "--max-waiting", "4096"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root,
     )  # fmt: skip
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -115,7 +126,31 @@ def start_server(port: int, max_num_seqs: int) -> subprocess.Popen[bytes]:
         except OSError:
             time.sleep(0.5)
     server.kill()
-    raise RuntimeError("the server did not start")
+    raise RuntimeError(f"the server at {root} did not start")
+
+
+@contextlib.contextmanager
+def worktree(ref: str) -> Iterator[Path]:
+    """A detached checkout of `ref`, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="serving-path-before-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), ref],
+                   check=True, capture_output=True)  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+                       check=False, capture_output=True)  # fmt: skip
+
+
+def measure(
+    server: subprocess.Popen[bytes], port: int, clients: int, ns: argparse.Namespace
+) -> tuple[float, float, float]:
+    """(tokens/s, server CPU us per token, client CPU over wall) of one run."""
+    cpu0 = cpu_seconds(server.pid)
+    got = run_client(port, clients, ns.requests, ns.max_tokens)
+    server_cpu = cpu_seconds(server.pid) - cpu0
+    tokens, wall = got["tokens"], got["wall_s"]
+    return tokens / wall, 1e6 * server_cpu / tokens, got["client_cpu_s"] / wall
 
 
 def main() -> None:
@@ -123,28 +158,44 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[32, 128, 256])
     ap.add_argument("--requests", type=int, default=2, help="streamed requests per client")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--before", help="a git revision to measure beside this tree")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per level and server (median)")
     ap.add_argument("--client", nargs=4, type=int, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.client:
         print(json.dumps(asyncio.run(client_level(*ns.client))))
         return
-    port = free_port()
-    server = start_server(port, max(ns.clients))
-    try:
-        run_client(port, 4, 1, 16)  # warm up: the first requests build what is lazy
+    with contextlib.ExitStack() as stack:
+        roots = {"this tree": ROOT}
+        if ns.before:
+            roots = {f"before ({ns.before})": stack.enter_context(worktree(ns.before)), **roots}
+        servers = {}
+        for name, root in roots.items():
+            port = free_port()
+            server = start_server(root, port, max(ns.clients))
+            stack.callback(server.wait, 60)
+            stack.callback(server.terminate)
+            servers[name] = (server, port)
+            run_client(port, 4, 1, 16)  # warm up: the first requests build what is lazy
         print(f"\n### Serving path, null model: `bench/serving_path.py`\n\n{provenance()}\n")
-        print("| clients | tokens | tok/s streamed | server CPU us/token | client CPU / wall |")
+        print("| server | clients | tok/s streamed | server CPU us/token | client CPU / wall |")
         print("|---|---|---|---|---|")
+        rates: dict[tuple[str, int], float] = {}
         for clients in ns.clients:
-            cpu0 = cpu_seconds(server.pid)
-            got = run_client(port, clients, ns.requests, ns.max_tokens)
-            server_cpu = cpu_seconds(server.pid) - cpu0
-            tokens, wall = got["tokens"], got["wall_s"]
-            print(f"| {clients} | {tokens:.0f} | {tokens / wall:.0f} | "
-                  f"{1e6 * server_cpu / tokens:.1f} | {got['client_cpu_s'] / wall:.2f} |")  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+            runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in servers}
+            for _ in range(ns.repeats):
+                for name, (server, port) in servers.items():
+                    runs[name].append(measure(server, port, clients, ns))
+            for name, got in runs.items():
+                rate, cpu, client = (statistics.median(v) for v in zip(*got, strict=True))
+                rates[name, clients] = rate
+                print(f"| {name} | {clients} | {rate:.0f} | {cpu:.1f} | {client:.2f} |", flush=True)
+        if ns.before:
+            before = next(iter(servers))
+            ratios = ", ".join(
+                f"{c} clients {rates['this tree', c] / rates[before, c]:.2f}x" for c in ns.clients
+            )
+            print(f"\nthis tree / before: {ratios}")
 
 
 if __name__ == "__main__":

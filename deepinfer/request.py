@@ -232,6 +232,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_span(self, lo: int, hi: int) -> list[int]:
+        """`all_token_ids[lo:hi]` without copying the rest of the context (0 <= lo <= hi)."""
+        prompt, outputs = self.prompt_token_ids, self.output_token_ids
+        n = len(prompt)
+        if lo >= n:
+            return outputs[lo - n : hi - n]
+        return prompt[lo:hi] + outputs[: max(hi - n, 0)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -34,6 +34,7 @@ from deepinfer.config import Config
 from deepinfer.engine.admission import check_admissible, check_sampling_inputs
 from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.driver import EngineDriver, StepObserver
+from deepinfer.engine.frame_pacer import FramePacer
 from deepinfer.engine.prompts import Prompt, encode_prompt
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.stream_table import StreamTable
@@ -55,7 +56,9 @@ class AsyncEngine:
     def __init__(self, config: Config | None = None, *, core: EngineCore | None = None) -> None:
         self.config = config or Config()
         self._core = core
-        self._streams = StreamTable()
+        sched = self.config.scheduler
+        pacer = FramePacer(sched.stream_frames_per_step, sched.stream_max_delay_ms / 1e3)
+        self._streams = StreamTable(pacer)
         self._workers: tuple[Worker, ...] = ()
         self._driver: EngineDriver | None = None
         """The tasks driving the core, from `start` on."""
@@ -72,6 +75,8 @@ class AsyncEngine:
             return
         if self._core is None:
             self._core = await asyncio.to_thread(EngineCore, self.config)
+        tokenizer = self._core.tokenizer
+        await asyncio.to_thread(lambda: tokenizer.byte_pieces)  # made once, off the loop
         if self._core.info.device.type == "cpu" and loaded_too_late():
             settings = " ".join(f"{k}={v}" for k, v in OPENMP_DEFAULTS.items())
             log.warning(

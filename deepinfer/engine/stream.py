@@ -1,7 +1,9 @@
 """`RequestStream`: one request's output mailbox, turning token deltas into text deltas.
 
 A one-slot mailbox: the engine merges new output into the pending delta, so a slow reader gets
-fewer, larger deltas and memory stays bounded by the request's own output.
+fewer, larger deltas and memory stays bounded by the request's own output. `push` wakes the
+reader; the engine's delivery may instead push without waking and wake later (`wake`), so that
+under heavy load a reader is woken once for several tokens (`stream_table.FramePacer`).
 """
 
 from __future__ import annotations
@@ -51,28 +53,43 @@ class RequestStream:
         self._event = asyncio.Event()
         self._disk_cached_tokens = disk_cached_tokens
         self._host_cached_tokens = host_cached_tokens
-        self._usage = Usage(num_prompt_tokens, 0, 0)
+        self._counts = (num_prompt_tokens, 0, 0)
+        """(prompt, output, cached) tokens as of the last delta; `Usage` is made per take."""
         self._finish: FinishReason | None = None
         self._stop_reason: str | int | None = None
         self._error: BaseException | None = None
         self._delivered_final = False
+        self.num_unread_tokens = 0
+        """Tokens merged since the reader was last woken."""
+        self.woken = False
+        """True once the reader was woken with output (the first token is never held back)."""
 
     @property
     def finished(self) -> bool:
         """True once the engine delivered the final delta (the reader may not have read it)."""
         return self._finish is not None or self._error is not None
 
-    def push(self, delta: TokenDelta) -> bool:
-        """Merge an engine delta. Returns True when a stop string ended the request here
-        (the engine must then abort it in the scheduler). If it raises, the stream is left
-        unfinished for `fail` to end."""
+    def push(self, delta: TokenDelta, *, wake: bool = True) -> bool:
+        """Merge an engine delta and, unless `wake` is False, wake the reader. Returns True when
+        a stop string ended the request here (the engine must then abort it in the scheduler).
+        If it raises, the stream is left unfinished for `fail` to end."""
         if self.finished:
             return False
         try:
-            return any(self._merge(part) for part in self._parts(delta))
+            stopped = any(self._merge(part) for part in self._parts(delta))
         except BaseException:
             self._finish = None
             raise
+        self.num_unread_tokens += len(delta.token_ids)
+        if wake or self.finished:
+            self.wake()
+        return stopped
+
+    def wake(self) -> None:
+        """Let the reader take what was merged."""
+        self.num_unread_tokens = 0
+        self.woken = True
+        self._event.set()
 
     def _parts(self, delta: TokenDelta) -> list[TokenDelta]:
         """A delta of several tokens (a speculative step's verified run) as one delta a token
@@ -94,17 +111,8 @@ class RequestStream:
 
     def _merge(self, delta: TokenDelta) -> bool:
         if delta.num_prompt_tokens:
-            cached = delta.num_cached_tokens
-            # Tiers fill the prefix in order (device, host, disk): a shortfall (loaded blocks
-            # evicted before admission) comes off the end, the disk part first.
-            host = min(self._host_cached_tokens, cached)
-            self._usage = Usage(
-                delta.num_prompt_tokens,
-                delta.num_output_tokens,
-                cached,
-                disk_cached_tokens=min(self._disk_cached_tokens, cached - host),
-                host_cached_tokens=host,
-            )
+            counts = delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
+            self._counts = counts
         p = self._pending
         p.token_ids.extend(delta.token_ids)
         p.logprobs.extend(delta.logprobs)
@@ -123,7 +131,6 @@ class RequestStream:
             self._finish = delta.finish_reason
             self._flush()
         self._has_pending = True
-        self._event.set()
         return matched is not None
 
     def _match(self, text: str) -> str | None:
@@ -175,7 +182,20 @@ class RequestStream:
             logprobs=tuple(p.logprobs),
             finish_reason=self._finish,
             stop_reason=self._stop_reason if self._finish is not None else None,
-            usage=self._usage,
+            usage=self._usage(),
+        )
+
+    def _usage(self) -> Usage:
+        prompt, output, cached = self._counts
+        # Tiers fill the prefix in order (device, host, disk): a shortfall (loaded blocks
+        # evicted before admission) comes off the end, the disk part first.
+        host = min(self._host_cached_tokens, cached)
+        return Usage(
+            prompt,
+            output,
+            cached,
+            disk_cached_tokens=min(self._disk_cached_tokens, cached - host),
+            host_cached_tokens=host,
         )
 
     async def aclose(self) -> None:

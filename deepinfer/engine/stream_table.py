@@ -3,13 +3,20 @@
 Each step's deltas are routed here to their streams. A request whose stream matched a stop string,
 or could not take a delta, is marked for abort; so is one a client aborts. Marked requests are
 aborted between steps (`apply_aborts`), never under a forward pass.
+
+Readers are woken as the `FramePacer` says: at every token while a step serves few streams, and
+once for several tokens when many streams share quick steps (the event loop's work per frame
+would otherwise grow past the step's own time).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 
+from deepinfer.engine.frame_pacer import FramePacer
 from deepinfer.engine.stream import RequestStream
 from deepinfer.errors import RequestFailedError
 from deepinfer.outputs import TokenDelta
@@ -19,9 +26,13 @@ log = logging.getLogger("deepinfer.engine")
 
 
 class StreamTable:
-    def __init__(self) -> None:
+    def __init__(self, pacer: FramePacer | None = None) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
+        self._pacer = pacer or FramePacer()
+        self._deferred: dict[str, float] = {}
+        """Streams holding tokens their reader was not woken for, and since when."""
+        self._flush_timer: asyncio.TimerHandle | None = None
         self.num_failed_requests = 0
         """Requests ended with an internal error (their step failed, or delivery did)."""
 
@@ -46,32 +57,67 @@ class StreamTable:
         while self._pending_aborts:
             rid = self._pending_aborts.pop()
             abort(rid)
+            self._deferred.pop(rid, None)
             stream = self._streams.pop(rid, None)
             if stream is not None and not stream.finished:
                 stream.push(_abort_delta(rid))
 
     def deliver(self, deltas: list[TokenDelta]) -> None:
-        """Push each delta to its stream; a stream that stops (a stop string) or fails to take
-        it has its request marked for abort."""
+        """Push each delta to its stream and wake its reader as the pacer says; a stream that
+        stops (a stop string) or fails to take it has its request marked for abort."""
+        now = time.monotonic()
+        tokens_per_frame = self._pacer.tokens_per_frame(len(deltas), now)
+        deferred = self._deferred
         for delta in deltas:
-            stream = self._streams.get(delta.request_id)
+            rid = delta.request_id
+            stream = self._streams.get(rid)
             if stream is None:
                 continue
             try:
-                stopped = stream.push(delta)
+                stopped = stream.push(delta, wake=False)
             except Exception as exc:
-                log.error("delivering to request %s failed", delta.request_id, exc_info=exc)
-                self.fail_request(delta.request_id, exc)
-                self._pending_aborts.add(delta.request_id)  # frees its blocks, if still held
+                log.error("delivering to request %s failed", rid, exc_info=exc)
+                self.fail_request(rid, exc)
+                self._pending_aborts.add(rid)  # frees its blocks, if still held
                 continue
+            if stream.finished or stream.num_unread_tokens >= tokens_per_frame or not stream.woken:
+                stream.wake()
+                deferred.pop(rid, None)
+            elif rid not in deferred:
+                deferred[rid] = now
             if stopped:  # a stop string matched: end the request now
-                self._pending_aborts.add(delta.request_id)
+                self._pending_aborts.add(rid)
             elif delta.finished:
-                del self._streams[delta.request_id]
+                del self._streams[rid]
+        if deferred:
+            self._wake_overdue(now)
+
+    def _wake_overdue(self, now: float) -> None:
+        """Wake the readers whose oldest unread token is due, and arm a timer for the rest (a
+        request that gets no further step soon is not held back)."""
+        due = now - self._pacer.max_delay_s
+        for rid, since in list(self._deferred.items()):
+            if since <= due:
+                self._wake_deferred(rid)
+        if self._deferred and self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(self._pacer.max_delay_s, self._on_flush_timer)
+
+    def _on_flush_timer(self) -> None:
+        self._flush_timer = None
+        if self._deferred:
+            self._wake_overdue(time.monotonic())
+
+    def _wake_deferred(self, rid: str) -> None:
+        del self._deferred[rid]
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.wake()
 
     def fail_request(self, request_id: str, exc: BaseException) -> None:
         """End one request's stream with an internal error (the caller frees its blocks)."""
         self.num_failed_requests += 1
+        self._deferred.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.fail(
@@ -86,6 +132,10 @@ class StreamTable:
         for stream in self._streams.values():
             stream.fail(error)
         self._streams.clear()
+        self._deferred.clear()
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
 
 
 def _abort_delta(request_id: str) -> TokenDelta:

@@ -141,8 +141,40 @@ def _slots(
     ]
 
 
+def build_decode_batch(
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    """`build_forward_batch` of B one-token sampling chunks (a plain decode step: no drafts, no
+    windowed pool, nothing cached ahead), without a `BatchChunk` per request: the same batch."""
+    if not token_ids:
+        raise ValueError("a forward batch needs at least one chunk")
+    pairs = zip(block_tables, positions, strict=True)
+    try:
+        slots = [t[p // block_size] * block_size + p % block_size for t, p in pairs]
+    except IndexError:
+        raise ValueError("a chunk's block table does not cover its position") from None
+    n = len(token_ids)
+    rows = torch.arange(n, dtype=torch.int64, device=device)
+    int32, int64 = torch.int32, torch.int64
+    return ForwardBatch(
+        input_ids=torch.tensor(token_ids, dtype=int64, device=device),
+        positions=torch.tensor(positions, dtype=int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=int64, device=device),
+        block_tables=_tables(block_tables, device),
+        query_start_loc=torch.arange(n + 1, dtype=int32, device=device),
+        context_lens=torch.tensor([p + 1 for p in positions], dtype=int32, device=device),
+        is_decode_only=True,
+        logits_indices=rows,
+    )
+
+
 def _tables(tables: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     """Block tables as one [B, max_blocks] int32 tensor, padded with the null block."""
-    width = max(len(t) for t in tables)
-    rows = [list(t) + [0] * (width - len(t)) for t in tables]
+    width = max(map(len, tables))
+    pad = (0,) * width
+    rows = [tuple(t) + pad[len(t) :] for t in tables]
     return torch.tensor(rows, dtype=torch.int32, device=device)

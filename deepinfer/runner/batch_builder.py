@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model.forward_batch import BatchChunk, ForwardBatch, build_forward_batch
+from deepinfer.model.forward_batch import (
+    BatchChunk,
+    ForwardBatch,
+    build_decode_batch,
+    build_forward_batch,
+)
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 
 
@@ -13,9 +18,32 @@ def schedule_to_batch(
 ) -> tuple[ForwardBatch, list[str]]:
     """The model input for one step, and the request of each row of logits that comes back, in
     order (a request verifying drafts has one row per drafted position and its last token's)."""
+    if all(map(_plain_decode, so.chunks)):
+        return _decode_batch(so.chunks, block_size, device)
     chunks = [part for c in so.chunks for part in _batch_chunks(c)]
     sampled_ids = [c.request_id for c in so.chunks if c.sample for _ in range(c.num_logits)]
     return build_forward_batch(chunks, block_size, device), sampled_ids
+
+
+def _plain_decode(chunk: ScheduledChunk) -> bool:
+    """One token, sampled, no drafts, one pool, nothing cached ahead of it."""
+    return (
+        chunk.num_new_tokens == 1
+        and chunk.sample
+        and not chunk.num_worker_drafts
+        and not chunk.window_block_ids
+        and not chunk.cached_until
+    )
+
+
+def _decode_batch(
+    chunks: tuple[ScheduledChunk, ...], block_size: int, device: torch.device
+) -> tuple[ForwardBatch, list[str]]:
+    positions = [c.start_position for c in chunks]
+    tokens = [c.request.token_span(p, p + 1)[0] for c, p in zip(chunks, positions, strict=True)]
+    tables = [c.block_ids for c in chunks]
+    batch = build_decode_batch(tokens, positions, tables, block_size, device)
+    return batch, [c.request.request_id for c in chunks]
 
 
 def _batch_chunks(chunk: ScheduledChunk) -> list[BatchChunk]:

@@ -52,6 +52,9 @@ class ModelRunner:
         """Captured decode forwards (CUDA), replayed for the decode-only steps that fit them."""
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
+        self._decode_rows: dict[str, SamplingRow] = {}
+        """A request's row for a plain decode (no drafts, past `min_tokens`): the same every
+        step (it holds the request's own token lists), so made once."""
         self.matchers = MatcherTable(constraints)
         """Grammar matchers of constrained requests, advanced by their steps' mask fills."""
         self.masks = MaskFiller(self.matchers, device)
@@ -98,6 +101,8 @@ class ModelRunner:
         request, drafts = chunk.request, chunk.draft_token_ids
         params, outputs = request.sampling, request.output_token_ids
         generator = self._generator(request)
+        if not drafts and len(outputs) >= params.min_tokens:
+            return [self._decode_row(request, generator)]
         rows = []
         for j in range(1 + len(drafts)):
             # penalties read the tokens; `min_tokens` only their number
@@ -115,6 +120,24 @@ class ModelRunner:
             )
         return rows
 
+    def _decode_row(self, request: Request, generator: torch.Generator | None) -> SamplingRow:
+        row = self._decode_rows.get(request.request_id)
+        if (
+            row is None
+            or row.params is not request.sampling
+            or row.output_token_ids is not request.output_token_ids
+            or row.prompt_token_ids is not request.prompt_token_ids
+            or row.generator is not generator
+        ):
+            row = SamplingRow(
+                params=request.sampling,
+                output_token_ids=request.output_token_ids,
+                prompt_token_ids=request.prompt_token_ids,
+                generator=generator,
+            )
+            self._decode_rows[request.request_id] = row
+        return row
+
     def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.sampling.seed
         if seed is None or request.sampling.greedy:
@@ -127,6 +150,7 @@ class ModelRunner:
 
     def take_generator(self, request_id: str) -> torch.Generator | None:
         """Hand a request's random stream over to another runner (KV handoff across devices)."""
+        self._decode_rows.pop(request_id, None)
         return self._generators.pop(request_id, None)
 
     def adopt_generator(self, request_id: str, generator: torch.Generator | None) -> None:
@@ -157,6 +181,7 @@ class ModelRunner:
         """Forget finished requests' sampling state."""
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._decode_rows.pop(rid, None)
         self.matchers.release(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)

@@ -37,7 +37,6 @@ import torch
 from deepinfer.kernels.greedy import greedy_ids
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.protocol import CausalLM
-from deepinfer.request import Request
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 
 DRAFT_CONFIDENCE_MIN = 0.4
@@ -202,7 +201,7 @@ class WorkerDrafter:
                 budget -= lag
                 self.num_caught_up += lag
                 ready.append(c)
-                tokens = _span(c.request, start, c.start_position + 1)
+                tokens = c.request.token_span(start, c.start_position + 1)
                 batch.append(BatchChunk(tokens, start, c.block_ids))
                 if lag >= self.block_size:
                     self._blocks.computed(c, c.start_position + 1)
@@ -210,7 +209,7 @@ class WorkerDrafter:
                 end = start + budget
                 self.num_caught_up += budget
                 budget = 0
-                tokens = _span(c.request, start, end)
+                tokens = c.request.token_span(start, end)
                 behind.append(BatchChunk(tokens, start, c.block_ids, sample=False))
                 self._written[c.request_id] = _Written(end, 0, c.block_ids)
                 self._blocks.computed(c, end)
@@ -254,15 +253,6 @@ class WorkerDrafter:
             start = chunk.start_position
             self._written[chunk.request_id] = _Written(start, count, chunk.block_ids)
             self._blocks.overwritten(chunk.block_ids, start + 1, start + count)
-
-
-def _span(request: Request, lo: int, hi: int) -> list[int]:
-    """`request.all_token_ids[lo:hi]` without copying the rest of the context."""
-    prompt, outputs = request.prompt_token_ids, request.output_token_ids
-    n = len(prompt)
-    if lo >= n:
-        return outputs[lo - n : hi - n]
-    return prompt[lo:hi] + outputs[: max(hi - n, 0)]
 
 
 def _with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:

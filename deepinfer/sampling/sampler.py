@@ -62,6 +62,8 @@ class Sampler:
         self.device = torch.device(device)
         self._shared = torch.Generator(device=self.device)
         self._shared.manual_seed(seed % (1 << 64))
+        self._plain: dict[int, SampledToken] = {}
+        """A `SampledToken` without log-probabilities per id, made once (they are immutable)."""
 
     def sample(
         self,
@@ -77,7 +79,7 @@ class Sampler:
         token_ids = self.choose(processed, rows)  # [B], -1 where unsound
         if not bool((token_ids >= 0).all()):  # the ids are read back right after anyway
             processed, token_ids = self._repair(base, processed, token_ids, rows)
-        return _package(processed, token_ids, rows)
+        return _package(processed, token_ids, rows, self._plain)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """`logits` in float32 with suppression and penalties applied (step 1): a copy when any
@@ -142,12 +144,15 @@ def repair_logits(processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 
 
 def _package(
-    processed: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+    processed: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    plain: dict[int, SampledToken],
 ) -> list[SampledToken]:
     ids: list[int] = token_ids.tolist()
-    wanted = [i for i, row in enumerate(rows) if row.wants_logprobs]
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return [SampledToken(token_id=t) for t in ids]
+        return [plain.get(t) or plain.setdefault(t, SampledToken(t)) for t in ids]
     index = torch.tensor(wanted, device=processed.device)
     logprobs = torch.log_softmax(processed[index], dim=1)  # [L, V]
     chosen: list[float] = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()

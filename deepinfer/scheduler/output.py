@@ -75,8 +75,8 @@ class ScheduledChunk:
     def token_ids(self) -> list[int]:
         if self.draft_token_ids:
             start = self.start_position
-            return [*self.request.all_token_ids[start : start + 1], *self.draft_token_ids]
-        return self.request.all_token_ids[self.start_position : self.end_position]
+            return [*self.request.token_span(start, start + 1), *self.draft_token_ids]
+        return self.request.token_span(self.start_position, self.end_position)
 
 
 @dataclass(frozen=True)

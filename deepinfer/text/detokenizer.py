@@ -6,10 +6,15 @@ window twice, once up to the last emitted token (`prefix`) and once to the end, 
 difference, and only when the window does not end in a partial character (U+FFFD). The window is
 the tokens since the previous emission plus the batch before them, so a push costs O(new tokens),
 not O(all tokens). This is the prefix-offset/read-offset technique of vLLM and TGI.
+
+A byte-level vocabulary (`Tokenizer.byte_pieces`) decodes by joining each id's bytes, so there
+the detokenizer joins them itself and emits every complete character: an incremental UTF-8
+decoder holds back a cut character, and the tokenizer is never called.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from deepinfer.text.tokenizer import Tokenizer
@@ -24,6 +29,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._pieces = tokenizer.byte_pieces if skip_special_tokens else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._ids: list[int] = []
         """Ids from `_prefix_offset` on; older ids are dropped (they never enter a window again)."""
         self._prefix_offset = 0
@@ -35,8 +42,11 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Append `token_ids`; return the text they complete (possibly empty)."""
-        self._ids.extend(token_ids)
         self.num_tokens += len(token_ids)
+        if self._pieces is not None:
+            pieces = self._pieces
+            return self._utf8.decode(b"".join([pieces[i] for i in token_ids]))
+        self._ids.extend(token_ids)
         if not token_ids:
             return ""
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -51,6 +61,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The text held back (incomplete characters become U+FFFD); the stream then restarts
         empty."""
+        if self._pieces is not None:
+            return self._utf8.decode(b"", final=True)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         self._ids.clear()

@@ -12,6 +12,7 @@ The flag is per instance, so the two are never shared or flipped at run time. Al
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from deepinfer.byte_alphabet import bytes_to_unicode
+from deepinfer.byte_alphabet import bytes_to_unicode, unicode_to_bytes
 from deepinfer.errors import ModelLoadError
 
 TOKEN_TYPE_CONTROL = 3
@@ -193,6 +194,32 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
         return str(self._special.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def byte_pieces(self) -> tuple[bytes, ...] | None:
+        """The bytes each id stands for in `decode(..., skip_special_tokens=True)` (control
+        tokens: none), when decoding is byte concatenation: `decode(ids)` is then the UTF-8 of
+        the ids' pieces joined, and a detokenizer can skip the tokenizer altogether. None for
+        other decoders (SentencePiece), or when any single id decodes otherwise (checked for
+        every id, once: about a tenth of a second)."""
+        hf = self._special
+        if not isinstance(hf.decoder, decoders.ByteLevel):
+            return None
+        spelling = unicode_to_bytes()
+        pieces: list[bytes] = []
+        for token_id in range(self.vocab_size):
+            token = hf.id_to_token(token_id) or ""
+            if token_id in self.special_token_ids:
+                pieces.append(b"")
+            elif token_id in self.added_token_ids or not set(token) <= spelling.keys():
+                pieces.append(token.encode("utf-8"))
+            else:
+                pieces.append(bytes(spelling[c] for c in token))
+        singles = hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
+        for piece, text in zip(pieces, singles, strict=True):
+            if piece.decode("utf-8", "replace") != text:
+                return None
+        return tuple(pieces)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token as the vocabulary spells it (byte-level: `Ġ` for a space)."""

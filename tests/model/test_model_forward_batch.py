@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend
-from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
+from deepinfer.model.forward_batch import (
+    BatchChunk,
+    ForwardBatch,
+    build_decode_batch,
+    build_forward_batch,
+)
 from deepinfer.model.kv_layout import allocate_kv_caches, check_kv_caches, kv_bytes_per_block
 from deepinfer.model.registry import get_model_class
 
@@ -106,3 +115,29 @@ def test_registry() -> None:
     assert get_model_class("qwen3") is get_model_class("llama")
     with pytest.raises(ModelLoadError, match="supported: gemma3, llama, qwen2, qwen3"):
         get_model_class("falcon")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_decode_batch_equals_the_general_builder(data: st.DataObject) -> None:
+    """A plain decode step built without a `BatchChunk` per request: the same tensors."""
+    block_size = data.draw(st.sampled_from([1, 4, 16]))
+    num = data.draw(st.integers(1, 12))
+    positions = data.draw(st.lists(st.integers(0, 80), min_size=num, max_size=num))
+    tables = [
+        tuple(data.draw(st.lists(st.integers(1, 500), min_size=n, max_size=n + 3)))
+        for n in (p // block_size + 1 for p in positions)
+    ]
+    tokens = data.draw(st.lists(st.integers(0, 1000), min_size=num, max_size=num))
+    chunks = [BatchChunk([t], p, b) for t, p, b in zip(tokens, positions, tables, strict=True)]
+    want = build_forward_batch(chunks, block_size)
+    got = build_decode_batch(tokens, positions, tables, block_size)
+    for field in dataclasses.fields(ForwardBatch):
+        a, b = getattr(want, field.name), getattr(got, field.name)
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), field
+        else:
+            assert a == b, field.name
+    short = [tables[0][: positions[0] // block_size]]
+    with pytest.raises(ValueError):
+        build_decode_batch(tokens[:1], positions[:1], short, block_size)

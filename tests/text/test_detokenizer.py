@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from text_samples import SAMPLES, random_texts
 
 from deepinfer.text.detokenizer import IncrementalDetokenizer
@@ -70,3 +72,35 @@ def test_window_stays_small(smollm_tokenizer: Tokenizer) -> None:
         detok.push([i])
         assert detok.num_window_tokens <= 8  # O(new tokens): the window never grows with the stream
     assert detok.num_tokens == len(ids)
+
+
+@pytest.mark.slow
+def test_byte_level_vocabulary_decodes_without_the_tokenizer(smollm_tokenizer: Tokenizer) -> None:
+    """SmolLM2's byte-level vocabulary: every id's bytes are known, so streams join bytes."""
+    pieces = smollm_tokenizer.byte_pieces
+    assert pieces is not None and len(pieces) == smollm_tokenizer.vocab_size
+    assert all(pieces[i] == b"" for i in smollm_tokenizer.special_token_ids)
+    hello = smollm_tokenizer.encode(" Hello, wörld")
+    assert b"".join(pieces[i] for i in hello) == " Hello, wörld".encode()
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_streams_of_any_ids_match_decode(smollm_tokenizer: Tokenizer, data: st.DataObject) -> None:
+    """Any ids (control tokens, bytes that are no UTF-8, cut characters), pushed in any runs,
+    concatenate to the one-shot decode, with and without control tokens skipped."""
+    vocab = smollm_tokenizer.vocab_size
+    special = sorted(smollm_tokenizer.special_token_ids)
+    token = st.one_of(st.integers(0, vocab - 1), st.sampled_from(special), st.integers(0, 511))
+    ids = data.draw(st.lists(token, min_size=1, max_size=40))
+    skip = data.draw(st.booleans())
+    runs = data.draw(st.lists(st.integers(1, 5), min_size=len(ids), max_size=len(ids)))
+    detok, k, out = IncrementalDetokenizer(smollm_tokenizer, skip), 0, []
+    for n in runs:
+        if k >= len(ids):
+            break
+        out.append(detok.push(ids[k : k + n]))
+        k += n
+    out.append(detok.flush())
+    assert "".join(out) == smollm_tokenizer.decode(ids, skip_special_tokens=skip)

@@ -96,6 +96,7 @@ def test_tiny_sentencepiece_vocabulary() -> None:
     assert tok.encode_with_specials("<start_of_turn>") == [4]
     assert tok.special_token_ids == frozenset({0, 1, 2, 4, 5})
     assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (2, 1, True)
+    assert tok.byte_pieces is None  # SentencePiece decoding is no byte join: streams decode
 
 
 def test_sentencepiece_outside_gemma_is_refused() -> None:

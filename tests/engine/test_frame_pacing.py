@@ -1,0 +1,163 @@
+"""Readers woken once for several tokens when many streams share quick steps (`FramePacer`):
+only how a stream is cut into frames changes. The same requests, paced and unpaced, give the same
+text, token ids, usage, finish and stop reasons; stop strings cut at the same character; an abort
+frees its blocks; the first token is never held back, and a held token is woken by the timer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.frame_pacer import FramePacer
+from deepinfer.engine.stream import RequestStream
+from deepinfer.engine.stream_table import StreamTable
+from deepinfer.environment import default_model_path
+from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.outputs import TokenDelta
+from deepinfer.request import FinishReason, SamplingParams
+from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.tokenizer import Tokenizer
+
+
+def test_pacer_wakes_every_token_for_few_streams_or_slow_steps() -> None:
+    pacer = FramePacer(frames_per_step=4, max_delay_s=0.05)
+    assert pacer.tokens_per_frame(4, now=0.0) == 1  # few streams
+    assert pacer.tokens_per_frame(9, now=0.01) == 3  # ceil(9 / 4), a quick step
+    assert pacer.tokens_per_frame(16, now=0.02) == 4
+    assert pacer.tokens_per_frame(16, now=0.10) == 1  # 80 ms since the last step: slow steps
+    assert FramePacer(frames_per_step=0).tokens_per_frame(1000, now=0.0) == 1  # off
+
+
+def _config(frames_per_step: int) -> Config:
+    return Config(
+        model=ModelConfig(path=Path("null")),
+        cache=CacheConfig(kv_memory_bytes=64 << 20),
+        disk_cache=DiskCacheConfig(enabled=False),
+        scheduler=SchedulerConfig(stream_frames_per_step=frames_per_step, stream_max_delay_ms=500),
+    )
+
+
+@dataclasses.dataclass
+class Answer:
+    frames: list[int]  # tokens per frame
+    text: str
+    token_ids: tuple[int, ...]
+    finish: FinishReason | None
+    stop_reason: str | int | None
+    usage: object
+
+
+async def _answer(engine: AsyncEngine, prompt: str, params: SamplingParams) -> Answer:
+    frames: list[int] = []
+    parts: list[str] = []
+    ids: list[int] = []
+    last = None
+    async for out in engine.generate(prompt, params):
+        frames.append(len(out.token_ids))
+        parts.append(out.text)
+        ids.extend(out.token_ids)
+        last = out
+    assert last is not None
+    return Answer(
+        frames, "".join(parts), tuple(ids), last.finish_reason, last.stop_reason, last.usage
+    )
+
+
+async def _aborted(engine: AsyncEngine, prompt: str) -> int:
+    """Read three frames of a long answer, then abort it; returns the tokens read."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    stream = await engine.submit(prompt, params)
+    seen = 0
+    for _ in range(3):
+        seen += len((await anext(stream)).token_ids)
+    await stream.aclose()
+    return seen
+
+
+async def _run(frames_per_step: int, stops: dict[int, str]) -> tuple[list[Answer], int, int]:
+    """16 concurrent requests (lengths 20-60, some with stop strings) and one aborted one."""
+    async with AsyncEngine(_config(frames_per_step)) as engine:
+        requests = [engine_prompt(i) for i in range(16)]
+        params = [
+            SamplingParams(
+                max_tokens=20 + 3 * i,
+                temperature=0.0,
+                ignore_eos=True,
+                stop=(stops[i],) if i in stops else (),
+            )
+            for i in range(16)
+        ]
+        answers, aborted = await asyncio.gather(
+            asyncio.gather(*(_answer(engine, p, s) for p, s in zip(requests, params, strict=True))),
+            _aborted(engine, "Keep talking, at length, about anything at all."),
+        )
+        for _ in range(100):  # the abort is applied at the next step boundary
+            if engine.core.kv.num_used_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+        used = engine.core.kv.num_used_blocks
+        engine.check_integrity()
+    return list(answers), aborted, used
+
+
+def engine_prompt(i: int) -> str:
+    return f"Story {i}: tell me about the number {i} and its friends. " * (1 + i % 3)
+
+
+@pytest.mark.slow
+async def test_paced_frames_carry_the_same_answers() -> None:
+    unpaced, _, _ = await _run(0, {})
+    # stop strings from the answers themselves: a word in the middle of answers 3, 7 and 11
+    stops = {i: unpaced[i].text.split()[len(unpaced[i].text.split()) // 2] for i in (3, 7, 11)}
+    unpaced, _, _ = await _run(0, stops)
+    paced, aborted, used = await _run(2, stops)
+    assert aborted >= 3 and used == 0  # the aborted request's blocks are free
+    for i, (want, got) in enumerate(zip(unpaced, paced, strict=True)):
+        assert got.text == want.text and got.token_ids == want.token_ids, i
+        assert (got.finish, got.stop_reason, got.usage) == (
+            want.finish,
+            want.stop_reason,
+            want.usage,
+        )
+        assert got.frames[0] == 1  # the first token is never held back
+        assert sum(got.frames) == len(got.token_ids)
+    for i, stop in stops.items():
+        assert paced[i].finish is FinishReason.STOP and paced[i].stop_reason == stop
+        assert stop not in paced[i].text  # cut before the stop, as unpaced
+    assert all(max(a.frames) == 1 for a in unpaced)  # unpaced: one token a frame
+    assert max(max(a.frames) for a in paced) > 1  # paced: 17 streams over 2 frames a step merge
+    assert sum(len(a.frames) for a in paced) < sum(len(a.frames) for a in unpaced)
+
+
+def _delta(rid: str, token: int, n: int) -> TokenDelta:
+    return TokenDelta(rid, (token,), num_prompt_tokens=3, num_output_tokens=n)
+
+
+async def test_a_held_token_is_woken_by_the_timer() -> None:
+    tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+    hello = tokenizer.encode(" hello")[0]
+    table = StreamTable(FramePacer(frames_per_step=1, max_delay_s=0.05))
+    streams = [
+        RequestStream(rid, 3, IncrementalDetokenizer(tokenizer), (), frozenset(), lambda _r: None)
+        for rid in ("a", "b")
+    ]
+    for s in streams:
+        table.open(s)
+    table.deliver([_delta("a", hello, 1), _delta("b", hello, 1)])  # first tokens: woken
+    assert [(await anext(s)).text for s in streams] == [" hello", " hello"]
+    readers = [asyncio.ensure_future(anext(s)) for s in streams]
+    await asyncio.sleep(0)  # both readers wait
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    table.deliver([_delta("a", hello, 2), _delta("b", hello, 2)])  # a quick step: 2 a frame
+    assert all(s.num_unread_tokens == 1 for s in streams)
+    await asyncio.sleep(0.01)
+    assert not any(r.done() for r in readers)  # held
+    outs = await asyncio.wait_for(asyncio.gather(*readers), timeout=2)
+    assert [o.text for o in outs] == [" hello", " hello"]
+    assert loop.time() - start >= 0.04  # woken by the timer
