@@ -6,6 +6,7 @@ A leaf module: it imports nothing from deepinfer but `errors`.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -252,8 +253,9 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
+    @functools.cached_property
     def stop_token_ids(self) -> frozenset[int]:
-        """Token ids that end generation (unless ignore_eos, or min_tokens not yet reached)."""
+        """Token ids that end generation (unless ignore_eos, or min_tokens not yet reached).
+        Made once: `sampling` and `eos_token_ids` never change."""
         extra = frozenset(self.sampling.stop_token_ids)
         return extra if self.sampling.ignore_eos else self.eos_token_ids | extra

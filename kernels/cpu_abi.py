@@ -92,7 +92,7 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_store_kv": (_i, (_p, _l, _p, _l, _p, _p, _l, _p, _i, _i, _i)),
     "di_silu_mul": (_i, (_p, _l, _p, _l, _i, _i, _i)),
     "di_gelu_tanh_mul": (_i, (_p, _l, _p, _l, _i, _i, _i)),
-    "di_argmax_rows": (_i, (_p, _l, _i, _i, _p)),
+    "di_argmax_rows": (_i, (_p, _l, _i, _i, _p, _i)),
     "di_paged_decode_attention": (_i, (ctypes.POINTER(AttentionArgs),)),
     "di_llama_layers": (
         _i,

@@ -110,9 +110,9 @@ class NativeLibrary:
         """See `di_gelu_tanh_mul` in cpu/elementwise.c."""
         _check(self._lib.di_gelu_tanh_mul(*args))
 
-    def argmax_rows(self, x: int, stride: int, rows: int, v: int, out: int) -> None:
+    def argmax_rows(self, x: int, stride: int, rows: int, v: int, out: int, threads: int) -> None:
         """See `di_argmax_rows` in cpu/sampling.c."""
-        _check(self._lib.di_argmax_rows(x, stride, rows, v, out))
+        _check(self._lib.di_argmax_rows(x, stride, rows, v, out, threads))
 
     def paged_decode_attention(self, args: AttentionArgs) -> None:
         """See `di_attention_args` in cpu/deepinfer_kernels.h."""

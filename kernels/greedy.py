@@ -25,7 +25,10 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         rows, vocab = logits.shape
         ids = torch.empty(rows, dtype=torch.int64)
         stride = logits.stride(0) if rows > 1 else vocab
-        native_library().argmax_rows(logits.data_ptr(), stride, rows, vocab, ids.data_ptr())
+        threads = torch.get_num_threads()  # the calling worker's share of cores
+        native_library().argmax_rows(
+            logits.data_ptr(), stride, rows, vocab, ids.data_ptr(), threads
+        )
         return ids
     return greedy_ids_reference(logits)
 

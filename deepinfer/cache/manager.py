@@ -56,6 +56,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._seed = seed_bytes(hash_seed)
         self._blocks: dict[str, list[Block]] = {}
+        self._block_ids: dict[str, tuple[list[Block], tuple[int, ...]]] = {}
+        """`block_ids` as last made, with the list it was made from."""
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
         """Leading blocks of each request already offered to the cache map."""
@@ -337,6 +339,7 @@ class KVCacheManager:
         """Release all of the request's blocks (finish, abort, preemption). Idempotent."""
         rid = request.request_id
         table = self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
         if table is not None:
             self.pool.free(table)
         self._hashes.pop(rid, None)
@@ -356,7 +359,17 @@ class KVCacheManager:
         return dropped
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple(b.block_id for b in self._blocks.get(request_id, ()))
+        """The request's block table as ids (made again only when the table grew: tables are
+        append-only lists, and a freed request's list is never reused)."""
+        table = self._blocks.get(request_id)
+        if table is None:
+            return ()
+        known = self._block_ids.get(request_id)
+        if known is not None and known[0] is table and len(known[1]) == len(table):
+            return known[1]
+        ids = tuple(b.block_id for b in table)
+        self._block_ids[request_id] = (table, ids)
+        return ids
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
@@ -389,6 +402,9 @@ class KVCacheManager:
         """Pool invariants, plus: each block's ref count equals the number of tables holding it,
         no table holds a block twice, and registered blocks carry their request's hash."""
         self.pool.check_integrity()
+        for rid, (table, ids) in self._block_ids.items():
+            assert self._blocks.get(rid) is table, f"{rid}: block ids kept for a freed table"
+            assert ids == tuple(b.block_id for b in table[: len(ids)]), f"{rid}: stale block ids"
         holders = [0] * self.pool.num_blocks
         for reserved in self._reserved.values():
             for block in reserved:

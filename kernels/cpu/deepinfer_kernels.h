@@ -43,7 +43,7 @@ int di_int8_isa(int want);
 
 /* out[r] = the first index of row r's largest value, -1 where that value is not finite (a NaN in
    the row, +inf, or no value above -inf): the sampler's greedy pick (cpu/sampling.c). */
-int di_argmax_rows(const float *x, long stride, int rows, int V, int64_t *out);
+int di_argmax_rows(const float *x, long stride, int rows, int V, int64_t *out, int threads);
 
 /* out = rms_norm(x (+ residual)) * w; with a residual, summed = x + residual as well. residual
    and summed are NULL for a plain RMSNorm. D a multiple of 8. */

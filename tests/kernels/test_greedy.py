@@ -58,3 +58,18 @@ def test_what_the_kernel_cannot_take_goes_to_torch() -> None:
     assert torch.equal(greedy_ids(logits), logits.argmax(dim=1))
     transposed = torch.randn(50, 3).t()  # inner stride 3
     assert torch.equal(greedy_ids(transposed), transposed.argmax(dim=1))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_big_batch_over_several_threads_matches_torch(threads: int) -> None:
+    """A decode step of many rows over a large vocabulary is split over the caller's threads."""
+    logits = torch.randn(67, 49152, generator=torch.Generator().manual_seed(threads))
+    logits[5, 100:200] = logits[5].max() + 1  # a tie inside a row
+    logits[40, 7] = NAN
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = greedy_ids(logits)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got, greedy_ids_reference(logits))
