@@ -134,7 +134,7 @@ class SchedulerConfig:
     """Token budget of one engine step: decodes plus prefill chunks."""
     max_waiting: int = 1024
     """Most requests queued before new ones are refused (overload)."""
-    stream_frames_per_step: int = 64
+    stream_frames_per_step: int = 16
     """Streams a step wakes at every token; past that, each stream's reader is woken once for
     ceil(streams / this) tokens (fewer, larger deltas; the same text). 0: every token."""
     stream_max_delay_ms: float = 50.0
