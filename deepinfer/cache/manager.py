@@ -171,10 +171,18 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (counting
         `hit_blocks`, the prefix hits from `get_computed_blocks`, as computed). All or nothing:
         on False nothing changed."""
+        rid = request.request_id
+        table = self._blocks.get(rid)
+        if (  # a running request within its blocks (a decode, 15 steps of 16): nothing to do
+            table is not None
+            and not hit_blocks
+            and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+            and rid not in self._starts
+        ):
+            return True
         needed, free = self._num_blocks_short(request, num_new_tokens, hit_blocks)
         if needed > free:
             return False
-        rid = request.request_id
         hit_end = len(hit_blocks) * self.block_size
         planned = self._starts.pop(rid, None)
         start = hit_end if planned is None else min(planned, hit_end)

@@ -13,25 +13,25 @@ from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import ScheduledChunk
 from deepinfer.scheduler.token_delta import take_tokens
 
+NO_DRAFT = Draft()
 
-def decode_chunk(
-    request: Request, kv: KVCacheManager, draft: Draft | None = None
-) -> ScheduledChunk:
+
+def decode_chunk(request: Request, kv: KVCacheManager, draft: Draft = NO_DRAFT) -> ScheduledChunk:
     """A decoder's chunk: its last token, then its drafts (slots already allocated)."""
     start = request.num_computed_tokens
-    draft = draft or Draft()
     assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
-    tables = kv.chunk_tables(request, start + 1 + draft.size)
+    size = draft.size
+    tables = kv.chunk_tables(request, start + 1 + size)
     return ScheduledChunk(
-        request=request,
-        start_position=start,
-        num_new_tokens=1 + draft.size,
-        block_ids=tables.block_ids,
-        sample=True,
-        draft_token_ids=draft.token_ids,
-        num_worker_drafts=draft.num_worker_tokens,
-        window_block_ids=tables.window_block_ids,
-        cached_until=tables.cached_until,
+        request,
+        start,
+        1 + size,
+        tables.block_ids,
+        True,
+        draft.token_ids,
+        draft.num_worker_tokens,
+        tables.window_block_ids,
+        tables.cached_until,
     )
 
 

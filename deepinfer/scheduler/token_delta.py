@@ -32,7 +32,9 @@ def token_delta(
     `request`'s outputs."""
     return TokenDelta(
         request_id=request.request_id,
-        token_ids=tuple(s.token_id for s in sampled),
+        token_ids=(sampled[0].token_id,)
+        if len(sampled) == 1
+        else tuple([s.token_id for s in sampled]),
         logprobs=tuple(sampled) if request.sampling.logprobs is not None else (),
         finish_reason=reason,
         num_prompt_tokens=request.num_prompt_tokens,
