@@ -76,7 +76,10 @@ class RequestStream:
         if self.finished:
             return False
         try:
-            stopped = any(self._merge(part) for part in self._parts(delta))
+            if self._matcher is None or len(delta.token_ids) <= 1:
+                stopped = self._merge(delta)
+            else:
+                stopped = any(self._merge(part) for part in self._parts(delta))
         except BaseException:
             self._finish = None
             raise
@@ -96,8 +99,6 @@ class RequestStream:
         where stop strings are watched: the stream ends at the token completing a stop, and
         the tokens after it are neither output nor counted, as without speculation."""
         n = len(delta.token_ids)
-        if self._matcher is None or n <= 1:
-            return [delta]
         return [
             dataclasses.replace(
                 delta,
