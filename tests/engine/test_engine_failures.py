@@ -112,10 +112,10 @@ async def test_failed_delivery_fails_only_its_request(
 ) -> None:
     push = RequestStream.push
 
-    def flaky(self: RequestStream, delta: TokenDelta) -> bool:
+    def flaky(self: RequestStream, delta: TokenDelta, *, wake: bool = True) -> bool:
         if self.request_id == "victim" and delta.num_output_tokens == 2:
             raise UnicodeError("injected fault")
-        return push(self, delta)
+        return push(self, delta, wake=wake)
 
     prompts = PROMPTS
     reference = await _reference(tiny_llama_dir)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from live_server import LiveServer
 
+from deepinfer.api.app import create_app
 from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.frame_pacer import FramePacer
@@ -161,3 +164,40 @@ async def test_a_held_token_is_woken_by_the_timer() -> None:
     outs = await asyncio.wait_for(asyncio.gather(*readers), timeout=2)
     assert [o.text for o in outs] == [" hello", " hello"]
     assert loop.time() - start >= 0.04  # woken by the timer
+
+
+@pytest.mark.slow
+def test_paced_sse_streams_through_the_openai_client() -> None:
+    """Eight concurrent streams over a budget of one frame a step: the official client reads
+    multi-token chunks whose content and usage equal the non-streamed answers."""
+    openai = pytest.importorskip("openai")
+    config = _config(1)
+    server = LiveServer(create_app(AsyncEngine(config), config.server)).start(timeout_s=120)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+        def ask(i: int, stream: bool) -> tuple[str, int, int]:
+            kwargs = {"model": "null", "max_tokens": 40 + i, "temperature": 0, "seed": i}
+            messages = [{"role": "user", "content": engine_prompt(i)}]
+            if not stream:
+                whole = client.chat.completions.create(messages=messages, **kwargs)
+                usage = whole.usage
+                return whole.choices[0].message.content or "", usage.completion_tokens, 1
+            chunks = list(
+                client.chat.completions.create(
+                    messages=messages, stream=True, stream_options={"include_usage": True},
+                    **kwargs,
+                )
+            )  # fmt: skip
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return text, chunks[-1].usage.completion_tokens, len(chunks)
+
+        with ThreadPoolExecutor(8) as pool:
+            streamed = list(pool.map(lambda i: ask(i, True), range(8)))
+        whole = [ask(i, False) for i in range(8)]
+    finally:
+        server.stop()
+    assert [s[:2] for s in streamed] == [w[:2] for w in whole]
+    assert all(tokens == 40 + i for i, (_, tokens, _) in enumerate(streamed))
+    # fewer chunks than tokens: several tokens a chunk (role chunk, usage chunk and finish aside)
+    assert sum(s[2] for s in streamed) < sum(s[1] for s in streamed)
