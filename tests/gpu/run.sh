@@ -43,6 +43,8 @@ step kernels_bench 120 python3 -m bench.kernels
 step interference 240 python3 bench/interference.py --modes disagg,colocated \
   --baseline-s "${BASELINE_S:-10}" \
   "--deepinfer-args=--device cuda"
-step serve 150 python3 bench/serve.py --skip-llama --levels 1,8,32,64 "--deepinfer-args=--device cuda"
+step serve 180 python3 bench/serve.py --skip-llama --levels 32,64,128,256 \
+  "--deepinfer-args=--device cuda --max-num-seqs 256"
+step serving_path 120 python3 bench/serving_path.py --clients 32 128 256
 mkdir -p bench/out && cp "$OUT/summary.txt" "$LOGS/" && cp -r bench/out "$LOGS/bench_out"
 tar czf "$OUT/gpu_run.tgz" -C "$LOGS" .
