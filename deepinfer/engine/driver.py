@@ -157,7 +157,7 @@ class EngineDriver:
             except Exception as exc:
                 self._fail_step(worker.lane, so, exc)
             else:
-                self._streams.deliver(deltas)
+                self._streams.deliver(deltas, worker.name)
                 for observer in self._observers:
                     observer(so, out)
         self.wake()

@@ -10,8 +10,8 @@ carries more text. Text, token ids, usage and stop strings are unchanged: only h
 cut into frames changes (clients see fewer, larger deltas, as a slow reader already does).
 
 Two bounds keep latency what it was: the first token is never held back (time to first token),
-and a token never waits longer than `max_delay_s` (a timer wakes what is overdue; steps slower
-than that never hold anything back).
+and a token never waits longer than `max_delay_s` (a timer wakes what is overdue; a lane whose
+steps are slower than that never holds anything back).
 """
 
 from __future__ import annotations
@@ -21,16 +21,19 @@ from dataclasses import dataclass, field
 
 @dataclass
 class FramePacer:
-    frames_per_step: int = 64
+    frames_per_step: int = 16
     """Streams a step may wake one token at a time; 0: every token wakes its reader."""
     max_delay_s: float = 0.05
     """Longest a token waits for its reader to be woken."""
-    _last_step: float = field(default=float("-inf"), repr=False)
+    _last_step: dict[str, float] = field(default_factory=dict, repr=False)
+    """Each lane's last step (a prefill step between two slow decode steps must not make them
+    look quick)."""
 
-    def tokens_per_frame(self, num_streams: int, now: float) -> int:
-        """Tokens a reader gathers before it is woken, for a step delivering to `num_streams`
-        streams at `now` (monotonic seconds)."""
-        since, self._last_step = now - self._last_step, now
+    def tokens_per_frame(self, num_streams: int, now: float, lane: str = "") -> int:
+        """Tokens a reader gathers before it is woken, for a step of `lane` delivering to
+        `num_streams` streams at `now` (monotonic seconds)."""
+        since = now - self._last_step.get(lane, float("-inf"))
+        self._last_step[lane] = now
         budget = self.frames_per_step
         if budget <= 0 or num_streams <= budget or since >= self.max_delay_s:
             return 1

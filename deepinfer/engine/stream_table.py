@@ -62,11 +62,12 @@ class StreamTable:
             if stream is not None and not stream.finished:
                 stream.push(_abort_delta(rid))
 
-    def deliver(self, deltas: list[TokenDelta]) -> None:
-        """Push each delta to its stream and wake its reader as the pacer says; a stream that
-        stops (a stop string) or fails to take it has its request marked for abort."""
+    def deliver(self, deltas: list[TokenDelta], lane: str = "") -> None:
+        """Push each delta of a step of `lane` to its stream and wake its reader as the pacer
+        says; a stream that stops (a stop string) or fails to take it has its request marked
+        for abort."""
         now = time.monotonic()
-        tokens_per_frame = self._pacer.tokens_per_frame(len(deltas), now)
+        tokens_per_frame = self._pacer.tokens_per_frame(len(deltas), now, lane)
         deferred = self._deferred
         for delta in deltas:
             rid = delta.request_id

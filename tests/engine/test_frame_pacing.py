@@ -34,6 +34,11 @@ def test_pacer_wakes_every_token_for_few_streams_or_slow_steps() -> None:
     assert pacer.tokens_per_frame(16, now=0.02) == 4
     assert pacer.tokens_per_frame(16, now=0.10) == 1  # 80 ms since the last step: slow steps
     assert FramePacer(frames_per_step=0).tokens_per_frame(1000, now=0.0) == 1  # off
+    lanes = FramePacer(frames_per_step=4, max_delay_s=0.05)
+    assert lanes.tokens_per_frame(16, now=0.0, lane="decode") == 1
+    assert lanes.tokens_per_frame(2, now=0.09, lane="prefill") == 1
+    assert lanes.tokens_per_frame(16, now=0.10, lane="decode") == 1  # decode's steps are slow
+    assert lanes.tokens_per_frame(16, now=0.11, lane="decode") == 4
 
 
 def _config(frames_per_step: int) -> Config:
