@@ -3,7 +3,7 @@
 A one-slot mailbox: the engine merges new output into the pending delta, so a slow reader gets
 fewer, larger deltas and memory stays bounded by the request's own output. `push` wakes the
 reader; the engine's delivery may instead push without waking and wake later (`wake`), so that
-under heavy load a reader is woken once for several tokens (`stream_table.FramePacer`).
+under heavy load a reader is woken once for several tokens (`frame_pacer.FramePacer`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class RequestStream:
         self._error: BaseException | None = None
         self._delivered_final = False
         self.num_unread_tokens = 0
-        """Tokens merged since the reader was last woken."""
+        """Tokens merged since the reader was last woken or last took."""
         self.woken = False
         """True once the reader was woken with output (the first token is never held back)."""
 
@@ -175,6 +175,7 @@ class RequestStream:
 
     def _take(self) -> GenerationOutput:
         p, self._pending, self._has_pending = self._pending, _Pending(), False
+        self.num_unread_tokens = 0
         self._delivered_final = self._finish is not None
         return GenerationOutput(
             request_id=self.request_id,
