@@ -81,7 +81,7 @@ class CacheConfig:
     kv_memory_bytes: int | None = None
     """Memory budget for the device KV pool; the number of blocks follows from it. None: on CPU
     a quarter of the machine's memory, at most 4 GiB (the pool lives in RAM beside everything
-    else); on CUDA 1 GiB."""
+    else); on CUDA 80% of the device memory free once the weights are loaded."""
     num_blocks: int | None = None
     """Exact number of KV blocks (overrides the byte budget; tests use it)."""
     enable_prefix_caching: bool = True

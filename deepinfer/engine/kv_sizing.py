@@ -23,11 +23,22 @@ MIN_SERVING_LEN = 16
 """A pool that cannot hold this many tokens of one sequence is refused."""
 
 
+CUDA_KV_FRACTION = 0.8
+"""Default KV pool on CUDA: this share of the device memory free when the pool is made (after
+the weights: the rest is for activations, CUDA graphs and the sampler's logits)."""
+
+
 def kv_memory_bytes(config: CacheConfig, device: torch.device) -> int:
-    """The KV pool's budget: as configured, else 1 GiB on CUDA and a quarter of RAM on CPU
-    (between 1 GiB and `CPU_KV_MEMORY_CAP`)."""
+    """The KV pool's budget: as configured, else on CUDA `CUDA_KV_FRACTION` of the device's free
+    memory, on CPU a quarter of RAM (between 1 GiB and `CPU_KV_MEMORY_CAP`), elsewhere 1 GiB."""
     if config.kv_memory_bytes is not None:
         return config.kv_memory_bytes
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * CUDA_KV_FRACTION)
+        log.info("KV pool on %s: %.1f GiB (%.0f%% of free memory)", device, budget / (1 << 30),
+                 100 * CUDA_KV_FRACTION)  # fmt: skip
+        return budget
     if device.type != "cpu":
         return 1 << 30
     try:

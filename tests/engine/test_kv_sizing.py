@@ -12,6 +12,7 @@ from deepinfer.cache.window_group import WindowSpec
 from deepinfer.config import CacheConfig, Config, SpeculativeConfig
 from deepinfer.engine.kv_sizing import (
     CPU_KV_MEMORY_CAP,
+    CUDA_KV_FRACTION,
     kv_memory_bytes,
     max_step_tokens,
     num_kv_blocks,
@@ -37,8 +38,17 @@ def test_explicit_budget_and_block_count_win() -> None:
     assert num_kv_blocks(exact, 1 << 20, torch.device("cpu")) == 17
 
 
-def test_cuda_default_stays_one_gib() -> None:
-    assert kv_memory_bytes(CacheConfig(), torch.device("cuda")) == 1 << 30
+def test_cuda_default_is_a_share_of_free_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[torch.device] = []
+
+    def mem_get_info(device: torch.device) -> tuple[int, int]:
+        asked.append(device)
+        return 100 << 30, 141 << 30  # free, total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    got = kv_memory_bytes(CacheConfig(), torch.device("cuda", 1))
+    assert got == int((100 << 30) * CUDA_KV_FRACTION) and asked == [torch.device("cuda", 1)]
+    assert kv_memory_bytes(CacheConfig(kv_memory_bytes=1 << 30), torch.device("cuda")) == 1 << 30
 
 
 def test_serving_len_is_the_least_of_positions_pool_and_flag() -> None:
