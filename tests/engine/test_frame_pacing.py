@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from live_server import LiveServer
 
 from deepinfer.api.app import create_app
@@ -142,12 +144,16 @@ async def test_paced_frames_carry_the_same_answers() -> None:
     assert sum(len(a.frames) for a in paced) < sum(len(a.frames) for a in unpaced)
 
 
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(open_gguf(default_model_path()))
+
+
 def _delta(rid: str, token: int, n: int) -> TokenDelta:
     return TokenDelta(rid, (token,), num_prompt_tokens=3, num_output_tokens=n)
 
 
-async def test_a_held_token_is_woken_by_the_timer() -> None:
-    tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+async def test_a_held_token_is_woken_by_the_timer(tokenizer: Tokenizer) -> None:
     hello = tokenizer.encode(" hello")[0]
     table = StreamTable(FramePacer(frames_per_step=1, max_delay_s=0.05))
     streams = [
@@ -173,8 +179,9 @@ async def test_a_held_token_is_woken_by_the_timer() -> None:
 
 @pytest.mark.slow
 def test_paced_sse_streams_through_the_openai_client() -> None:
-    """Eight concurrent streams over a budget of one frame a step: the official client reads
-    multi-token chunks whose content and usage equal the non-streamed answers."""
+    """Eight concurrent streams (200 tokens each, so they overlap) over a budget of one frame a
+    step: the official client reads multi-token chunks whose content and usage equal the
+    non-streamed answers."""
     openai = pytest.importorskip("openai")
     config = _config(1)
     server = LiveServer(create_app(AsyncEngine(config), config.server)).start(timeout_s=120)
@@ -182,7 +189,7 @@ def test_paced_sse_streams_through_the_openai_client() -> None:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
 
         def ask(i: int, stream: bool) -> tuple[str, int, int]:
-            kwargs = {"model": "null", "max_tokens": 40 + i, "temperature": 0, "seed": i}
+            kwargs = {"model": "null", "max_tokens": 200 + i, "temperature": 0, "seed": i}
             messages = [{"role": "user", "content": engine_prompt(i)}]
             if not stream:
                 whole = client.chat.completions.create(messages=messages, **kwargs)
@@ -203,6 +210,71 @@ def test_paced_sse_streams_through_the_openai_client() -> None:
     finally:
         server.stop()
     assert [s[:2] for s in streamed] == [w[:2] for w in whole]
-    assert all(tokens == 40 + i for i, (_, tokens, _) in enumerate(streamed))
+    assert all(tokens == 200 + i for i, (_, tokens, _) in enumerate(streamed))
     # fewer chunks than tokens: several tokens a chunk (role chunk, usage chunk and finish aside)
     assert sum(s[2] for s in streamed) < sum(s[1] for s in streamed)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_pacing_loses_nothing(tokenizer: Tokenizer, data: st.DataObject) -> None:
+    """Random steps over random streams (finishing at different steps, some stopping on a
+    string, cut characters included), under any frame budget, with readers that read whenever
+    they are woken: every reader gets exactly the text, ids and finish it gets unpaced."""
+    vocab = [tokenizer.encode(w)[0] for w in (" red", " green", " blue", " STOP", " é", "🤗")]
+    budget = data.draw(st.integers(0, 4), label="frames_per_step")
+    num = data.draw(st.integers(1, 8), label="streams")
+    plans = [
+        data.draw(st.lists(st.sampled_from(vocab), min_size=1, max_size=12), label=f"tokens {i}")
+        for i in range(num)
+    ]
+    asyncio.run(_paced_vs_unpaced(tokenizer, plans, budget))
+
+
+async def _paced_vs_unpaced(tokenizer: Tokenizer, plans: list[list[int]], budget: int) -> None:
+    results = []
+    for pacer in (FramePacer(0, 0.02), FramePacer(budget, 0.02)):
+        table = StreamTable(pacer)
+        streams = [
+            RequestStream(
+                f"r{i}",
+                3,
+                IncrementalDetokenizer(tokenizer),
+                (" STOP",),
+                frozenset(),
+                lambda _r: None,
+            )
+            for i in range(len(plans))
+        ]
+        for s in streams:
+            table.open(s)
+        readers = [asyncio.ensure_future(_read_all(s)) for s in streams]
+        for step in range(max(map(len, plans))):
+            deltas = [
+                TokenDelta(
+                    f"r{i}",
+                    (plan[step],),
+                    finish_reason=FinishReason.LENGTH if step == len(plan) - 1 else None,
+                    num_prompt_tokens=3,
+                    num_output_tokens=step + 1,
+                )
+                for i, plan in enumerate(plans)
+                if step < len(plan)
+            ]
+            table.deliver(deltas, "decode")
+            table.apply_aborts(lambda _rid: None)
+            await asyncio.sleep(0)  # readers run between steps, as on the loop
+        results.append(await asyncio.wait_for(asyncio.gather(*readers), timeout=5))
+    unpaced, paced = results
+    assert paced == unpaced
+
+
+async def _read_all(stream: RequestStream) -> tuple[str, tuple[int, ...], object, object]:
+    text, ids, last = "", (), None
+    async for out in stream:
+        text += out.text
+        ids += out.token_ids
+        last = out
+    assert last is not None
+    return text, ids, last.finish_reason, last.stop_reason
