@@ -45,7 +45,11 @@ class IncrementalDetokenizer:
         self.num_tokens += len(token_ids)
         if self._pieces is not None:
             pieces = self._pieces
-            return self._utf8.decode(b"".join([pieces[i] for i in token_ids]))
+            try:
+                data = b"".join([pieces[i] for i in token_ids])
+            except IndexError:  # an id past the vocabulary (a model's padded rows) reads as nothing
+                data = b"".join([pieces[i] if 0 <= i < len(pieces) else b"" for i in token_ids])
+            return self._utf8.decode(data)
         self._ids.extend(token_ids)
         if not token_ids:
             return ""

@@ -88,11 +88,15 @@ def test_byte_level_vocabulary_decodes_without_the_tokenizer(smollm_tokenizer: T
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_streams_of_any_ids_match_decode(smollm_tokenizer: Tokenizer, data: st.DataObject) -> None:
-    """Any ids (control tokens, bytes that are no UTF-8, cut characters), pushed in any runs,
-    concatenate to the one-shot decode, with and without control tokens skipped."""
+    """Any ids (control tokens, bytes that are no UTF-8, cut characters, ids past the
+    vocabulary), pushed in any runs, concatenate to the one-shot decode, with and without control
+    tokens skipped."""
     vocab = smollm_tokenizer.vocab_size
     special = sorted(smollm_tokenizer.special_token_ids)
-    token = st.one_of(st.integers(0, vocab - 1), st.sampled_from(special), st.integers(0, 511))
+    padded = st.integers(vocab, vocab + 100)  # a model's rows past the vocabulary
+    token = st.one_of(
+        st.integers(0, vocab - 1), st.sampled_from(special), st.integers(0, 511), padded
+    )
     ids = data.draw(st.lists(token, min_size=1, max_size=40))
     skip = data.draw(st.booleans())
     runs = data.draw(st.lists(st.integers(1, 5), min_size=len(ids), max_size=len(ids)))
