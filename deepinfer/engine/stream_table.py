@@ -97,9 +97,12 @@ class StreamTable:
         """Wake the readers whose oldest unread token is due, and arm a timer for the rest (a
         request that gets no further step soon is not held back)."""
         due = now - self._pacer.max_delay_s
-        for rid, since in list(self._deferred.items()):  # oldest first (insertion order)
+        overdue = []
+        for rid, since in self._deferred.items():  # oldest first (insertion order)
             if since > due:
                 break
+            overdue.append(rid)
+        for rid in overdue:
             self._wake_deferred(rid)
         if self._deferred and self._flush_timer is None:
             loop = asyncio.get_running_loop()

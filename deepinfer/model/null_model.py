@@ -6,12 +6,10 @@ costs next to nothing: no matrix, no attention, no KV written. Its logits put al
 token chosen from the input token and its position alone, among the vocabulary's plain lowercase
 words, so greedy output is deterministic, different for prompts that end differently or are of
 other lengths, and real text (a stream of words, each a single token, as the detokenizer sees
-real models' output). `null:PATH` takes
-another GGUF file's vocabulary instead.
+real models' output). `null:PATH` takes another GGUF file's vocabulary instead.
 
 Nothing here depends on the batch: a row's token is a function of its own input token and
-position, so
-the outputs of a request are the same whatever runs beside it.
+position, so the outputs of a request are the same whatever runs beside it.
 """
 
 from __future__ import annotations

@@ -24,15 +24,15 @@ def decode_chunk(request: Request, kv: KVCacheManager, draft: Draft = NO_DRAFT) 
     size = draft.size
     tables = kv.chunk_tables(request, start + 1 + size)
     return ScheduledChunk(
-        request,
-        start,
-        1 + size,
-        tables.block_ids,
-        True,
-        draft.token_ids,
-        draft.num_worker_tokens,
-        tables.window_block_ids,
-        tables.cached_until,
+        request=request,
+        start_position=start,
+        num_new_tokens=1 + size,
+        block_ids=tables.block_ids,
+        sample=True,
+        draft_token_ids=draft.token_ids,
+        num_worker_drafts=draft.num_worker_tokens,
+        window_block_ids=tables.window_block_ids,
+        cached_until=tables.cached_until,
     )
 
 
