@@ -11,7 +11,6 @@ from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import ScheduledChunk
-from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import take_tokens
 
 NO_DRAFT = Draft()
@@ -92,16 +91,3 @@ def apply_sampling(
     request.num_computed_tokens = chunk.end_position - chunk.num_drafts + len(taken) - 1
     kv.cache_blocks(request)
     return taken, reason
-
-
-def apply_decode(
-    chunk: ScheduledChunk, sampled: SampledToken, kv: KVCacheManager, max_model_len: int
-) -> FinishReason | None:
-    """`apply_sampling` of a decode without drafts (no drafter in the engine): its one token
-    appended, the computed prefix advanced past its input token, full blocks cached."""
-    request = chunk.request
-    request.output_token_ids.append(sampled.token_id)
-    reason = check_finished(request, max_model_len)
-    request.num_computed_tokens = chunk.start_position + 1
-    kv.cache_blocks(request)
-    return reason

@@ -30,11 +30,11 @@ from collections import deque
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
-from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
+from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
-from deepinfer.scheduler.decode_lane import apply_decode, apply_sampling, plan_decodes
+from deepinfer.scheduler.decode_lane import apply_sampling, plan_decodes
 from deepinfer.scheduler.disagg_integrity import check_disagg_integrity
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
@@ -266,19 +266,11 @@ class DisaggScheduler:
         self._pop_in_flight(StepKind.DECODE, so)
         if self.drafter is not None:
             self.drafter.observe_step(so, out)
-        aborted = self._deferred_aborts
-        if self.drafter is None:  # plain decodes: one token each
-            deltas = [
-                self._decoded(chunk, out.sampled[chunk.request.request_id])
-                for chunk in so.chunks
-                if chunk.request.request_id not in aborted
-            ]
-        else:
-            deltas = [
-                self._sampled(chunk, out, self.decode_kv)
-                for chunk in so.chunks
-                if chunk.request_id not in aborted
-            ]
+        deltas = [
+            self._sampled(chunk, out, self.decode_kv)
+            for chunk in so.chunks
+            if chunk.request_id not in self._deferred_aborts
+        ]
         if any(r.is_finished for r in self.decoding):
             self.decoding = [r for r in self.decoding if not r.is_finished]
         self._apply_deferred_aborts(so)
@@ -321,13 +313,6 @@ class DisaggScheduler:
         if reason is not None:
             self._finish(request, reason)
         return token_delta(request, taken, reason)
-
-    def _decoded(self, chunk: ScheduledChunk, sampled: SampledToken) -> TokenDelta:
-        """`_sampled` of a decode without drafts."""
-        reason = apply_decode(chunk, sampled, self.decode_kv, self.max_model_len)
-        if reason is not None:
-            self._finish(chunk.request, reason)
-        return token_delta(chunk.request, (sampled,), reason)
 
     def _apply_deferred_aborts(self, so: ScheduleOutput) -> None:
         for rid in so_ids(so) & self._deferred_aborts:
