@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from deepinfer.cache.block_hash import BlockHash, block_hashes_for, seed_bytes
 from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.block_tables import BlockTables, HeldBlocks
 from deepinfer.cache.claims import PromptClaims
 from deepinfer.cache.free_queue import Block, require
 from deepinfer.cache.usage import CacheUsage, ChunkTables
@@ -55,9 +56,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._seed = seed_bytes(hash_seed)
-        self._blocks: dict[str, list[Block]] = {}
-        self._block_ids: dict[str, tuple[list[Block], tuple[int, ...]]] = {}
-        """`block_ids` as last made, with the list it was made from."""
+        self._blocks = BlockTables()
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
         """Leading blocks of each request already offered to the cache map."""
@@ -67,8 +66,7 @@ class KVCacheManager:
         """When set (a lower tier is attached), newly registered blocks are recorded for it."""
         self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
         self._new_windows: list[tuple[list[tuple[int, BlockHash]], str | None]] = []
-        self._reserved: dict[int, list[Block]] = {}
-        self._next_reservation = 0
+        self._held = HeldBlocks(self.pool)
         self._claims = PromptClaims()
         self.window = (
             WindowGroup(window, num_window_blocks, block_size, enable_prefix_caching)
@@ -142,7 +140,7 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, hit_blocks: Sequence[Block]
     ) -> tuple[int, int]:
         """(blocks to allocate, free blocks they may come from) for this allocation."""
-        held = self._blocks.get(request.request_id, [])
+        held = self._blocks.get(request.request_id) or []
         assert not (held and hit_blocks), "prefix hits are only taken on admission"
         if hit_blocks:
             start = self._starts.get(request.request_id, len(hit_blocks) * self.block_size)
@@ -191,7 +189,7 @@ class KVCacheManager:
                 self.num_query_tokens += request.num_tokens
                 self.num_hit_tokens += start
             self._admit_window(rid, start, hit_end)
-        table = self._blocks.setdefault(rid, [])
+        table = self._blocks.table(rid)
         if hit_blocks:
             self.pool.touch(hit_blocks)
             table.extend(hit_blocks)
@@ -316,38 +314,25 @@ class KVCacheManager:
         the pool cannot spare them (keep a margin for running requests)."""
         if not self.enable_prefix_caching or num_blocks > self.pool.num_free_blocks // 2:
             return None
-        blocks = self.pool.allocate(num_blocks)
-        self._next_reservation += 1
-        self._reserved[self._next_reservation] = blocks
-        return self._next_reservation, [b.block_id for b in blocks]
+        return self._held.reserve(num_blocks)
 
     def commit_reserved(self, reservation: int, block_hashes: Sequence[BlockHash]) -> int:
         """Register the first `len(block_hashes)` reserved blocks (their KV is now filled) and
         release them all to the free queue, cached. Returns how many were registered."""
-        blocks = self._reserved.pop(reservation)
-        registered = 0
-        for block, block_hash in zip(blocks, block_hashes, strict=False):
-            registered += self.pool.cache_block(block, block_hash)
-        self.pool.free(blocks)
-        return registered
+        return self._held.commit(reservation, block_hashes)
 
     def pin_blocks(self, block_ids: Sequence[int]) -> int:
         """Hold blocks so they are not handed out while a lower tier copies them (a request
         holding them may finish meanwhile). Returns the pin for `unpin_blocks`."""
-        blocks = [self.pool.blocks[i] for i in block_ids]
-        self.pool.touch(blocks)
-        self._next_reservation += 1
-        self._reserved[self._next_reservation] = blocks
-        return self._next_reservation
+        return self._held.pin(block_ids)
 
     def unpin_blocks(self, pin: int) -> None:
-        self.pool.free(self._reserved.pop(pin))
+        self._held.release(pin)
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (finish, abort, preemption). Idempotent."""
         rid = request.request_id
-        table = self._blocks.pop(rid, None)
-        self._block_ids.pop(rid, None)
+        table = self._blocks.pop(rid)
         if table is not None:
             self.pool.free(table)
         self._hashes.pop(rid, None)
@@ -367,20 +352,10 @@ class KVCacheManager:
         return dropped
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        """The request's block table as ids (made again only when the table grew: tables are
-        append-only lists, and a freed request's list is never reused)."""
-        table = self._blocks.get(request_id)
-        if table is None:
-            return ()
-        known = self._block_ids.get(request_id)
-        if known is not None and known[0] is table and len(known[1]) == len(table):
-            return known[1]
-        ids = tuple(b.block_id for b in table)
-        self._block_ids[request_id] = (table, ids)
-        return ids
+        return self._blocks.ids(request_id)
 
     def num_blocks_of(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ()))
+        return len(self._blocks.get(request_id) or ())
 
     def usage(self) -> CacheUsage:
         pool = self.pool
@@ -410,13 +385,9 @@ class KVCacheManager:
         """Pool invariants, plus: each block's ref count equals the number of tables holding it,
         no table holds a block twice, and registered blocks carry their request's hash."""
         self.pool.check_integrity()
-        for rid, (table, ids) in self._block_ids.items():
-            assert self._blocks.get(rid) is table, f"{rid}: block ids kept for a freed table"
-            assert ids == tuple(b.block_id for b in table[: len(ids)]), f"{rid}: stale block ids"
+        self._blocks.check_integrity()
         holders = [0] * self.pool.num_blocks
-        for reserved in self._reserved.values():
-            for block in reserved:
-                holders[block.block_id] += 1
+        self._held.count(holders)
         for rid, table in self._blocks.items():
             require(len({id(b) for b in table}) == len(table), f"{rid} holds a block twice")
             for block in table:
@@ -432,10 +403,16 @@ class KVCacheManager:
                 f"{holders[block.block_id]} holders",
             )
         require(
-            set(self._num_registered) <= set(self._blocks), "registration state of a freed request"
+            set(self._num_registered) <= self._blocks.request_ids(),
+            "registration state of a freed request",
         )
-        self._claims.check_integrity(set(self._blocks))
+        self._claims.check_integrity(self._blocks.request_ids())
         if self.window is not None:
             self.window.check_integrity()
-            require(self.window.request_ids() <= set(self._blocks), "a window of a freed request")
-        require(set(self._cached_until) <= set(self._blocks), "replay state of a freed request")
+            require(
+                self.window.request_ids() <= self._blocks.request_ids(),
+                "a window of a freed request",
+            )
+        require(
+            set(self._cached_until) <= self._blocks.request_ids(), "replay state of a freed request"
+        )
