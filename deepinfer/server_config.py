@@ -45,6 +45,9 @@ class ServerConfig:
     """Name reported by /v1/models; None: the model file's stem."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Bounds on one request's size and work."""
+    web: bool = True
+    """Serve the web pages: a chat playground at `/` and a live dashboard at `/dashboard`
+    (static files; they call the API with the key the user types)."""
     header_timeout_s: float = 10.0
     """A connection that has not sent a whole request head this long after it opened (or after
     its previous response) is closed; bytes trickling in do not extend it."""

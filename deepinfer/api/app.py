@@ -9,6 +9,7 @@ lifespan does not run a mounted app's), the host starts the engine, e.g. with
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -30,8 +31,10 @@ from deepinfer.api.context import ApiContext
 from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.api.openai_routes import openai_routes
+from deepinfer.api.pages import page_routes
 from deepinfer.api.protocol import EngineClient
 from deepinfer.api.responses_routes import responses_routes
+from deepinfer.api.stats_routes import stats_routes
 from deepinfer.api.token_routes import token_routes
 from deepinfer.config import DiskCacheConfig
 from deepinfer.server_config import ServerConfig
@@ -65,8 +68,11 @@ def create_app(
     disk_cache: DiskCacheConfig | None = None,
 ) -> Starlette:
     """The API over `engine`. `app.state.metrics` holds this app's metrics (own registry).
+    `app.state.closing` (an asyncio.Event) ends the endless streams (`/v1/stats/stream`) when
+    set: the server sets it as its graceful shutdown begins, so only requests are waited for.
     `disk_cache` says how long stored Responses live per retention class (None: the defaults)."""
     config = config or ServerConfig()
+    closing = asyncio.Event()
     metrics = ApiMetrics(engine)
     _observe_steps(engine, metrics)
     ctx = ApiContext(
@@ -92,7 +98,7 @@ def create_app(
         Middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s),
     ]
     if config.api_key:
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key, pages=config.web))
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -101,6 +107,8 @@ def create_app(
             *anthropic_routes(ctx),
             *responses_routes(ctx, disk_cache or DiskCacheConfig()),
             *token_routes(ctx),
+            *stats_routes(ctx, closing),
+            *(page_routes() if config.web else ()),
         ],
         middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
@@ -111,6 +119,7 @@ def create_app(
     app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.closing = closing
     return app
 
 

@@ -1,5 +1,6 @@
 """Optional API key: `Authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant
-time. /health stays open so that orchestrators can probe the server."""
+time. /health stays open so that orchestrators can probe the server, and the web pages (static files
+without data, which call the API with the key) are served to anyone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
+from deepinfer.api.pages import is_page_path
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -30,12 +32,17 @@ def presented_key(headers: Headers) -> str | None:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, pages: bool = False) -> None:
         self.app = app
         self._key = api_key.encode()
+        self._pages = pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        if path in OPEN_PATHS or (self._pages and is_page_path(path)):
             await self.app(scope, receive, send)
             return
         key = presented_key(Headers(scope=scope))
@@ -47,4 +54,4 @@ class ApiKeyMiddleware:
             "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key`",
             code="invalid_api_key",
         )
-        await error_response_for(route_path(scope), err)(scope, receive, send)
+        await error_response_for(path, err)(scope, receive, send)

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepinfer.api.live_stats import LiveStats
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.worker_metrics import worker_metrics
 from deepinfer.cache.disk.tier import DiskTierStats
@@ -215,10 +216,13 @@ class ApiMetrics:
             ["worker"], buckets=_STEP_BUCKETS_S, registry=r,
         )  # fmt: skip
         r.register(_EngineCollector(engine))
+        self.live = LiveStats()
+        """Totals and recent samples for `GET /v1/stats`."""
 
     def observe_step(self, elapsed_s: float, worker: str = "mixed") -> None:
         """Hook for the engine: call once per step with its duration and worker."""
         self.step_time.labels(worker=worker).observe(elapsed_s)
+        self.live.on_step(worker, elapsed_s)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -261,18 +265,23 @@ class _TrackedStream:
 
     async def _timed(self) -> AsyncGenerator[GenerationOutput, None]:
         m, arrival_s = self._metrics, self._arrival_s
+        live = m.live
         last_s = arrival_s
         usage: Usage | None = None
         try:
             async for out in self._stream:
                 now = time.monotonic()
+                if usage is None:
+                    live.on_prompt(out.usage)
                 if out.token_ids:
                     if last_s == arrival_s:
                         m.ttft.observe(now - arrival_s)
+                        live.on_first_tokens(len(out.token_ids), now - arrival_s)
                     else:
                         gap = (now - last_s) / len(out.token_ids)
                         for _ in out.token_ids:
                             m.itl.observe(gap)
+                        live.on_tokens(len(out.token_ids), gap)
                     last_s = now
                 usage = out.usage
                 yield out

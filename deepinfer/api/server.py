@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 
 import uvicorn
 
@@ -34,8 +35,21 @@ async def serve_async(config: Config) -> None:
 
     engine = AsyncEngine(config)
     app = create_app(engine, config.server, disk_cache=config.disk_cache)
-    server = uvicorn.Server(uvicorn_config(app, config))
+    server = _Server(uvicorn_config(app, config), app.state.closing)
     await server.serve()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when its graceful shutdown begins (`closing`), so the
+    endless streams end at once instead of holding the shutdown to its timeout."""
+
+    def __init__(self, config: uvicorn.Config, closing: asyncio.Event) -> None:
+        super().__init__(config)
+        self._closing = closing
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._closing.set()
+        await super().shutdown(sockets)
 
 
 def uvicorn_config(app: object, config: Config) -> uvicorn.Config:

@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
+from deepinfer.cache.disk.summary import DiskSummary
 from deepinfer.config import Config
 from deepinfer.engine.admission import check_admissible, check_sampling_inputs
 from deepinfer.engine.core import EngineCore, RuntimeInfo
@@ -183,6 +184,12 @@ class AsyncEngine:
             prefill_counts=core.scheduler.prefill_counts(),
             speculative=core.scheduler.speculative_counts(),
         )
+
+    async def disk_summary(self) -> DiskSummary | None:
+        """The disk tier's contents per retention class (a scan of its index, in a worker
+        thread: call it now and then, not per request); None without a disk tier."""
+        disk = self.core.disk
+        return None if disk is None else await asyncio.to_thread(disk.summary)
 
     def check_integrity(self) -> None:
         self.core.check_integrity()

@@ -41,6 +41,7 @@ from deepinfer.cache.disk.keeper import StoreKeeper
 from deepinfer.cache.disk.records import check_hash
 from deepinfer.cache.disk.stats import Counters, DiskTierStats, make_stats
 from deepinfer.cache.disk.store import DiskStore, LoadResult, PendingWrite, SweepResult
+from deepinfer.cache.disk.summary import ClassSummary, DiskSummary, summarize
 from deepinfer.cache.disk.write_queue import Pending, PendingHeal, PendingTouch, WriteQueue
 
 logger = logging.getLogger(__name__)
@@ -304,6 +305,20 @@ class DiskTier:
             self._counts.snapshot(), num_blocks, live, disk, self._queue.pending_bytes,
             self.degraded, readonly=store is not None and store.readonly,
         )  # fmt: skip
+
+    def summary(self) -> DiskSummary:
+        """Blocks, tokens, bytes and expiry per retention class, and the segment count: a scan of
+        the whole index (blocking, O(entries): call it from a worker thread, now and then).
+        Degraded: every class empty."""
+        retention_s = self.config.retention_s
+        with self._keeper.slot.use() as store:
+            try:
+                if store is not None:
+                    return summarize(store.index, retention_s, self.config.max_bytes)
+            except Exception as exc:
+                self._keeper.fail("disk cache index read failed", exc)
+        empty = tuple(ClassSummary(name, ttl) for name, ttl in retention_s)
+        return DiskSummary(empty, 0, self.config.max_bytes)
 
     def verify_all(self) -> int:
         """Read and verify every indexed record, with writing paused (O(data): for tests and
