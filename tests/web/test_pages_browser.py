@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from fake_engine import FakeEngine
 from live_server import LiveServer
@@ -206,3 +207,30 @@ def test_pages_ask_for_the_key_then_work(page: Any, keyed_server: LiveServer) ->
     assert not dialog.is_visible()
     # every 401 the pages met was the first, keyless one
     assert page.errors.allowing("401") == []
+
+
+@pytest.mark.slow
+def test_chat_with_the_real_model(page: Any, real_server: LiveServer) -> None:
+    """SmolLM2 through the page: the answer kept in local storage is the one the official client
+    gets for the same conversation (greedy), and the second turn reads the first from cache."""
+    page.goto(real_server.url + "/")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "16")
+    question = "Name three colours of the rainbow."
+    send(page, question)
+    first = answer_stats(page, 0)
+    stored = page.evaluate(
+        "JSON.parse(localStorage.getItem("
+        "'deepinfer.chat.conversation.' + localStorage.getItem('deepinfer.chat.current')))"
+    )
+    shown = stored["messages"][-1]["content"]
+    client = openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="none")
+    expected = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": question}], max_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert shown == expected.choices[0].message.content and shown.strip()
+    send(page, "And three animals?")
+    second = answer_stats(page, 1)
+    assert second["cached"] >= first["prompt-tokens"] - 16  # the first turn, but a part block
+    assert page.errors.messages == []
