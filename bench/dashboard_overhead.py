@@ -1,7 +1,8 @@
 """What an open dashboard costs serving: the same streaming load with and without `/dashboard`
 open in headless Chromium (its stats stream ticking every second), measured in turn.
 
-The load is `serving_path.py`'s lean client (its own process: raw asyncio streams, SSE counted
+One headless Chromium lives through the whole run, showing a blank page or the dashboard, so
+both conditions share its processes. The load is `serving_path.py`'s lean client (its own process: raw asyncio streams, SSE counted
 as it arrives) at `--clients` concurrent streams. Reported per condition, medians over
 `--repeats` alternated runs: tokens/s streamed and the server process's CPU time per token (what
 the page makes the server pay, free of the browser's own rendering, which shares this machine);
@@ -49,19 +50,27 @@ def start_server(port: int, model: str | None, max_num_seqs: int) -> subprocess.
 
 
 @contextlib.contextmanager
-def dashboard(port: int, chromium: str) -> Iterator[Any]:
-    """/dashboard open in headless Chromium, live (its stats stream delivering) until exit."""
+def browser_page(chromium: str) -> Iterator[Any]:
+    """A headless Chromium page, alive for the whole run (so both conditions share its
+    processes: only whether it shows the dashboard differs)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        page.goto(f"http://127.0.0.1:{port}/dashboard")
-        page.wait_for_selector("#running[data-value]", timeout=30_000)
         try:
-            yield page
+            yield browser.new_page(viewport={"width": 1440, "height": 900})
         finally:
             browser.close()
+
+
+def show(page: Any, url: str | None) -> None:
+    """The dashboard at `url`, live; or (None) a blank page, the stream closed."""
+    if url is None:
+        page.goto("about:blank")
+    else:
+        page.goto(url)
+        page.wait_for_selector("#stream-status[data-state=live]", timeout=30_000)
+    time.sleep(3)  # settle: the first snapshots drawn, or the closed stream gone
 
 
 def measure(
@@ -87,10 +96,11 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float]]] = {"without": [], "with dashboard": []}
     try:
         run_client(port, 4, 1, 16)  # warm up
-        for _ in range(ns.repeats):
-            runs["without"].append(measure(server, port, ns))
-            with dashboard(port, ns.chromium):
-                time.sleep(2)  # the page's first snapshots and charts
+        with browser_page(ns.chromium) as page:
+            for _ in range(ns.repeats):
+                show(page, None)
+                runs["without"].append(measure(server, port, ns))
+                show(page, f"http://127.0.0.1:{port}/dashboard")
                 runs["with dashboard"].append(measure(server, port, ns))
     finally:
         server.terminate()
