@@ -5,7 +5,10 @@ and shipped in the package (every file a page names is served)."""
 from __future__ import annotations
 
 import re
+import tomllib
 from collections.abc import Iterator
+from fnmatch import fnmatch
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,6 +66,18 @@ def test_every_file_a_page_names_is_served_and_cacheable(keyed_server: LiveServe
     missing = httpx.get(f"{keyed_server.url}/static/nope.js")
     assert missing.status_code == 404 and "error" in missing.json()
     assert httpx.get(f"{keyed_server.url}/static/..%2Fpages.py").status_code == 404
+
+
+def test_every_web_file_ships_in_the_wheel() -> None:
+    """pyproject's package data names every file of the web folder (the wheel carries them)."""
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["deepinfer.api"]
+    web = root / "deepinfer" / "api" / "web"
+    names = [f"web/{p.name}" for p in web.iterdir() if p.is_file()]
+    assert names and all(any(fnmatch(n, pat) for pat in patterns) for n in names), names
+    assert {n.removeprefix("web/") for n in names} == set(load_static())
 
 
 def test_no_web_serves_no_pages() -> None:
