@@ -6,6 +6,7 @@ violation."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -234,3 +235,49 @@ def test_chat_with_the_real_model(page: Any, real_server: LiveServer) -> None:
     second = answer_stats(page, 1)
     assert second["cached"] >= first["prompt-tokens"] - 16  # the first turn, but a part block
     assert page.errors.messages == []
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tool_calls_are_shown(page: Any, null_server: LiveServer) -> None:
+    page.goto(null_server.url + "/")
+    page.click("#new-chat")
+    page.fill("#tools", json.dumps([WEATHER_TOOL]))
+    page.select_option("#tool-choice", "required")
+    page.fill("#max-tokens", "64")
+    send(page, "What is the weather in Paris?")
+    answer_stats(page, 0)
+    call = page.locator(".message.assistant .tool-call").first
+    assert call.locator(".tool-name").inner_text().strip() == "get_weather"
+    arguments = json.loads(call.locator("pre.tool-args").inner_text())
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    assert page.errors.messages == []
+
+
+def test_json_answers_are_pretty_printed(page: Any, fake_server: LiveServer) -> None:
+    engine = fake_server.config.app.state.engine
+    engine.reply = '{"city": "Paris", "days": [1, 2]}'
+    try:
+        page.goto(fake_server.url + "/")
+        page.select_option("#response-format", "json_object")
+        send(page, "Plan a trip as JSON.")
+        answer_stats(page, 0)
+        code = page.locator(".message.assistant .content pre code").inner_text()
+        assert json.loads(code) == {"city": "Paris", "days": [1, 2]}
+        assert code.count("\n") >= 3  # indented, one member a line
+        assert page.errors.messages == []
+    finally:
+        engine.reply = type(engine)().reply

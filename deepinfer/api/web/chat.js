@@ -22,6 +22,7 @@ const FIELDS = [
   { id: "retention", key: "retention", value: "" },
   { id: "response-format", key: "response_format", value: "text" },
   { id: "tools", key: "tools", value: "" },
+  { id: "tool-choice", key: "tool_choice", value: "" },
 ];
 
 const $ = (id) => document.getElementById(id);
@@ -236,6 +237,7 @@ function requestBody(c) {
     response_format: s.response_format === "json_object" ? { type: "json_object" } : undefined,
     tools: parseTools(s.tools),
   };
+  if (fields.tools) fields.tool_choice = s.tool_choice || undefined;
   for (const [name, value] of Object.entries(fields)) if (value !== undefined) body[name] = value;
   return body;
 }
