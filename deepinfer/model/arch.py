@@ -3,8 +3,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from deepinfer.errors import ModelLoadError
+
+Routing = Literal["softmax_topk", "topk_softmax"]
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """The Mixture-of-Experts FFN of a model's sparse layers: a router picks `top_k` of
+    `num_experts` gated-SiLU experts per token and sums their outputs weighted by its gates
+    (plus, in Qwen2-MoE, a shared expert every token passes through, sigmoid-gated)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    routing: Routing = "softmax_topk"
+    """`softmax_topk`: softmax over every expert's logit (float32), then the top k
+    (Mixtral, Qwen-MoE); `topk_softmax`: the top k logits, then a softmax over them alone."""
+    renormalize: bool = True
+    """The top k gates are divided by their sum (Mixtral; Qwen's `norm_topk_prob`)."""
+    routed_scaling: float = 1.0
+    """Factor on every routed gate (DeepSeek's `routed_scaling_factor`)."""
+    shared_intermediate_size: int = 0
+    """Width of the shared expert (0: none)."""
+    shared_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(a learned linear of the input)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers with a plain FFN of `ModelArch.intermediate_size` instead."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts or self.expert_intermediate_size < 1:
+            raise ModelLoadError(
+                f"invalid MoE metadata: top_k={self.top_k} of {self.num_experts} experts of "
+                f"width {self.expert_intermediate_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -16,7 +50,7 @@ class ModelArch:
     """
 
     architecture: str
-    """Registry key: `llama`, `qwen2`, `qwen3`, `gemma3`."""
+    """Registry key: `llama`, `qwen2`, `qwen3`, `gemma3`, `mixtral`, `qwen2_moe`, `qwen3_moe`."""
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -41,6 +75,8 @@ class ModelArch:
     """RoPE base of the windowed layers (None: `rope_theta`, as the full layers)."""
     query_scale: float | None = None
     """Attention logits' scale (None: 1 / sqrt(head_dim))."""
+    moe: MoEArch | None = None
+    """The experts of the sparse layers (None: every layer has a dense FFN)."""
 
     def __post_init__(self) -> None:
         sizes = {
@@ -70,6 +106,10 @@ class ModelArch:
                 f"invalid model metadata: {len(self.layer_windows)} layer windows for "
                 f"{self.num_layers} layers (each 0 for full attention or a window >= 1)"
             )
+
+    def sparse(self, layer: int) -> bool:
+        """Layer `layer`'s FFN is a Mixture of Experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it attends the whole context."""

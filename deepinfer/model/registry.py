@@ -18,6 +18,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "qwen3": "deepinfer.model.llama:LlamaForCausalLM",
     # Sliding-window layers, four norms a layer, scaled embeddings, gelu-tanh FFN.
     "gemma3": "deepinfer.model.gemma3:Gemma3ForCausalLM",
+    # Mixture of Experts: a router and experts in place of the FFN of the sparse layers.
+    "mixtral": "deepinfer.model.moe:MoEForCausalLM",
+    "qwen2_moe": "deepinfer.model.moe:MoEForCausalLM",
+    "qwen3_moe": "deepinfer.model.moe:MoEForCausalLM",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.arch import ModelArch
+from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.registry import check_architecture
 
 # Buffers some older checkpoints save; recomputed by the model.
@@ -43,6 +43,8 @@ def _rope(config: dict[str, Any]) -> float:
 
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 """Hugging Face model types served under another registry key."""
+_QKV_BIAS = ("qwen2", "qwen2_moe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _gemma3(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -81,6 +83,50 @@ def _gemma3(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     }
 
 
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.experts.", ".mlp.experts."),
+    (".block_sparse_moe.gate.", ".mlp.gate."),
+)
+_MIXTRAL_EXPERT = {".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
+                   ".w2.weight": ".down_proj.weight"}  # fmt: skip
+
+
+def canonical_name(name: str, model_type: str) -> str:
+    """A checkpoint tensor's canonical name (Mixtral's experts and router under Qwen-MoE's)."""
+    if model_type == "mixtral" and ".block_sparse_moe." in name:
+        for theirs, ours in _MIXTRAL_NAMES:
+            name = name.replace(theirs, ours)
+        for theirs, ours in _MIXTRAL_EXPERT.items():
+            if ".mlp.experts." in name and name.endswith(theirs):
+                name = name.removesuffix(theirs) + ours
+    return name
+
+
+def _moe(config: dict[str, Any], name: str, num_layers: int) -> MoEArch:
+    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config."""
+    # Qwen's own configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
+    num_experts = int(config.get("num_experts") or config["num_local_experts"])
+    if name == "mixtral":
+        return MoEArch(
+            num_experts=num_experts,
+            top_k=int(config["num_experts_per_tok"]),
+            expert_intermediate_size=int(config["intermediate_size"]),
+        )
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return MoEArch(
+        num_experts=num_experts,
+        top_k=int(config["num_experts_per_tok"]),
+        expert_intermediate_size=int(config["moe_intermediate_size"]),
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+        shared_gate=shared > 0,
+        dense_layers=dense,
+    )
+
+
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
     """The full-attention layers' RoPE parameters (transformers 5 nests them per layer type)."""
     params = config.get("rope_parameters") or {}
@@ -88,21 +134,25 @@ def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
-    """The architecture of a Hugging Face config (llama, qwen2, qwen3, gemma3_text)."""
+    """The architecture of a Hugging Face config (llama, qwen2, qwen3, gemma3_text, mixtral,
+    qwen2_moe, qwen3_moe)."""
     model_type = str(config.get("model_type", "<missing model_type>"))
     name = _MODEL_TYPES.get(model_type, model_type)
     check_architecture(name)
     unsupported = [key for key in ("mlp_bias", "use_sliding_window") if config.get(key)]
-    if config.get("attention_bias") and name != "qwen2":
+    if name == "mixtral" and config.get("sliding_window"):
+        unsupported.append("sliding_window")
+    if config.get("attention_bias") and name not in _QKV_BIAS:
         unsupported.append("attention_bias (output projection bias)")
     if unsupported:
         raise ModelLoadError(f"unsupported {name} config options: {', '.join(unsupported)}")
     try:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        num_layers = int(config["num_hidden_layers"])
         return ModelArch(
             architecture=name,
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
             num_heads=num_heads,
@@ -113,9 +163,10 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             rms_norm_eps=float(config["rms_norm_eps"]),
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings")) or not has_lm_head,
-            qkv_bias=name == "qwen2",
-            qk_norm=name in ("qwen3", "gemma3"),
-            **(_gemma3(config, int(config["num_hidden_layers"])) if name == "gemma3" else {}),
+            qkv_bias=name in _QKV_BIAS,
+            qk_norm=name in ("qwen3", "qwen3_moe", "gemma3"),
+            moe=_moe(config, name, num_layers) if name in _MOE else None,
+            **(_gemma3(config, num_layers) if name == "gemma3" else {}),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks the key {exc.args[0]!r}") from exc
@@ -125,7 +176,7 @@ class SafetensorsSource:
     """`TensorSource` over the *.safetensors files of a directory (memory-mapped by safetensors).
     With `norm_offset`, every norm weight w loads as 1 + w (Gemma stores the offset from 1)."""
 
-    def __init__(self, directory: Path, norm_offset: bool = False) -> None:
+    def __init__(self, directory: Path, norm_offset: bool = False, model_type: str = "") -> None:
         self.norm_offset = norm_offset
         self.files = sorted(directory.glob("*.safetensors"))
         if not self.files:
@@ -139,7 +190,10 @@ class SafetensorsSource:
                 raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
             self._handles[path.name] = handle
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                self._file_of[key.removeprefix("model.")] = (handle, key)
+                self._file_of[canonical_name(key.removeprefix("model."), model_type)] = (
+                    handle,
+                    key,
+                )
 
     def names(self) -> set[str]:
         return {n for n in self._file_of if not n.endswith(IGNORED_SUFFIXES)}
@@ -157,7 +211,8 @@ class SafetensorsSource:
 
 def open_safetensors_dir(directory: Path) -> tuple[ModelArch, SafetensorsSource]:
     config = _read_config(directory)
-    gemma = _MODEL_TYPES.get(str(config.get("model_type"))) == "gemma3"
-    source = SafetensorsSource(directory, norm_offset=gemma)
+    model_type = str(config.get("model_type"))
+    gemma = _MODEL_TYPES.get(model_type) == "gemma3"
+    source = SafetensorsSource(directory, norm_offset=gemma, model_type=model_type)
     arch = hf_arch(config, has_lm_head="lm_head.weight" in source.names())
     return arch, source

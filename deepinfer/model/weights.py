@@ -2,7 +2,9 @@
 
 Canonical names are Hugging Face's Llama names without the `model.` prefix
 (`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`;
-Gemma 3 adds `pre_feedforward_layernorm` and `post_feedforward_layernorm`). Loaders map their
+Gemma 3 adds `pre_feedforward_layernorm` and `post_feedforward_layernorm`; a Mixture-of-Experts
+layer has Qwen-MoE's `mlp.gate` (the router), `mlp.experts.j.{gate,up,down}_proj` and
+`mlp.shared_expert.*`, `mlp.shared_expert_gate`). Loaders map their
 own names to these and hand over one tensor at a time, in the Hugging Face (rotate-half RoPE)
 layout, norm weights as the factor they multiply by (Gemma's checkpoints store w for 1 + w:
 their loader adds the 1, as llama.cpp's converter does).
@@ -16,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.arch import ModelArch
+from deepinfer.model.arch import ModelArch, MoEArch
 
 StateDict = dict[str, torch.Tensor]
 
@@ -87,7 +89,11 @@ def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
     attn = src + "self_attn."
     state = {ours: take(theirs) for ours, theirs in norm_sources(arch, i).items()}
     for module, names in linear_sources(i).items():
+        if arch.sparse(i) and ".mlp." in module:
+            continue
         state[module + ".weight"] = take(*names)
+    if arch.moe is not None and arch.sparse(i):
+        state.update(_expert_state(arch.moe, take, i))
     if arch.qkv_bias:
         state[dst + "self_attn.qkv_proj.bias"] = take(
             attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"
@@ -95,6 +101,29 @@ def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
     if arch.qk_norm:
         state[dst + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
         state[dst + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
+    return state
+
+
+def _expert_state(moe: MoEArch, take: _Taker, i: int) -> StateDict:
+    """A sparse layer's router, experts stacked as [E, 2I, D] and [E, D, I], and shared expert.
+    Canonical names are Qwen-MoE's (`mlp.gate` is the router, `mlp.experts.j.*_proj`)."""
+    mlp = f"layers.{i}.mlp."
+    experts = [f"{mlp}experts.{j}." for j in range(moe.num_experts)]
+    state = {
+        mlp + "router.weight": take(mlp + "gate.weight"),
+        mlp + "w_gate_up": torch.stack(
+            [take(e + "gate_proj.weight", e + "up_proj.weight") for e in experts]
+        ),
+        mlp + "w_down": torch.stack([take(e + "down_proj.weight") for e in experts]),
+    }
+    if moe.shared_intermediate_size:
+        shared = mlp + "shared_expert."
+        state[mlp + "shared.gate_up_proj.weight"] = take(
+            shared + "gate_proj.weight", shared + "up_proj.weight"
+        )
+        state[mlp + "shared.down_proj.weight"] = take(shared + "down_proj.weight")
+        if moe.shared_gate:
+            state[mlp + "shared.gate.weight"] = take(mlp + "shared_expert_gate.weight")
     return state
 
 

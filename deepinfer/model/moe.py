@@ -1,0 +1,79 @@
+"""Mixture-of-Experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): the Llama-family decoder whose
+sparse layers replace the FFN with a router and experts (`ModelArch.moe`); attention, norms,
+embeddings and the paged caches are the Llama model's.
+
+Expert weights are stacked per layer, `w_gate_up` [E, 2I, D] (rows [gate; up], as the dense
+`gate_up_proj`) and `w_down` [E, D, I]; a step multiplies each expert's tokens once
+(`kernels/moe_torch.grouped_experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.kernels.llama_layers_cpu import LayerWeights
+from deepinfer.kernels.moe_torch import grouped_experts, route
+from deepinfer.model.arch import ModelArch, MoEArch
+from deepinfer.model.attention import AttentionBackend
+from deepinfer.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+
+class SharedExpert(LlamaMLP):
+    """Qwen2-MoE's expert every token passes through, scaled by sigmoid(gate(h)) when gated."""
+
+    def __init__(self, arch: ModelArch, moe: MoEArch) -> None:
+        nn.Module.__init__(self)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * moe.shared_intermediate_size, bias=False)
+        self.down_proj = Linear(moe.shared_intermediate_size, arch.hidden_size, bias=False)
+        self.gate = Linear(arch.hidden_size, 1, bias=False) if moe.shared_gate else None
+
+    def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:
+        out = super().forward(h, ops)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(h))
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, arch: ModelArch, moe: MoEArch) -> None:
+        super().__init__()
+        self.moe = moe
+        d, i, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
+        self.router = Linear(d, e, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
+        self.shared = SharedExpert(arch, moe) if moe.shared_intermediate_size else None
+
+    def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:  # [T, D]
+        m = self.moe
+        gates, experts = route(
+            self.router(h), m.top_k, m.routing, m.renormalize, m.routed_scaling
+        )  # [T, k] each
+        out = grouped_experts(h, experts, gates, self.w_gate_up, self.w_down, ops.silu_mul)
+        if self.shared is not None:
+            out = out + self.shared(h, ops)
+        return out
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """A Llama-family layer whose FFN is a `MoEBlock` where the layer is sparse."""
+
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__(arch, layer)
+        if arch.moe is not None and arch.sparse(layer):
+            self.mlp = MoEBlock(arch, arch.moe)  # type: ignore[assignment]
+
+    def native_weights(
+        self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
+    ) -> LayerWeights:
+        if isinstance(self.mlp, MoEBlock):
+            raise ValueError("the native stack has no expert layers")
+        return super().native_weights(kv_cache, cos_sin)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM`'s interface and paged caches, with expert layers (layer by layer: the
+    native one-call stack has no experts)."""
+
+    decoder_layer = MoEDecoderLayer

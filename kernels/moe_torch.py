@@ -1,0 +1,87 @@
+"""Mixture-of-Experts in torch: the router's gates and the grouped expert FFN (the reference the
+native and Triton kernels are tested against, and the path every device can run).
+
+The grouped FFN sorts the (token, expert) pairs of a step by expert, so each expert's rows are
+multiplied once per step, then adds each pair's gated output back to its token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+"""[n, 2I] (gate; up) -> [n, I]."""
+
+
+def route(
+    logits: torch.Tensor,  # [T, E], any float dtype
+    top_k: int,
+    routing: str = "softmax_topk",
+    renormalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32 gates, [T, k] int64 experts)
+    """Each token's `top_k` experts and their gates, computed in float32.
+
+    `softmax_topk`: softmax over every expert, the top k probabilities (then divided by their sum
+    with `renormalize`); `topk_softmax`: the top k logits, then a softmax over them alone.
+    Ties go to the lower expert index (torch.topk on CPU and CUDA alike)."""
+    logits = logits.float()
+    if routing == "topk_softmax":
+        top, experts = torch.topk(logits, top_k, dim=-1)
+        gates = torch.softmax(top, dim=-1)
+    elif routing == "softmax_topk":
+        gates, experts = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        if renormalize:
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"unknown routing {routing!r}")
+    if scaling != 1.0:
+        gates = gates * scaling
+    return gates, experts
+
+
+def grouped_experts(
+    h: torch.Tensor,  # [T, D]
+    experts: torch.Tensor,  # [T, k] int64
+    gates: torch.Tensor,  # [T, k] float32
+    w_gate_up: torch.Tensor,  # [E, 2I, D]
+    w_down: torch.Tensor,  # [E, D, I]
+    activation: Activation,
+) -> torch.Tensor:  # [T, D], h's dtype
+    """sum over k of gates[t, k] * FFN_{experts[t, k]}(h[t]), each expert's rows in one matmul.
+    A token's k contributions are added in the order of its pairs sorted by expert."""
+    top_k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    tokens = order // top_k
+    rows = h[tokens]  # [T*k, D], sorted by expert
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            x = rows[start : start + n]
+            out[start : start + n] = activation(x @ w_gate_up[expert].t()) @ w_down[expert].t()
+            start += n
+    out = out * gates.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(h).index_add_(0, tokens, out)
+
+
+def naive_experts(
+    h: torch.Tensor,
+    experts: torch.Tensor,
+    gates: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: Activation,
+) -> torch.Tensor:
+    """`grouped_experts` one token and one expert at a time (the tests' reference)."""
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            y = activation(h[t : t + 1] @ w_gate_up[e].t()) @ w_down[e].t()
+            out[t] += (gates[t, j].to(h.dtype) * y)[0]
+    return out

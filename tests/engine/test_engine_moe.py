@@ -1,0 +1,62 @@
+"""A tiny random Qwen3-MoE served by the engine: ten requests at once, prefill and decode on their
+own workers, give the greedy tokens transformers generates one request at a time (the experts see
+other requests' tokens in every step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
+
+from deepinfer.config import WorkersConfig
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.environment import default_model_path
+from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.text.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # routers and experts that matter; logits of order 1
+        for name, param in hf_model.named_parameters():
+            if ".mlp." in name:
+                param.copy_(0.2 * torch.randn_like(param))
+            elif "embed" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+    hf_model.eval()
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    hf_model.save_pretrained(path, safe_serialization=True)
+    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
+    return path, hf_model
+
+
+def _hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            next_id = hf_model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+async def test_moe_engine_equals_transformers(tiny_moe: tuple[Path, Any]) -> None:
+    path, hf_model = tiny_moe
+    prompts = token_prompts()
+    async with AsyncEngine(tiny_config(path, WorkersConfig())) as engine:
+        got = await run_all(engine, prompts)
+        engine.check_integrity()
+    want = [_hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    assert got == want
