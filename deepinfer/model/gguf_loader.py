@@ -23,7 +23,7 @@ import torch
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, dequantize
-from deepinfer.model.arch import ModelArch
+from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.registry import check_architecture
 
 GGUF_MAGIC = b"GGUF"
@@ -110,7 +110,25 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixture of Experts (the experts themselves: `_EXPERT_STACKS`)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_EXPERT_STACKS = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
+"""A layer's experts, stacked in one 3D tensor each ([E, rows, columns]): read per expert as
+`layers.N.mlp.experts.j.<proj>.weight`."""
+_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+"""llama.cpp's architecture names served under another registry key (and Mixtral is llama.cpp's
+`llama` with experts)."""
+_PERMUTED_QK = ("llama", "mixtral")
+"""Architectures whose Q and K rows llama.cpp's converter permutes."""
 
 
 _SANDWICH_NORM_NAMES = _LAYER_NAMES | {
@@ -210,36 +228,63 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
     """The architecture described by the file's metadata (and tensor list)."""
-    name = str(_field(reader, "general.architecture"))
+    key = str(_field(reader, "general.architecture"))
+    experts = int(_field(reader, f"{key}.expert_count", 0) or 0)
+    name = "mixtral" if key == "llama" and experts else _GGUF_ARCHS.get(key, key)
     check_architecture(name)
-    scaling = _field(reader, f"{name}.rope.scaling.type", "none")
+    scaling = _field(reader, f"{key}.rope.scaling.type", "none")
     if (
         scaling not in ("none", "linear")
-        or float(_field(reader, f"{name}.rope.scaling.factor", 1.0)) != 1.0
+        or float(_field(reader, f"{key}.rope.scaling.factor", 1.0)) != 1.0
     ):
         raise ModelLoadError(f"RoPE scaling {scaling!r} is not supported")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("the GGUF file has no token_embd.weight tensor")
-    hidden = int(_field(reader, f"{name}.embedding_length"))
-    num_heads = int(_field(reader, f"{name}.attention.head_count"))
+    hidden = int(_field(reader, f"{key}.embedding_length"))
+    num_heads = int(_field(reader, f"{key}.attention.head_count"))
     embd_shape = tensors["token_embd.weight"].shape  # GGUF order: [hidden, vocab]
     return ModelArch(
         architecture=name,
-        num_layers=int(_field(reader, f"{name}.block_count")),
+        num_layers=int(_field(reader, f"{key}.block_count")),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{name}.feed_forward_length")),
+        intermediate_size=int(_field(reader, f"{key}.feed_forward_length")),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{name}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{name}.attention.key_length", hidden // max(num_heads, 1))),
-        vocab_size=int(_field(reader, f"{name}.vocab_size", int(embd_shape[-1]))),
-        rope_theta=float(_field(reader, f"{name}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{name}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, f"{name}.context_length")),
+        num_kv_heads=int(_field(reader, f"{key}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{key}.attention.key_length", hidden // max(num_heads, 1))),
+        vocab_size=int(_field(reader, f"{key}.vocab_size", int(embd_shape[-1]))),
+        rope_theta=float(_field(reader, f"{key}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{key}.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_field(reader, f"{key}.context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        moe=_moe_fields(reader, key, name, tensors) if experts else None,
         **(_gemma3_fields(reader, hidden, num_heads) if name == "gemma3" else {}),
+    )
+
+
+def _moe_fields(reader: gguf.GGUFReader, key: str, name: str, tensors: dict[str, Any]) -> MoEArch:
+    """The experts, as llama.cpp reads them: top k of `expert_count`, gates renormalized for
+    Mixtral and Qwen3-MoE but not Qwen2-MoE (whose shared expert is sigmoid-gated); a layer
+    without a router is dense."""
+    if "blk.0.ffn_gate.0.weight" in tensors:
+        raise ModelLoadError("experts stored one tensor each (an old Mixtral GGUF) are not read")
+    layers = int(_field(reader, f"{key}.block_count"))
+    shared = int(_field(reader, f"{key}.expert_shared_feed_forward_length", 0) or 0)
+    width = _field(reader, f"{key}.expert_feed_forward_length", 0) or _field(
+        reader, f"{key}.feed_forward_length"
+    )
+    return MoEArch(
+        num_experts=int(_field(reader, f"{key}.expert_count")),
+        top_k=int(_field(reader, f"{key}.expert_used_count")),
+        expert_intermediate_size=int(width),
+        renormalize=name != "qwen2_moe",
+        shared_intermediate_size=shared,
+        shared_gate=shared > 0,
+        dense_layers=tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+        ),
     )
 
 
@@ -283,11 +328,21 @@ class GGUFTensorSource:
     """`TensorSource` over an open reader: dequantizes each tensor when asked."""
 
     def __init__(self, reader: gguf.GGUFReader, arch: ModelArch) -> None:
-        self._tensors = {canonical_name(t.name, arch.architecture): t for t in reader.tensors}
+        self._tensors: dict[str, Any] = {}
+        self._experts: dict[str, tuple[Any, int]] = {}
+        """An expert's matrix -> (its layer's stacked tensor, its index there)."""
+        for t in reader.tensors:
+            parts = t.name.split(".", 2)
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_STACKS:
+                proj = _EXPERT_STACKS[parts[2]]
+                for j in range(int(t.shape[-1])):  # GGUF shapes run innermost first
+                    self._experts[f"layers.{parts[1]}.mlp.experts.{j}.{proj}.weight"] = (t, j)
+            else:
+                self._tensors[canonical_name(t.name, arch.architecture)] = t
         self._arch = arch
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensors) | set(self._experts)
 
     def other_formats(self) -> dict[str, int]:
         """Matrices stored in formats the native kernel does not take, counted by format (they
@@ -319,24 +374,39 @@ class GGUFTensorSource:
         return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * fmt.block_weights)
 
     def load(self, name: str) -> torch.Tensor:
+        if name in self._experts:
+            return self._load_expert(name)
         blocks = self.load_quantized(name)
         if blocks is not None:  # the same values as gguf-py's, a tenth of the time
             return dequantize(blocks)
         tensor = self._tensors[name]
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except (NotImplementedError, ValueError) as exc:
-            raise ModelLoadError(
-                f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}"
-            ) from exc
-        array = self._unpermuted(name, np.asarray(array, dtype=np.float32))
+        array = self._dequantized(tensor, tensor.data)
+        if name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(1, -1)  # stored as a vector
+        array = self._unpermuted(name, array)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)
         return torch.from_numpy(array)
 
+    def _load_expert(self, name: str) -> torch.Tensor:
+        """One expert's matrix: its slice of the layer's stack, dequantized alone."""
+        tensor, j = self._experts[name]
+        array = self._dequantized(tensor, np.asarray(tensor.data)[j])
+        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+    @staticmethod
+    def _dequantized(tensor: Any, data: np.ndarray) -> np.ndarray:
+        try:
+            array = gguf.quants.dequantize(data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(
+                f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}"
+            ) from exc
+        return np.asarray(array, dtype=np.float32)
+
     def _unpermuted(self, name: str, array: np.ndarray) -> np.ndarray:
         """Llama's Q and K rows back in rotate-half order (rows of weights or of blocks)."""
-        if self._arch.architecture == "llama":
+        if self._arch.architecture in _PERMUTED_QK:
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 return unpermute_qk(array, self._arch.num_heads)
             if name.endswith(("k_proj.weight", "k_proj.bias")):

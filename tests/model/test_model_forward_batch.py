@@ -113,7 +113,10 @@ def test_triton_backend_runs_model_ops(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_registry() -> None:
     assert get_model_class("qwen3") is get_model_class("llama")
-    with pytest.raises(ModelLoadError, match="supported: gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError,
+        match="supported: gemma3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
+    ):
         get_model_class("falcon")
 
 

@@ -255,7 +255,9 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"'gpt2'.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError, match=r"'gpt2'.*llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    ):
         load_model(path, torch.float32, "cpu")
 
 
@@ -264,7 +266,9 @@ def test_unsupported_hf_architecture_and_bad_dirs(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, "cpu")
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
-    with pytest.raises(ModelLoadError, match=r"'mamba'.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError, match=r"'mamba'.*llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    ):
         load_model(tmp_path, torch.float32, "cpu")
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelLoadError, match="safetensors"):
