@@ -13,6 +13,19 @@ import torch
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 """[n, 2I] (gate; up) -> [n, I]."""
+ExpertFFN = Callable[[int, torch.Tensor], torch.Tensor]
+"""(expert, its rows [n, D]) -> its FFN of them [n, D]."""
+
+
+def float_experts(
+    w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: Activation
+) -> ExpertFFN:
+    """Experts stacked as [E, 2I, D] (rows [gate; up]) and [E, D, I]."""
+
+    def ffn(expert: int, x: torch.Tensor) -> torch.Tensor:
+        return activation(x @ w_gate_up[expert].t()) @ w_down[expert].t()
+
+    return ffn
 
 
 def route(
@@ -46,42 +59,34 @@ def grouped_experts(
     h: torch.Tensor,  # [T, D]
     experts: torch.Tensor,  # [T, k] int64
     gates: torch.Tensor,  # [T, k] float32
-    w_gate_up: torch.Tensor,  # [E, 2I, D]
-    w_down: torch.Tensor,  # [E, D, I]
-    activation: Activation,
+    ffn: ExpertFFN,
+    num_experts: int,
 ) -> torch.Tensor:  # [T, D], h's dtype
-    """sum over k of gates[t, k] * FFN_{experts[t, k]}(h[t]), each expert's rows in one matmul.
-    A token's k contributions are added in the order of its pairs sorted by expert."""
+    """sum over k of gates[t, k] * FFN_{experts[t, k]}(h[t]), each expert's rows in one call of
+    `ffn`. A token's k contributions are added in the order of its pairs sorted by expert."""
     top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     tokens = order // top_k
     rows = h[tokens]  # [T*k, D], sorted by expert
     out = torch.empty_like(rows)
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            x = rows[start : start + n]
-            out[start : start + n] = activation(x @ w_gate_up[expert].t()) @ w_down[expert].t()
+            out[start : start + n] = ffn(expert, rows[start : start + n])
             start += n
     out = out * gates.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(h).index_add_(0, tokens, out)
 
 
 def naive_experts(
-    h: torch.Tensor,
-    experts: torch.Tensor,
-    gates: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: Activation,
+    h: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, ffn: ExpertFFN
 ) -> torch.Tensor:
     """`grouped_experts` one token and one expert at a time (the tests' reference)."""
     out = torch.zeros_like(h)
     for t in range(h.shape[0]):
         for j in range(experts.shape[1]):
-            e = int(experts[t, j])
-            y = activation(h[t : t + 1] @ w_gate_up[e].t()) @ w_down[e].t()
+            y = ffn(int(experts[t, j]), h[t : t + 1])
             out[t] += (gates[t, j].to(h.dtype) * y)[0]
     return out

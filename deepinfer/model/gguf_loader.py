@@ -357,12 +357,16 @@ class GGUFTensorSource:
     def load_quantized(self, name: str) -> QuantizedWeight | None:
         """The tensor's blocks as stored (rows in the model's order), if it is a matrix in a
         format the native kernel takes (`_KERNEL_FORMATS`: Q4_0 and Q5_0 repacked); else None."""
-        tensor = self._tensors.get(name)
+        expert = self._experts.get(name)
+        tensor = self._tensors.get(name) if expert is None else expert[0]
         kind = None if tensor is None else tensor.tensor_type.name
         if tensor is None or kind not in _KERNEL_FORMATS:
             return None
         fmt = _KERNEL_FORMATS[kind]
-        array = self._unpermuted(name, np.asarray(tensor.data))
+        if expert is not None:  # its slice of the layer's stack
+            array = np.asarray(tensor.data)[expert[1]]
+        else:
+            array = self._unpermuted(name, np.asarray(tensor.data))
         if array.ndim != 2:
             return None
         if kind in _REPACKED:
@@ -374,11 +378,11 @@ class GGUFTensorSource:
         return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * fmt.block_weights)
 
     def load(self, name: str) -> torch.Tensor:
-        if name in self._experts:
-            return self._load_expert(name)
         blocks = self.load_quantized(name)
         if blocks is not None:  # the same values as gguf-py's, a tenth of the time
             return dequantize(blocks)
+        if name in self._experts:
+            return self._load_expert(name)
         tensor = self._tensors[name]
         array = self._dequantized(tensor, tensor.data)
         if name.endswith("shared_expert_gate.weight"):

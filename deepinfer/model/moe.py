@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
 from deepinfer.kernels.llama_layers_cpu import LayerWeights
-from deepinfer.kernels.moe_torch import grouped_experts, route
+from deepinfer.kernels.moe_torch import ExpertFFN, float_experts, grouped_experts, route
 from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -36,6 +37,9 @@ class SharedExpert(LlamaMLP):
 
 
 class MoEBlock(nn.Module):
+    quantized: tuple[list[BlockWeight], list[BlockWeight]] | None = None
+    """Each expert's gate_up and down in blocks (native kernel), once `quantize` set them."""
+
     def __init__(self, arch: ModelArch, moe: MoEArch) -> None:
         super().__init__()
         self.moe = moe
@@ -45,12 +49,36 @@ class MoEBlock(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.shared = SharedExpert(arch, moe) if moe.shared_intermediate_size else None
 
+    def quantize(self, gate_up: list[BlockWeight], down: list[BlockWeight]) -> None:
+        """Serve expert e from `gate_up[e]` and `down[e]` (the same values as its rows of
+        `w_gate_up` and `w_down`, in blocks) and drop the fp32 stacks."""
+        e, two_i, d = self.w_gate_up.shape
+        fits = len(gate_up) == len(down) == e and all(
+            (g.out_features, g.in_features, w.out_features, w.in_features)
+            == (two_i, d, d, two_i // 2)
+            for g, w in zip(gate_up, down, strict=True)
+        )
+        if not fits:
+            raise ValueError(f"expert weights of other shapes than {tuple(self.w_gate_up.shape)}")
+        self.quantized = (gate_up, down)
+        self.w_gate_up = self.w_down = None  # type: ignore[assignment]
+
+    def expert_ffn(self, ops: AttentionBackend) -> ExpertFFN:
+        if self.quantized is None:
+            return float_experts(self.w_gate_up, self.w_down, ops.silu_mul)
+        gate_up, down = self.quantized
+
+        def ffn(expert: int, x: torch.Tensor) -> torch.Tensor:
+            return block_linear(ops.silu_mul(block_linear(x, gate_up[expert])), down[expert])
+
+        return ffn
+
     def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:  # [T, D]
         m = self.moe
         gates, experts = route(
             self.router(h), m.top_k, m.routing, m.renormalize, m.routed_scaling
         )  # [T, k] each
-        out = grouped_experts(h, experts, gates, self.w_gate_up, self.w_down, ops.silu_mul)
+        out = grouped_experts(h, experts, gates, self.expert_ffn(ops), m.num_experts)
         if self.shared is not None:
             out = out + self.shared(h, ops)
         return out

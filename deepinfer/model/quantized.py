@@ -19,11 +19,12 @@ from torch import nn
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_library
-from deepinfer.kernels.int8_matmul import FixedOrderWeight, NativeWeight, pack_int8
+from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, NativeWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
 from deepinfer.model.llama import Linear
-from deepinfer.model.weights import linear_sources
+from deepinfer.model.moe import MoEBlock
+from deepinfer.model.weights import linear_sources, shared_expert_sources
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ def quantize_linears(
                 weight = _served(fused, int8)
                 module.quantize(weight)
                 total += weight.nbytes
+        block = modules.get(f"layers.{i}.mlp")
+        if isinstance(block, MoEBlock):
+            total += _quantize_experts(block, source, i, int8, modules)
     tied = getattr(model, "lm_head", None) is None
     blocks = source.load_quantized("embed_tokens.weight" if tied else "lm_head.weight")
     if blocks is not None:
@@ -124,9 +128,47 @@ def float_matrices(model: nn.Module) -> list[str]:
         for name, module in model.named_modules()
         if isinstance(module, Linear) and module.quantized is None
     ]
+    names += [
+        f"{name}.experts"
+        for name, module in model.named_modules()
+        if isinstance(module, MoEBlock) and module.quantized is None
+    ]
     if getattr(model, "lm_head_quantized", None) is None:
         names.append("lm_head")
     return names
+
+
+def _quantize_experts(
+    block: MoEBlock,
+    source: GGUFTensorSource,
+    layer: int,
+    int8: bool,
+    modules: dict[str, nn.Module],
+) -> int:
+    """A sparse layer's experts (every one stored in a kernel format, else none) and its
+    shared expert, in blocks; the bytes served."""
+    total = 0
+    for name, parts in shared_expert_sources(layer).items():
+        fused = _fused(source, parts)
+        module = modules.get(name)
+        if fused is not None and isinstance(module, Linear):
+            weight = _served(fused, int8)
+            module.quantize(weight)
+            total += weight.nbytes
+    gate_up: list[BlockWeight] = []
+    down: list[BlockWeight] = []
+    for j in range(block.moe.num_experts):
+        e = f"layers.{layer}.mlp.experts.{j}."
+        gu = _fused(source, (e + "gate_proj.weight", e + "up_proj.weight"))
+        dn = _fused(source, (e + "down_proj.weight",))
+        if gu is None or dn is None:
+            return total
+        served = _served(gu, int8), _served(dn, int8)
+        gate_up.append(served[0])
+        down.append(served[1])
+        total += served[0].nbytes + served[1].nbytes
+    block.quantize(gate_up, down)
+    return total
 
 
 def _served(weight: QuantizedWeight, int8: bool) -> NativeWeight:

@@ -69,6 +69,15 @@ def linear_sources(i: int) -> dict[str, tuple[str, ...]]:
     }
 
 
+def shared_expert_sources(i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's shared expert (a Mixture-of-Experts layer's), as `linear_sources`."""
+    theirs, ours = f"layers.{i}.mlp.shared_expert.", f"layers.{i}.mlp.shared."
+    return {
+        ours + "gate_up_proj": (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+        ours + "down_proj": (theirs + "down_proj.weight",),
+    }
+
+
 _NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
 _SANDWICH_NORMS = _NORMS | {
     "pre_ffn_norm": "pre_feedforward_layernorm",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, prefill_then_decode_logits
 from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
-from test_model_moe import _config, _hf_logits, _prompts
+from test_model_moe import COMMON, _config, _hf_logits, _prompts
 
 from deepinfer.model import load_model
 from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
@@ -65,8 +65,8 @@ def _tensors(arch: str, hf_model: Any) -> dict[str, np.ndarray]:
 
 
 def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None) -> None:
-    """With `experts_as`, the experts' gate and up stacks in that format (rows of 64 weights;
-    the down stacks' rows are too short for blocks of 32)."""
+    """With `experts_as`, the experts' and shared expert's matrices in that format, where their
+    rows are whole blocks of 32."""
     cfg, arch = hf_model.config, GGUF_ARCH[kind]
     writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
@@ -78,7 +78,12 @@ def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None)
     if kind == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     for name, array in _tensors(arch, hf_model).items():
-        if experts_as is not None and name.endswith(("gate_exps.weight", "up_exps.weight")):
+        quantize = name.endswith(("gate_exps.weight", "up_exps.weight", "shexp.weight"))
+        if (
+            experts_as is not None
+            and (quantize or name.endswith("down_exps.weight"))
+            and (array.shape[-1] % 32 == 0)
+        ):
             writer.add_tensor(name, gguf.quants.quantize(array, experts_as), raw_dtype=experts_as)
         else:
             writer.add_tensor(name, array)
@@ -142,3 +147,51 @@ def test_quantized_experts_read_one_at_a_time(tiny: Any, tmp_path: Path) -> None
         got = source.load(f"layers.0.mlp.experts.{j}.up_proj.weight").numpy()
         np.testing.assert_array_equal(got, whole[j])
     load_model(path, torch.float32, "cpu")  # and the whole model loads
+
+
+def test_quantized_experts_served_in_their_blocks(tmp_path: Path) -> None:
+    """Q8_0 experts (and shared expert) multiplied by the native kernel in their blocks: the
+    float32-activation kernel gives the logits of the same values dequantized, within float
+    rounding; the fp32 stacks are gone."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        **{**COMMON, "hidden_size": 64}, intermediate_size=64, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64,
+        norm_topk_prob=False, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if ".mlp." in name:
+                param.copy_(0.2 * torch.randn_like(param))
+    path = tmp_path / "q8-experts.gguf"
+    write_moe_gguf(path, "qwen2_moe", hf_model, experts_as=gguf.GGMLQuantizationType.Q8_0)
+    served = load_model(path, torch.float32, "cpu", quantized_matmul="on")
+    plain = load_model(path, torch.float32, "cpu", quantized_matmul="off")
+    int8 = load_model(path, torch.float32, "cpu", matmul_activations="int8")
+    block: Any = served.model.layers[0].mlp
+    assert block.quantized is not None and block.w_gate_up is None
+    assert block.shared.gate_up_proj.quantized is not None
+    assert served.quantized_bytes > 0
+    prompts, prefill_lens = _prompts(), [7, 2, 30]
+    logits = []
+    for loaded in (served, plain, int8):
+        bind_fresh_caches(loaded.model, num_blocks=64, block_size=4)
+        logits.append(
+            prefill_then_decode_logits(loaded.model, SequentialBlocks(4), prompts, prefill_lens)
+        )
+    for got, want, _ in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # int8 activations (the CPU default for GGUF files) round each row to 8 bits: the experts
+    # err as much as a dense FFN (the shared expert) does on the same rows, about 1%
+    h = torch.randn(20, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    ops = plain.model.attention_backend
+    exact, rounded = plain.model.layers[0].mlp, int8.model.layers[0].mlp
+    with torch.inference_mode():
+        moe_error = _relative_error(rounded(h, ops), exact(h, ops))
+        dense_error = _relative_error(rounded.shared(h, ops), exact.shared(h, ops))
+    assert moe_error < 2 * dense_error < 0.05
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().mean() / want.abs().mean())

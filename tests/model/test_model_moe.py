@@ -21,7 +21,7 @@ from model_test_utils import (
     run_step,
 )
 
-from deepinfer.kernels.moe_torch import grouped_experts, naive_experts, route
+from deepinfer.kernels.moe_torch import float_experts, grouped_experts, naive_experts, route
 from deepinfer.model import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -152,8 +152,9 @@ def test_grouped_experts_equal_a_per_token_loop(
         if routing == "topk_softmax" or renormalize:
             want = want / want.sum()
         torch.testing.assert_close(gates[t], want * scaling, atol=1e-6, rtol=1e-5)
-    got = grouped_experts(h, experts, gates, w_gate_up, w_down, _silu_mul)
-    want = naive_experts(h, experts, gates, w_gate_up, w_down, _silu_mul)
+    ffn = float_experts(w_gate_up, w_down, _silu_mul)
+    got = grouped_experts(h, experts, gates, ffn, num_experts)
+    want = naive_experts(h, experts, gates, ffn)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
