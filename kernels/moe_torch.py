@@ -60,14 +60,14 @@ def grouped_experts(
     experts: torch.Tensor,  # [T, k] int64
     gates: torch.Tensor,  # [T, k] float32
     ffn: ExpertFFN,
-    num_experts: int,
+    counts: list[int],
 ) -> torch.Tensor:  # [T, D], h's dtype
     """sum over k of gates[t, k] * FFN_{experts[t, k]}(h[t]), each expert's rows in one call of
-    `ffn`. A token's k contributions are added in the order of its pairs sorted by expert."""
+    `ffn` (`counts`: how many pairs each expert has, `expert_counts`). A token's k contributions
+    are added in the order of its pairs sorted by expert."""
     top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
     tokens = order // top_k
     rows = h[tokens]  # [T*k, D], sorted by expert
     out = torch.empty_like(rows)
@@ -78,6 +78,12 @@ def grouped_experts(
             start += n
     out = out * gates.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(h).index_add_(0, tokens, out)
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> list[int]:
+    """How many of a step's (token, expert) pairs each expert has."""
+    counts: list[int] = torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+    return counts
 
 
 def naive_experts(

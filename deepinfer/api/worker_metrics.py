@@ -17,6 +17,21 @@ def worker_metrics(stats: EngineStats) -> Iterator[Metric]:
         yield from _planner(stats.prefill)
     if stats.decode_blocks_total:
         yield from _handoffs(stats.handoffs)
+    if stats.expert_load:
+        yield _expert_load(stats.expert_load)
+
+
+def _expert_load(load: tuple[tuple[int, ...], ...]) -> Metric:
+    """Mixture of Experts: what each expert of each sparse layer was given."""
+    family = CounterMetricFamily(
+        "deepinfer_moe_expert_tokens",
+        "Tokens routed to each expert (a token counts once per expert it is routed to)",
+        labels=["layer", "expert"],
+    )
+    for layer, counts in enumerate(load):
+        for expert, n in enumerate(counts):
+            family.add_metric([str(layer), str(expert)], n)
+    return family
 
 
 def _handoffs(h: HandoffStats) -> Iterator[Metric]:

@@ -183,6 +183,7 @@ class AsyncEngine:
             num_failed_requests=self._streams.num_failed_requests,
             prefill_counts=core.scheduler.prefill_counts(),
             speculative=core.scheduler.speculative_counts(),
+            expert_load=core.expert_load(),
         )
 
     async def disk_summary(self) -> DiskSummary | None:

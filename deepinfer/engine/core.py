@@ -153,6 +153,17 @@ class EngineCore:
             return self.scheduler.planner_stats()
         return None
 
+    def expert_load(self) -> tuple[tuple[int, ...], ...]:
+        """Tokens routed to each expert of each layer, over every model replica (empty for a
+        dense model)."""
+        models = {id(r.model): r.model for r in (self.runner, self.decode_runner)}
+        per_model = [m.expert_load() for m in models.values() if hasattr(m, "expert_load")]
+        if not per_model:
+            return ()
+        return tuple(
+            tuple(map(sum, zip(*layer, strict=True))) for layer in zip(*per_model, strict=True)
+        )
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -106,3 +106,6 @@ class EngineStats:
     """Prompt tokens computed, and those a shared prefix in flight saved."""
     speculative: SpeculativeCounts = field(default_factory=SpeculativeCounts)
     """Draft tokens verified and accepted (speculative decoding)."""
+    expert_load: tuple[tuple[int, ...], ...] = ()
+    """Mixture of Experts: per layer, tokens routed to each expert since start (a token counts
+    once per expert it is routed to; a dense layer's entry is empty); () for a dense model."""

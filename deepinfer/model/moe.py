@@ -9,12 +9,20 @@ Expert weights are stacked per layer, `w_gate_up` [E, 2I, D] (rows [gate; up], a
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
 from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
 from deepinfer.kernels.llama_layers_cpu import LayerWeights
-from deepinfer.kernels.moe_torch import ExpertFFN, float_experts, grouped_experts, route
+from deepinfer.kernels.moe_torch import (
+    ExpertFFN,
+    expert_counts,
+    float_experts,
+    grouped_experts,
+    route,
+)
 from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -36,6 +44,25 @@ class SharedExpert(LlamaMLP):
         return out
 
 
+class ExpertLoad:
+    """Tokens routed to each expert of one layer since start (a token counts once per expert it
+    is routed to); added to by whichever worker thread runs the layer, read by the stats."""
+
+    def __init__(self, num_experts: int) -> None:
+        self._counts = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
+        self._lock = threading.Lock()
+
+    def add(self, counts: list[int]) -> None:
+        step = torch.tensor(counts, dtype=torch.int64)
+        with self._lock:
+            self._counts += step
+
+    def totals(self) -> list[int]:
+        with self._lock:
+            totals: list[int] = self._counts.tolist()
+        return totals
+
+
 class MoEBlock(nn.Module):
     quantized: tuple[list[BlockWeight], list[BlockWeight]] | None = None
     """Each expert's gate_up and down in blocks (native kernel), once `quantize` set them."""
@@ -48,6 +75,7 @@ class MoEBlock(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.shared = SharedExpert(arch, moe) if moe.shared_intermediate_size else None
+        self.load = ExpertLoad(e)
 
     def quantize(self, gate_up: list[BlockWeight], down: list[BlockWeight]) -> None:
         """Serve expert e from `gate_up[e]` and `down[e]` (the same values as its rows of
@@ -78,7 +106,9 @@ class MoEBlock(nn.Module):
         gates, experts = route(
             self.router(h), m.top_k, m.routing, m.renormalize, m.routed_scaling
         )  # [T, k] each
-        out = grouped_experts(h, experts, gates, self.expert_ffn(ops), m.num_experts)
+        counts = expert_counts(experts, m.num_experts)
+        self.load.add(counts)
+        out = grouped_experts(h, experts, gates, self.expert_ffn(ops), counts)
         if self.shared is not None:
             out = out + self.shared(h, ops)
         return out
@@ -105,3 +135,10 @@ class MoEForCausalLM(LlamaForCausalLM):
     native one-call stack has no experts)."""
 
     decoder_layer = MoEDecoderLayer
+
+    def expert_load(self) -> list[list[int]]:
+        """Per layer, tokens routed to each expert since start (empty for a dense layer)."""
+        return [
+            layer.mlp.load.totals() if isinstance(layer.mlp, MoEBlock) else []
+            for layer in self.layers
+        ]

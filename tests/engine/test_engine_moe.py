@@ -1,6 +1,6 @@
 """A tiny random Qwen3-MoE served by the engine: ten requests at once, prefill and decode on their
 own workers, give the greedy tokens transformers generates one request at a time (the experts see
-other requests' tokens in every step)."""
+other requests' tokens in every step); the tokens routed to each expert are counted, in /metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
 
+from deepinfer.api.metrics import ApiMetrics
 from deepinfer.config import WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.environment import default_model_path
@@ -58,5 +59,14 @@ async def test_moe_engine_equals_transformers(tiny_moe: tuple[Path, Any]) -> Non
     async with AsyncEngine(tiny_config(path, WorkersConfig())) as engine:
         got = await run_all(engine, prompts)
         engine.check_integrity()
+        stats = engine.stats()
+        metrics = ApiMetrics(engine).render().decode()
     want = [_hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     assert got == want
+    # every token forwarded (prompt tokens computed, then each decode input) went to 2 experts
+    # in each of the 2 layers
+    forwarded = stats.prefill_counts.num_computed_tokens + len(prompts) * (GREEDY.max_tokens - 1)
+    assert [sum(layer) for layer in stats.expert_load] == [2 * forwarded] * 2
+    assert all(len(layer) == 8 for layer in stats.expert_load)
+    n = stats.expert_load[1][7]
+    assert f'deepinfer_moe_expert_tokens_total{{expert="7",layer="1"}} {float(n)}' in metrics

@@ -21,7 +21,13 @@ from model_test_utils import (
     run_step,
 )
 
-from deepinfer.kernels.moe_torch import float_experts, grouped_experts, naive_experts, route
+from deepinfer.kernels.moe_torch import (
+    expert_counts,
+    float_experts,
+    grouped_experts,
+    naive_experts,
+    route,
+)
 from deepinfer.model import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -153,7 +159,9 @@ def test_grouped_experts_equal_a_per_token_loop(
             want = want / want.sum()
         torch.testing.assert_close(gates[t], want * scaling, atol=1e-6, rtol=1e-5)
     ffn = float_experts(w_gate_up, w_down, _silu_mul)
-    got = grouped_experts(h, experts, gates, ffn, num_experts)
+    counts = expert_counts(experts, num_experts)
+    assert counts == [int((experts == e).sum()) for e in range(num_experts)]
+    got = grouped_experts(h, experts, gates, ffn, counts)
     want = naive_experts(h, experts, gates, ffn)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
