@@ -112,7 +112,11 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Triton version of `rms_norm_reference` for x [T, D], weight [D]; the result has the
-    promoted dtype of x and weight, like the reference."""
+    promoted dtype of x and weight, like the reference. x [T, H, D] (q/k norms: one row per
+    head) is normalized row by row as [T * H, D] (without `out`)."""
+    if x.dim() == 3 and out is None:
+        rows = x.reshape(-1, x.shape[-1])
+        return rms_norm(rows, weight, eps).view(*x.shape[:-1], -1)
     _check_norm_inputs(x, weight)
     require_backend(x.device, _rms_norm_kernel)
     return _launch(x, None, weight, eps, out, None)[0]

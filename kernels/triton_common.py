@@ -1,7 +1,7 @@
 """What the Triton kernel modules share: `triton`, `tl`, the `jit` decorator and the `dot` helper.
 
-Only the Triton kernel modules (`kv_store`, `norm`, `rotary`, `matmul`, `paged_attention_kernels`
-and, through it, `paged_attention`) import this module, so Triton is loaded only when a Triton
+Only the Triton kernel modules (`kv_store`, `norm`, `rotary`, `matmul`, `moe_grouped`,
+`paged_attention_kernels` and, through it, `paged_attention`) import this module, so Triton is loaded only when a Triton
 kernel is used; the CPU path's modules (`dispatch`, the `*_torch` references, the native CPU
 kernels) never import it. Without Triton this module still imports: `jit` returns functions
 unchanged (never launched, since `dispatch.triton_available` answers False).

@@ -4,7 +4,8 @@ embeddings and the paged caches are the Llama model's.
 
 Expert weights are stacked per layer, `w_gate_up` [E, 2I, D] (rows [gate; up], as the dense
 `gate_up_proj`) and `w_down` [E, D, I]; a step multiplies each expert's tokens once
-(`kernels/moe_torch.grouped_experts`).
+(`kernels/moe_torch.grouped_experts`; on the triton backend every expert's rows in one launch,
+`kernels/moe_grouped.py`; a GGUF file's quantized experts in their blocks on CPU).
 """
 
 from __future__ import annotations
@@ -108,7 +109,14 @@ class MoEBlock(nn.Module):
         )  # [T, k] each
         counts = expert_counts(experts, m.num_experts)
         self.load.add(counts)
-        out = grouped_experts(h, experts, gates, self.expert_ffn(ops), counts)
+        if ops.name == "triton" and self.quantized is None:  # one launch for every expert
+            from deepinfer.kernels.moe_grouped import triton_grouped_experts
+
+            out = triton_grouped_experts(
+                h, experts, gates, self.w_gate_up, self.w_down, ops.silu_mul
+            )
+        else:
+            out = grouped_experts(h, experts, gates, self.expert_ffn(ops), counts)
         if self.shared is not None:
             out = out + self.shared(h, ops)
         return out

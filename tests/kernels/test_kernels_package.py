@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
 TRITON_MODULES = {
     "triton_common", "kv_store", "norm", "rotary", "matmul", "paged_attention",
-    "paged_attention_kernels",
+    "paged_attention_kernels", "moe_grouped",
 }  # fmt: skip
 """The Triton launchers and kernels: the only modules that load Triton (the `triton` backend's)."""
 

@@ -30,6 +30,16 @@ def test_rms_norm(assert_close: Close, dtype: torch.dtype, rows: int, dim: int) 
     assert_close(out, rms_norm_reference(x.double(), weight.double(), EPS), dtype)
 
 
+def test_rms_norm_per_head(assert_close: Close) -> None:
+    """q/k norms: [T, H, D] views of a fused projection, one row per head."""
+    qkv = torch.randn(5, 3 * 4 * 32) * 3
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    weight = torch.rand(32) + 0.5
+    got = rms_norm(q, weight, EPS)
+    assert got.shape == q.shape
+    assert_close(got, rms_norm_reference(q.double(), weight.double(), EPS), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 48)])
 def test_fused_add_rms_norm(assert_close: Close, dtype: torch.dtype, rows: int, dim: int) -> None:

@@ -187,3 +187,15 @@ def test_an_unsupported_mixtral_window_is_refused(tmp_path: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(Exception, match="sliding_window"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_triton_backend_matches_transformers(tiny: Any) -> None:
+    """The triton backend (interpreted here): every expert's rows in one grouped launch."""
+    _, directory, hf_model = tiny
+    model: Any = load_model(directory, torch.float32, "cpu", attention_backend="triton").model
+    assert model.attention_backend.name == "triton"
+    bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
+    prompts, prefill_lens = _prompts()[:2], [7, 2]
+    ours = prefill_then_decode_logits(model, SequentialBlocks(BLOCK_SIZE), prompts, prefill_lens)
+    for got, prompt, n in zip(ours, prompts, prefill_lens, strict=True):
+        torch.testing.assert_close(got, _hf_logits(hf_model, prompt)[n - 1 :], atol=1e-4, rtol=0)
