@@ -189,8 +189,10 @@ def test_an_unsupported_mixtral_window_is_refused(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("tiny", ["qwen3_moe"], indirect=True)  # the interpreter is slow
 def test_triton_backend_matches_transformers(tiny: Any) -> None:
-    """The triton backend (interpreted here): every expert's rows in one grouped launch."""
+    """The triton backend (interpreted here): every expert's rows in one grouped launch, and
+    Qwen3's per-head q/k norms."""
     _, directory, hf_model = tiny
     model: Any = load_model(directory, torch.float32, "cpu", attention_backend="triton").model
     assert model.attention_backend.name == "triton"
