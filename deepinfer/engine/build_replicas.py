@@ -176,10 +176,15 @@ def build_replica(
 
 def capture_graphs(config: Config, decode: Replica, max_len: int) -> DecodeGraphs | None:
     """The decode group's CUDA graphs per `--cuda-graphs` (None: eager decode; so too with a
-    windowed pool of its own, whose tables the captured graphs do not take)."""
+    windowed pool of its own, whose tables the captured graphs do not take, and for a Mixture
+    of Experts, whose experts' row counts change every step)."""
     if decode.window is not None:
         if config.runtime.cuda_graphs == "on":
             raise ConfigError("--cuda-graphs on needs --window-kv all for this model")
+        return None
+    if decode.model.arch.moe is not None:
+        if config.runtime.cuda_graphs == "on":
+            raise ConfigError("--cuda-graphs on: Mixture-of-Experts models decode eagerly")
         return None
     max_blocks = -(-max_len // config.cache.block_size)
     return capture_decode_graphs(

@@ -5,6 +5,7 @@ other requests' tokens in every step); the tokens routed to each expert are coun
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,9 +13,12 @@ import torch
 from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
 
 from deepinfer.api.metrics import ApiMetrics
-from deepinfer.config import WorkersConfig
+from deepinfer.config import Config, RuntimeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.build_replicas import capture_graphs
 from deepinfer.environment import default_model_path
+from deepinfer.errors import ConfigError
+from deepinfer.model.arch import MoEArch
 from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.text.tokenizer import Tokenizer
 
@@ -70,3 +74,14 @@ async def test_moe_engine_equals_transformers(tiny_moe: tuple[Path, Any]) -> Non
     assert all(len(layer) == 8 for layer in stats.expert_load)
     n = stats.expert_load[1][7]
     assert f'deepinfer_moe_expert_tokens_total{{expert="7",layer="1"}} {float(n)}' in metrics
+
+
+def test_moe_models_decode_without_cuda_graphs() -> None:
+    """The experts' row counts change every step: no static decode graph is captured."""
+    moe = MoEArch(num_experts=4, top_k=2, expert_intermediate_size=8)
+    replica: Any = SimpleNamespace(
+        window=None, model=SimpleNamespace(arch=SimpleNamespace(moe=moe))
+    )
+    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
+        capture_graphs(Config(runtime=RuntimeConfig(cuda_graphs="on")), replica, 64)
+    assert capture_graphs(Config(), replica, 64) is None
