@@ -82,16 +82,11 @@ def quantize_linears(
             listed,
         )
     for i in range(num_layers):
-        for name, parts in linear_sources(i).items():
-            fused = _fused(source, parts)
-            module = modules.get(name)
-            if fused is not None and isinstance(module, Linear):
-                weight = _served(fused, int8)
-                module.quantize(weight)
-                total += weight.nbytes
+        total += _quantize_modules(linear_sources(i), source, int8, modules)
         block = modules.get(f"layers.{i}.mlp")
         if isinstance(block, MoEBlock):
-            total += _quantize_experts(block, source, i, int8, modules)
+            total += _quantize_modules(shared_expert_sources(i), source, int8, modules)
+            total += _quantize_experts(block, source, i, int8)
     tied = getattr(model, "lm_head", None) is None
     blocks = source.load_quantized("embed_tokens.weight" if tied else "lm_head.weight")
     if blocks is not None:
@@ -138,23 +133,29 @@ def float_matrices(model: nn.Module) -> list[str]:
     return names
 
 
-def _quantize_experts(
-    block: MoEBlock,
+def _quantize_modules(
+    sources: dict[str, tuple[str, ...]],
     source: GGUFTensorSource,
-    layer: int,
     int8: bool,
     modules: dict[str, nn.Module],
 ) -> int:
-    """A sparse layer's experts (every one stored in a kernel format, else none) and its
-    shared expert, in blocks; the bytes served."""
+    """The linear modules of `sources` whose tensors are in a kernel format, in blocks; the
+    bytes served."""
     total = 0
-    for name, parts in shared_expert_sources(layer).items():
+    for name, parts in sources.items():
         fused = _fused(source, parts)
         module = modules.get(name)
         if fused is not None and isinstance(module, Linear):
             weight = _served(fused, int8)
             module.quantize(weight)
             total += weight.nbytes
+    return total
+
+
+def _quantize_experts(block: MoEBlock, source: GGUFTensorSource, layer: int, int8: bool) -> int:
+    """A sparse layer's experts in blocks, where every one is stored in a kernel format (else
+    none); the bytes served."""
+    total = 0
     gate_up: list[BlockWeight] = []
     down: list[BlockWeight] = []
     for j in range(block.moe.num_experts):

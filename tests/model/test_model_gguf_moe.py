@@ -15,7 +15,7 @@ import pytest
 import torch
 from model_test_utils import SequentialBlocks, bind_fresh_caches, prefill_then_decode_logits
 from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
-from test_model_moe import COMMON, _config, _hf_logits, _prompts
+from test_model_moe import COMMON, _config, _hf_logits, _prompts, randomize
 
 from deepinfer.model import load_model
 from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
@@ -97,16 +97,7 @@ def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    with torch.no_grad():  # as in test_model_moe: experts and routers that matter
-        for name, param in hf_model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.5 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(torch.randn_like(param))
-            elif ".mlp." in name:
-                param.copy_(0.2 * torch.randn_like(param))
-            elif "embed" in name or "lm_head" in name:
-                param.copy_(0.5 * torch.randn_like(param))
+    randomize(hf_model)
     hf_model.eval()
     path = tmp_path_factory.mktemp("gguf-moe") / f"{request.param}.gguf"
     write_moe_gguf(path, request.param, hf_model)

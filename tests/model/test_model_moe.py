@@ -57,20 +57,26 @@ def _config(kind: str) -> Any:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    with torch.no_grad():  # random norms and biases; routers and experts large enough that
-        for name, param in hf_model.named_parameters():  # their outputs dominate the logits
+def randomize(hf_model: Any) -> None:
+    """Random norms and biases; routers and experts large enough that their outputs dominate
+    the logits, which are of order 1, not 0.1."""
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.5 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(torch.randn_like(param))
             elif ".mlp." in name:
                 param.copy_(0.2 * torch.randn_like(param))
-            elif "embed" in name or "lm_head" in name:  # logits of order 1, not 0.1
+            elif "embed" in name or "lm_head" in name:
                 param.copy_(0.5 * torch.randn_like(param))
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
+    randomize(hf_model)
     hf_model.eval()
     directory = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(directory, safe_serialization=True)
