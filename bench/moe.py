@@ -25,7 +25,7 @@ import time
 import torch
 from common import provenance
 
-from deepinfer.scheduler.expert_placement import (
+from deepinfer.model.expert_placement import (
     Placement,
     balanced_placement,
     static_placement,

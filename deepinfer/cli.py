@@ -127,7 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = build_parser().parse_args(args)
         _configure_logging(ns)
         config = config_from_args(ns)
-        if ns.command == "serve":
+        if ns.command == "serve" and config.experts.node_rank > 0:
+            from deepinfer.engine.build_experts import run_node
+
+            run_node(config)  # another machine's expert-parallel ranks: no API here
+        elif ns.command == "serve":
             from deepinfer.api.server import serve
 
             serve(config)

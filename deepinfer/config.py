@@ -205,6 +205,41 @@ class SpeculativeConfig:
     every draft (the baseline)."""
 
 
+EXPERT_PARALLEL_BACKENDS = ("local", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Mixture of Experts: where each sparse layer's experts run, and the load balancer (dense
+    models ignore this section)."""
+
+    expert_parallel: int = 1
+    """Groups each sparse layer's experts are placed over (each group computes the rows of the
+    experts it holds; outputs do not depend on the number)."""
+    expert_parallel_backend: Literal["local", "gloo", "nccl"] = "local"
+    """`local`: the groups are devices of this process (`--expert-devices`), each computing on
+    a thread of its own; `gloo` (CPU) / `nccl` (GPUs): group g is torch.distributed rank g, a
+    process that runs expert layers only (rank 0 serves: API, scheduler, cache)."""
+    expert_devices: tuple[str, ...] = ()
+    """`local`: one device per group; empty: on CUDA one GPU per group when there are enough,
+    else every group on the runtime device (CPU thread groups)."""
+    redundant_experts: int = 0
+    """Extra expert slots over all groups, given to the hottest experts as replicas (their
+    tokens split among the replicas); experts plus these must divide evenly into groups."""
+    eplb_interval: int = 0
+    """Forward steps between placements recomputed from the load since the last one (0: the
+    placement never changes)."""
+    nnodes: int = 1
+    """Machines the expert-parallel processes span (`gloo`/`nccl`), as torchrun's flag."""
+    node_rank: int = 0
+    """This machine's rank: 0 serves and starts its share of the ranks; another starts its
+    share of the ranks only."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the ranks meet (torch.distributed's TCP rendezvous)."""
+    master_port: int = 29500
+    """Port of that rendezvous."""
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: str = "auto"
@@ -230,6 +265,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -244,6 +280,7 @@ class Config:
 def _validate(config: Config) -> None:
     _validate_workers(config.workers)
     _validate_speculative(config.speculative)
+    _validate_experts(config.experts)
     c, s = config.cache, config.scheduler
     if c.block_size <= 0 or c.block_size & (c.block_size - 1):
         raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")
@@ -285,6 +322,33 @@ def _validate_speculative(s: SpeculativeConfig) -> None:
         raise ConfigError(f"draft_layers must be at least 1, got {s.draft_layers}")
     if s.speculative_gate not in ("on", "off"):
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
+
+
+def _validate_experts(e: ExpertsConfig) -> None:
+    if e.expert_parallel_backend not in EXPERT_PARALLEL_BACKENDS:
+        raise ConfigError(
+            f"expert_parallel_backend must be one of {', '.join(EXPERT_PARALLEL_BACKENDS)}, "
+            f"got {e.expert_parallel_backend!r}"
+        )
+    if e.expert_parallel < 1 or e.redundant_experts < 0 or e.eplb_interval < 0:
+        raise ConfigError(
+            "expert_parallel must be at least 1, redundant_experts and eplb_interval at least 0"
+        )
+    if e.expert_devices and len(e.expert_devices) != e.expert_parallel:
+        raise ConfigError(
+            f"--expert-devices names {len(e.expert_devices)} devices for "
+            f"--expert-parallel {e.expert_parallel} groups"
+        )
+    if not 0 <= e.node_rank < e.nnodes:
+        raise ConfigError(f"--node-rank {e.node_rank} is not in [0, --nnodes {e.nnodes})")
+    if e.nnodes > 1 and e.expert_parallel_backend == "local":
+        raise ConfigError("--nnodes above 1 needs --expert-parallel-backend gloo or nccl")
+    if e.expert_parallel % e.nnodes:
+        raise ConfigError(
+            f"--expert-parallel {e.expert_parallel} does not divide over --nnodes {e.nnodes}"
+        )
+    if not 0 < e.master_port < 65536:
+        raise ConfigError(f"--master-port must be a TCP port, got {e.master_port}")
 
 
 def _validate_workers(w: WorkersConfig) -> None:

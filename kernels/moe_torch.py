@@ -65,17 +65,41 @@ def grouped_experts(
     """sum over k of gates[t, k] * FFN_{experts[t, k]}(h[t]), each expert's rows in one call of
     `ffn` (`counts`: how many pairs each expert has, `expert_counts`). A token's k contributions
     are added in the order of its pairs sorted by expert."""
+    return combine_pairs(h, experts, gates, each_expert(ffn, counts))
+
+
+SortedFFN = Callable[[torch.Tensor], torch.Tensor]
+"""A step's pair rows sorted by expert [n, D] -> each row's expert FFN of it [n, D]."""
+
+
+def each_expert(ffn: ExpertFFN, counts: list[int]) -> SortedFFN:
+    """Sorted rows through `ffn`, one call per expert with rows (`counts[e]` of them)."""
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                out[start : start + n] = ffn(expert, rows[start : start + n])
+                start += n
+        return out
+
+    return run
+
+
+def combine_pairs(
+    h: torch.Tensor,  # [T, D]
+    experts: torch.Tensor,  # [T, k] int64
+    gates: torch.Tensor,  # [T, k] float32
+    run: SortedFFN,
+) -> torch.Tensor:  # [T, D], h's dtype
+    """Sorts the (token, expert) pairs by expert (stable), has `run` compute their rows, and
+    adds each pair's gated output to its token, in that sorted order: however `run` splits the
+    rows (one device, or expert-parallel groups), the sums are the same."""
     top_k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    order = torch.argsort(experts.reshape(-1), stable=True)  # pairs grouped by expert
     tokens = order // top_k
-    rows = h[tokens]  # [T*k, D], sorted by expert
-    out = torch.empty_like(rows)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n:
-            out[start : start + n] = ffn(expert, rows[start : start + n])
-            start += n
+    out = run(h[tokens])  # [T*k, D], sorted by expert
     out = out * gates.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(h).index_add_(0, tokens, out)
 

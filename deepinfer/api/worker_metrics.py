@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from deepinfer.engine.types import EngineStats, HandoffStats, WorkerStats
+from deepinfer.model.expert_placement import ExpertParallelStats
 from deepinfer.scheduler.prefill_types import PlannerStats
 
 
@@ -19,6 +20,8 @@ def worker_metrics(stats: EngineStats) -> Iterator[Metric]:
         yield from _handoffs(stats.handoffs)
     if stats.expert_load:
         yield _expert_load(stats.expert_load)
+    if stats.expert_parallel is not None:
+        yield from _expert_parallel(stats.expert_parallel)
 
 
 def _expert_load(load: tuple[tuple[int, ...], ...]) -> Metric:
@@ -32,6 +35,33 @@ def _expert_load(load: tuple[tuple[int, ...], ...]) -> Metric:
         for expert, n in enumerate(counts):
             family.add_metric([str(layer), str(expert)], n)
     return family
+
+
+def _expert_parallel(ep: ExpertParallelStats) -> Iterator[Metric]:
+    """Expert parallelism: the groups' shares and the balancer's placements."""
+    yield GaugeMetricFamily("deepinfer_moe_expert_groups", "Expert-parallel groups", ep.num_groups)
+    for name, doc, value in (
+        ("deepinfer_moe_eplb_rebalances", "Expert placements computed from recent load", ep.rebalances),
+        ("deepinfer_moe_placement_swaps", "Sparse layers whose experts were re-placed", ep.swaps),
+    ):  # fmt: skip
+        yield CounterMetricFamily(name, doc, value=value)
+    rows = CounterMetricFamily(
+        "deepinfer_moe_group_rows",
+        "(token, expert) rows each expert-parallel group computed",
+        labels=["group"],
+    )
+    for group, n in enumerate(ep.group_rows):
+        rows.add_metric([str(group)], n)
+    yield rows
+    replicas = GaugeMetricFamily(
+        "deepinfer_moe_expert_replicas",
+        "Replicas of each expert in its layer's current placement",
+        labels=["layer", "expert"],
+    )
+    for layer, counts in ep.replicas.items():
+        for expert, n in enumerate(counts):
+            replicas.add_metric([str(layer), str(expert)], n)
+    yield replicas
 
 
 def _handoffs(h: HandoffStats) -> Iterator[Metric]:

@@ -184,6 +184,7 @@ class AsyncEngine:
             prefill_counts=core.scheduler.prefill_counts(),
             speculative=core.scheduler.speculative_counts(),
             expert_load=core.expert_load(),
+            expert_parallel=core.experts.snapshot() if core.experts is not None else None,
         )
 
     async def disk_summary(self) -> DiskSummary | None:

@@ -24,10 +24,12 @@ from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.cache.host.tier import HostTier
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config, DiskCacheConfig, Retention
+from deepinfer.engine.build_experts import build_expert_parallel
 from deepinfer.engine.build_replicas import Replica, Replicas, build_replicas, capture_graphs
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
+from deepinfer.model.expert_parallel import ExpertParallel
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.model.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.cuda_graphs import DecodeGraphs
@@ -106,6 +108,8 @@ class EngineParts:
     """The decode group's runner (`runner` itself unless split)."""
     copier: KVCopier | None
     """Copies KV from the prefill pool to the decode pool (separate device groups only)."""
+    experts: ExpertParallel | None = None
+    """A Mixture of Experts' expert-parallel groups and balancer (None: experts all here)."""
 
 
 def build_engine(config: Config) -> EngineParts:
@@ -116,6 +120,8 @@ def build_engine(config: Config) -> EngineParts:
     if config.runtime.num_threads and groups.prefill.type == "cpu":
         torch.set_num_threads(config.runtime.num_threads)
     replicas = build_replicas(config, path, groups)
+    models = [replicas.prefill.model] + ([replicas.decode.model] if replicas.split else [])
+    experts = build_expert_parallel(config, path, models)
     tokenizer = build_tokenizer(replicas.loaded, path)
     recipe = ChatRecipe.for_tokenizer(tokenizer)
     max_len = serving_max_len(
@@ -146,6 +152,7 @@ def build_engine(config: Config) -> EngineParts:
         runner=runner,
         decode_runner=decode_runner,
         copier=build_copier(replicas),
+        experts=experts,
     )
     log.info("engine ready: %s", info)
     return parts

@@ -51,6 +51,7 @@ class EngineCore:
         self.runner = parts.runner
         self.decode_runner = parts.decode_runner
         self._copier = parts.copier
+        self.experts = parts.experts
 
     def lane_device(self, kind: StepKind) -> torch.device:
         """The device a lane's steps run on."""
@@ -146,6 +147,8 @@ class EngineCore:
             self.decode_runner.close()
         if self.disk is not None:
             self.disk.close()
+        if self.experts is not None:
+            self.experts.close()
 
     def prefill_stats(self) -> PlannerStats | None:
         """The prefill planner's queues and cost model (disaggregated mode only)."""

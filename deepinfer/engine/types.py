@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.cache.host.tier import HostTierStats
+from deepinfer.model.expert_placement import ExpertParallelStats
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
 from deepinfer.scheduler.admission import PrefillCounts
@@ -109,3 +110,5 @@ class EngineStats:
     expert_load: tuple[tuple[int, ...], ...] = ()
     """Mixture of Experts: per layer, tokens routed to each expert since start (a token counts
     once per expert it is routed to; a dense layer's entry is empty); () for a dense model."""
+    expert_parallel: ExpertParallelStats | None = None
+    """Expert-parallel groups and the balancer's work (None: every expert in one place)."""

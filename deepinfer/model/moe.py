@@ -19,6 +19,7 @@ from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
 from deepinfer.kernels.llama_layers_cpu import LayerWeights
 from deepinfer.kernels.moe_torch import (
     ExpertFFN,
+    combine_pairs,
     expert_counts,
     float_experts,
     grouped_experts,
@@ -26,6 +27,8 @@ from deepinfer.kernels.moe_torch import (
 )
 from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
+from deepinfer.model.expert_parallel import ExpertParallel
+from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
@@ -67,10 +70,13 @@ class ExpertLoad:
 class MoEBlock(nn.Module):
     quantized: tuple[list[BlockWeight], list[BlockWeight]] | None = None
     """Each expert's gate_up and down in blocks (native kernel), once `quantize` set them."""
+    parallel: ExpertParallel | None = None
+    """The expert-parallel groups that compute this layer's rows (None: all here)."""
 
-    def __init__(self, arch: ModelArch, moe: MoEArch) -> None:
+    def __init__(self, arch: ModelArch, moe: MoEArch, layer: int) -> None:
         super().__init__()
         self.moe = moe
+        self.layer = layer
         d, i, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
         self.router = Linear(d, e, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
@@ -109,7 +115,10 @@ class MoEBlock(nn.Module):
         )  # [T, k] each
         counts = expert_counts(experts, m.num_experts)
         self.load.add(counts)
-        if ops.name == "triton" and self.quantized is None:  # one launch for every expert
+        if self.parallel is not None:
+            parallel, layer = self.parallel, self.layer
+            out = combine_pairs(h, experts, gates, lambda rows: parallel.run(layer, rows, counts))
+        elif ops.name == "triton" and self.quantized is None:  # one launch for every expert
             from deepinfer.kernels.moe_grouped import triton_grouped_experts
 
             out = triton_grouped_experts(
@@ -128,7 +137,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__(arch, layer)
         if arch.moe is not None and arch.sparse(layer):
-            self.mlp = MoEBlock(arch, arch.moe)  # type: ignore[assignment]
+            self.mlp = MoEBlock(arch, arch.moe, layer)  # type: ignore[assignment]
 
     def native_weights(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
@@ -143,6 +152,39 @@ class MoEForCausalLM(LlamaForCausalLM):
     native one-call stack has no experts)."""
 
     decoder_layer = MoEDecoderLayer
+    expert_parallel: ExpertParallel | None = None
+
+    def blocks(self) -> dict[int, MoEBlock]:
+        """The sparse layers' expert blocks, by layer."""
+        return {
+            i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoEBlock)
+        }
+
+    def set_expert_parallel(self, parallel: ExpertParallel | None) -> None:
+        """Have `parallel`'s groups compute every sparse layer's experts (None: all here)."""
+        self.expert_parallel = parallel
+        for block in self.blocks().values():
+            block.parallel = parallel
+
+    def layer_ffns(self) -> dict[int, ExpertFFN]:
+        """Each sparse layer's experts' FFN on this model's weights and kernels."""
+        ops = self.attention_backend
+        return {layer: block.expert_ffn(ops) for layer, block in self.blocks().items()}
+
+    def expert_weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's float (gate_up [2I, D], down [D, I]) (experts in GGUF blocks are
+        served on CPU only, where groups read them in place)."""
+        block = self.blocks()[layer]
+        if block.quantized is not None:
+            raise ValueError("experts in GGUF blocks stay on the CPU")
+        return block.w_gate_up[expert], block.w_down[expert]
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
+        h = super().forward_hidden(batch, num_layers)
+        if self.expert_parallel is not None:
+            self.expert_parallel.end_step()
+        return h
 
     def expert_load(self) -> list[list[int]]:
         """Per layer, tokens routed to each expert since start (empty for a dense layer)."""

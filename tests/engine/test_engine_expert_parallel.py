@@ -1,0 +1,115 @@
+"""Expert parallelism through the engine: a tiny Qwen3-MoE served with its experts over 1, 2 and 4
+groups of this process, with replicas re-placed every few steps while requests stream, and over
+2 processes joined by torch.distributed (gloo), gives the same tokens as with every expert in
+one place; nothing is dropped and the ranks stop with the engine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_engine_moe import tiny_moe  # noqa: F401  (the module's fixture)
+from tiny_engine import run_all, tiny_config, token_prompts
+
+from deepinfer.api.metrics import ApiMetrics
+from deepinfer.config import Config, ExpertsConfig, WorkersConfig
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.build_experts import build_expert_parallel
+from deepinfer.errors import ConfigError
+from deepinfer.model import load_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def _config(path: Path, experts: ExpertsConfig) -> Config:
+    return tiny_config(path, WorkersConfig()).replace(experts=experts)
+
+
+async def _tokens(config: Config) -> tuple[list[list[int]], Any]:
+    async with AsyncEngine(config) as engine:
+        tokens = await run_all(engine, token_prompts())
+        engine.check_integrity()
+        stats = engine.stats()
+        metrics = ApiMetrics(engine).render().decode()
+    ep = stats.expert_parallel
+    if ep is not None:  # every routed row computed by exactly one group
+        assert sum(ep.group_rows) == sum(map(sum, stats.expert_load))
+        assert f"deepinfer_moe_expert_groups {float(ep.num_groups)}" in metrics
+        assert f"deepinfer_moe_placement_swaps_total {float(ep.swaps)}" in metrics
+        for layer, replicas in ep.replicas.items():
+            assert sum(replicas) == 8 + config.experts.redundant_experts
+            n = replicas[0]
+            assert f'deepinfer_moe_expert_replicas{{expert="0",layer="{layer}"}} {float(n)}' in metrics
+    return tokens, ep
+
+
+@pytest.fixture(scope="module")
+async def alone(tiny_moe: tuple[Path, Any]) -> list[list[int]]:  # noqa: F811
+    tokens, stats = await _tokens(_config(tiny_moe[0], ExpertsConfig()))
+    assert stats is None  # no groups without the flags
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "experts",
+    [
+        ExpertsConfig(expert_parallel=2),
+        ExpertsConfig(expert_parallel=4, redundant_experts=4, eplb_interval=3),
+        ExpertsConfig(expert_parallel=2, redundant_experts=2, eplb_interval=1),
+    ],
+    ids=["2-groups", "4-groups-eplb", "2-groups-eplb-every-step"],
+)
+async def test_groups_give_the_same_tokens(
+    tiny_moe: tuple[Path, Any],  # noqa: F811
+    alone: list[list[int]],
+    experts: ExpertsConfig,
+) -> None:
+    tokens, ep = await _tokens(_config(tiny_moe[0], experts))
+    assert tokens == alone
+    assert ep.steps > 10 and ep.num_groups == experts.expert_parallel
+    assert all(ep.group_rows)  # every group took part
+    if experts.eplb_interval:  # placements swapped while the requests streamed
+        assert ep.swaps > 0 and ep.rebalances == ep.steps // experts.eplb_interval
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_two_gloo_processes_give_the_same_tokens(
+    tiny_moe: tuple[Path, Any],  # noqa: F811
+    alone: list[list[int]],
+) -> None:
+    experts = ExpertsConfig(
+        expert_parallel=2, expert_parallel_backend="gloo", redundant_experts=2, eplb_interval=4,
+        master_port=_free_port(),
+    )  # fmt: skip
+    async with AsyncEngine(_config(tiny_moe[0], experts)) as engine:
+        tokens = await run_all(engine, token_prompts())
+        parallel = engine.core.experts
+        assert parallel is not None
+        (process,) = [p for p in multiprocessing.active_children() if p.name == "deepinfer-rank1"]
+        swaps = parallel.stats.swaps
+    assert tokens == alone
+    assert swaps > 0
+    process.join(10)
+    assert process.exitcode == 0  # told to stop by rank 0, not killed
+
+
+def test_experts_must_fill_the_groups(tiny_moe: tuple[Path, Any]) -> None:  # noqa: F811
+    path = tiny_moe[0]
+    model = load_model(path, torch.float32, "cpu").model
+    with pytest.raises(ConfigError, match="do not divide evenly"):
+        build_expert_parallel(_config(path, ExpertsConfig(expert_parallel=3)), path, [model])
+    # 8 experts and 1 replica fill 3 groups of 3 slots
+    config = _config(path, ExpertsConfig(expert_parallel=3, redundant_experts=1))
+    parallel = build_expert_parallel(config, path, [model])
+    assert parallel is not None and parallel.num_groups == 3
+    assert all(len(group) == 3 for group in parallel.placements[0].groups)
+    parallel.close()

@@ -1,0 +1,122 @@
+"""Expert parallelism never changes outputs: a model's logits with its experts over 1, 2 or 4
+groups, with or without replicas, and with placements swapped between steps, equal the logits
+with every expert in one place (bitwise where experts are served in GGUF blocks, whose rows are
+independent of each other; within float rounding for float32 matmuls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+from model_test_utils import SequentialBlocks, bind_fresh_caches, prefill_then_decode_logits
+from test_model_gguf_moe import write_moe_gguf
+from test_model_moe import COMMON, _prompts, randomize
+
+from deepinfer.model import load_model
+from deepinfer.model.expert_parallel import ExpertParallel, LocalGroup, initial_placement
+from deepinfer.model.expert_placement import Placement
+from deepinfer.model.moe import MoEForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_moe() -> Any:
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    randomize(hf_model)
+    return hf_model.eval()
+
+
+@pytest.fixture(scope="module")
+def q8_path(hf_moe: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ep") / "q8-experts.gguf"
+    write_moe_gguf(path, "qwen3_moe", hf_moe, experts_as=gguf.GGMLQuantizationType.Q8_0)
+    return path
+
+
+def _parallel(
+    model: MoEForCausalLM, groups: int, redundant: int = 0, eplb_interval: int = 0
+) -> ExpertParallel:
+    assert model.arch.moe is not None
+    ffns = model.layer_ffns()
+    parallel = ExpertParallel(
+        [LocalGroup(torch.device("cpu"), ffns.__getitem__) for _ in range(groups)],
+        {
+            layer: initial_placement(model.arch.moe.num_experts, groups, redundant)
+            for layer in model.blocks()
+        },
+        eplb_interval=eplb_interval,
+        redundant=redundant,
+    )
+    model.set_expert_parallel(parallel)
+    return parallel
+
+
+def _logits(model: Any) -> list[torch.Tensor]:
+    bind_fresh_caches(model, num_blocks=64, block_size=4)
+    return prefill_then_decode_logits(model, SequentialBlocks(4), _prompts(), [7, 2, 30])
+
+
+@pytest.mark.parametrize(
+    ("groups", "redundant", "eplb_interval"), [(2, 0, 0), (4, 0, 0), (2, 2, 1), (4, 4, 1)]
+)
+def test_groups_give_bitwise_the_same_logits(
+    q8_path: Path, groups: int, redundant: int, eplb_interval: int
+) -> None:
+    loaded = load_model(q8_path, torch.float32, "cpu")
+    model = loaded.model
+    assert isinstance(model, MoEForCausalLM) and model.blocks()[0].quantized is not None
+    want = _logits(model)
+    parallel = _parallel(model, groups, redundant, eplb_interval)
+    got = _logits(model)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    if eplb_interval:  # the placements moved between the steps of that run
+        assert parallel.stats.swaps > 0
+        assert all(p.num_groups == groups for p in parallel.placements.values())
+    parallel.close()
+
+
+def test_float_experts_over_groups_within_rounding(hf_moe: Any, tmp_path: Path) -> None:
+    hf_moe.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(tmp_path, torch.float32, "cpu").model
+    assert isinstance(model, MoEForCausalLM)
+    want = _logits(model)
+    parallel = _parallel(model, 4, redundant=4, eplb_interval=1)
+    got = _logits(model)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert parallel.stats.swaps > 0
+    parallel.close()
+
+
+def test_every_group_computes_only_its_experts(q8_path: Path) -> None:
+    """Groups hold disjoint experts (no replicas): each group's runs name only its own experts,
+    and every sorted row is computed exactly once."""
+    model = load_model(q8_path, torch.float32, "cpu").model
+    assert isinstance(model, MoEForCausalLM)
+    parallel = _parallel(model, 4)
+    seen: list[tuple[int, int, int, int]] = []
+    for g, group in enumerate(parallel.groups):
+        original = group.run
+
+        def spy(
+            layer: int, rows: torch.Tensor, slices: Any, g: int = g, run: Any = original
+        ) -> Any:
+            seen.extend((g, s.expert, s.start, s.count) for s in slices)
+            return run(layer, rows, slices)
+
+        group.run = spy  # type: ignore[method-assign]
+    _logits(model)
+    placement: Placement = parallel.placements[0]
+    assert {g for g, *_ in seen} == {0, 1, 2, 3}
+    assert all(expert in placement.groups[g] for g, expert, _, _ in seen)
+    parallel.close()
