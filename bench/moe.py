@@ -8,7 +8,8 @@ over a ranking of the experts that drifts (a few neighbouring ranks swap every s
 experts change over time. Reported per mode, over the steps after the first window: the mean
 max/mean group load (tokens each group computes; a replicated expert's tokens split evenly over
 its replicas) and the step time of the layer's experts, the slowest group's: each group's
-grouped FFN (its experts' rows, one matmul pair each, float32, one thread) is timed on its own,
+runs of rows as the serving path splits them (`split_rows`; one matmul pair each, float32, one
+thread) are timed on their own,
 as the groups run in parallel on their own devices (this 2-core machine times them in turn).
 
     python bench/moe.py
@@ -26,8 +27,9 @@ import torch
 from common import provenance
 
 from deepinfer.model.expert_placement import (
-    Placement,
+    ExpertSlice,
     balanced_placement,
+    split_rows,
     static_placement,
 )
 
@@ -46,29 +48,13 @@ def drift(ranking: list[int], rng: random.Random, swaps: int) -> None:
         ranking[i], ranking[i + 1] = ranking[i + 1], ranking[i]
 
 
-def group_rows(placement: Placement, counts: list[int]) -> list[list[tuple[int, int]]]:
-    """Per group, (expert, rows it computes): an expert's rows split evenly over its replicas."""
-    replicas = placement.replicas(len(counts))
-    seen = [0] * len(counts)
-    out = []
-    for group in placement.groups:
-        rows = []
-        for e in group:
-            share = counts[e] // replicas[e] + (seen[e] < counts[e] % replicas[e])
-            seen[e] += 1
-            rows.append((e, share))
-        out.append(rows)
-    return out
-
-
-def group_time(rows: list[tuple[int, int]], w1: torch.Tensor, w2: torch.Tensor) -> float:
-    """Seconds for one group's experts on their rows (one gate_up and one down matmul each)."""
+def group_time(slices: list[ExpertSlice], w1: torch.Tensor, w2: torch.Tensor) -> float:
+    """Seconds for one group's runs of rows (one gate_up and one down matmul each)."""
     start = time.perf_counter()
-    for e, n in rows:
-        if n:
-            x = torch.randn(n, w1.shape[2])
-            gate, up = (x @ w1[e].t()).chunk(2, dim=-1)
-            (torch.nn.functional.silu(gate) * up) @ w2[e].t()
+    for s in slices:
+        x = torch.randn(s.count, w1.shape[2])
+        gate, up = (x @ w1[s.expert].t()).chunk(2, dim=-1)
+        (torch.nn.functional.silu(gate) * up) @ w2[s.expert].t()
     return time.perf_counter() - start
 
 
@@ -108,7 +94,7 @@ def main() -> None:
             for mode, placement in (("EPLB off", static), ("EPLB on", balanced)):
                 stats[mode]["imbalance"].append(placement.imbalance(counts))
                 if step % ns.time_every == 0:
-                    times = [group_time(r, w1, w2) for r in group_rows(placement, counts)]
+                    times = [group_time(g, w1, w2) for g in split_rows(placement, counts)]
                     stats[mode]["time"].append(max(times))
         window = [w + c for w, c in zip(window, counts, strict=True)]
         if (step + 1) % ns.interval == 0:

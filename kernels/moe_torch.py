@@ -34,13 +34,19 @@ def route(
     routing: str = "softmax_topk",
     renormalize: bool = True,
     scaling: float = 1.0,
+    bias: torch.Tensor | None = None,  # [E]: added to the scores that choose (sigmoid_topk)
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32 gates, [T, k] int64 experts)
     """Each token's `top_k` experts and their gates, computed in float32.
 
     `softmax_topk`: softmax over every expert, the top k probabilities (then divided by their sum
-    with `renormalize`); `topk_softmax`: the top k logits, then a softmax over them alone.
-    Ties go to the lower expert index (torch.topk on CPU and CUDA alike)."""
+    with `renormalize`); `topk_softmax`: the top k logits, then a softmax over them alone;
+    `sigmoid_topk`: `sigmoid_topk` below. Ties go to the lower expert index (torch.topk on CPU
+    and CUDA alike)."""
     logits = logits.float()
+    if routing == "sigmoid_topk":
+        return sigmoid_topk(logits, top_k, renormalize, scaling, bias, num_groups, topk_groups)
     if routing == "topk_softmax":
         top, experts = torch.topk(logits, top_k, dim=-1)
         gates = torch.softmax(top, dim=-1)
@@ -53,6 +59,35 @@ def route(
     if scaling != 1.0:
         gates = gates * scaling
     return gates, experts
+
+
+def sigmoid_topk(
+    logits: torch.Tensor,  # [T, E] float32
+    top_k: int,
+    renormalize: bool,
+    scaling: float,
+    bias: torch.Tensor | None,
+    num_groups: int,
+    topk_groups: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router: scores sigmoid(logits); experts chosen by score + bias, only among
+    the `topk_groups` groups (of `num_groups` equal ones) whose two best choosing scores sum
+    highest; gates are the chosen experts' scores (divided by their sum with `renormalize`,
+    then times `scaling`)."""
+    scores = torch.sigmoid(logits)
+    choosing = scores if bias is None else scores + bias.float()
+    if topk_groups < num_groups:
+        t, e = choosing.shape
+        grouped = choosing.view(t, num_groups, e // num_groups)
+        best = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)  # [T, G]
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(best, topk_groups, dim=-1).indices, True)
+        choosing = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+    experts = torch.topk(choosing, top_k, dim=-1).indices
+    gates = scores.gather(1, experts)
+    if renormalize:
+        gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+    return gates * scaling, experts
 
 
 def grouped_experts(

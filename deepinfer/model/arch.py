@@ -7,7 +7,7 @@ from typing import Literal
 
 from deepinfer.errors import ModelLoadError
 
-Routing = Literal["softmax_topk", "topk_softmax"]
+Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,10 @@ class MoEArch:
     expert_intermediate_size: int
     routing: Routing = "softmax_topk"
     """`softmax_topk`: softmax over every expert's logit (float32), then the top k
-    (Mixtral, Qwen-MoE); `topk_softmax`: the top k logits, then a softmax over them alone."""
+    (Mixtral, Qwen-MoE); `topk_softmax`: the top k logits, then a softmax over them alone;
+    `sigmoid_topk` (DeepSeek-V3, dots.llm1): each expert's sigmoid score, the top k chosen by
+    score plus a learned bias (`score_bias`) within the best `topk_groups` of `num_groups`
+    groups, gated by their scores."""
     renormalize: bool = True
     """The top k gates are divided by their sum (Mixtral; Qwen's `norm_topk_prob`)."""
     routed_scaling: float = 1.0
@@ -32,12 +35,30 @@ class MoEArch:
     """The shared expert's output is scaled by sigmoid(a learned linear of the input)."""
     dense_layers: tuple[int, ...] = ()
     """Layers with a plain FFN of `ModelArch.intermediate_size` instead."""
+    score_bias: bool = False
+    """The router has a per-expert bias added to the scores that choose (never to the gates:
+    DeepSeek's `e_score_correction_bias`)."""
+    num_groups: int = 1
+    """Experts in this many equal groups (`sigmoid_topk`): a group ranks by the sum of its two
+    best scores and tokens choose only among the best `topk_groups` groups' experts."""
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts or self.expert_intermediate_size < 1:
             raise ModelLoadError(
                 f"invalid MoE metadata: top_k={self.top_k} of {self.num_experts} experts of "
                 f"width {self.expert_intermediate_size}"
+            )
+        groups, chosen = self.num_groups, self.topk_groups
+        if (
+            groups < 1
+            or self.num_experts % groups
+            or not 1 <= chosen <= groups
+            or self.top_k > chosen * (self.num_experts // groups)
+        ):
+            raise ModelLoadError(
+                f"invalid MoE metadata: {self.num_experts} experts in {groups} groups, top "
+                f"{chosen} groups, top {self.top_k} experts"
             )
 
 
@@ -50,7 +71,8 @@ class ModelArch:
     """
 
     architecture: str
-    """Registry key: `llama`, `qwen2`, `qwen3`, `gemma3`, `mixtral`, `qwen2_moe`, `qwen3_moe`."""
+    """Registry key: `llama`, `qwen2`, `qwen3`, `gemma3`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
+    `dots1`."""
     num_layers: int
     hidden_size: int
     intermediate_size: int

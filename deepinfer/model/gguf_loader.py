@@ -23,7 +23,9 @@ import torch
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, dequantize
-from deepinfer.model.arch import ModelArch, MoEArch
+from deepinfer.model.arch import ModelArch
+from deepinfer.model.gguf_moe import EXPERT_STACKS, MOE_LAYER_NAMES, moe_fields
+from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 from deepinfer.model.registry import check_architecture
 
 GGUF_MAGIC = b"GGUF"
@@ -42,50 +44,6 @@ the same values (`q5_0_as_q8_0`)."""
 KERNEL_FORMAT_NAMES = tuple(_KERNEL_FORMATS)
 """The GGUF types served in their blocks, for messages."""
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-Q4_0_BLOCK_BYTES = 18
-"""fp16 d, then 16 bytes of nibbles (the same layout as Q4_1's); a weight is d * (q - 8)."""
-
-
-def q4_0_as_q4_1(blocks: np.ndarray) -> np.ndarray | None:
-    """Q4_0 blocks (uint8 [N, K / 32 * 18]) as Q4_1 blocks of the same values: the same d and
-    nibbles, and the offset m = -8 d, exact in fp16 (a power-of-two multiple), so d * q + m is
-    d * (q - 8) to the bit in float32. None where some -8 d overflows fp16 (a scale over 8188:
-    such a matrix is dequantized instead). Q4_1 blocks are 20 bytes for Q4_0's 18."""
-    n, width = blocks.shape
-    raw = blocks.reshape(n, width // Q4_0_BLOCK_BYTES, Q4_0_BLOCK_BYTES)
-    d = raw[..., :2].copy().view(np.float16)
-    with np.errstate(over="ignore"):
-        m = (d.astype(np.float32) * -8.0).astype(np.float16)
-    if not np.isfinite(m[np.isfinite(d)]).all():
-        return None
-    out = np.empty((n, raw.shape[1], QuantFormat.Q4_1.block_bytes), dtype=np.uint8)
-    out[..., :2] = raw[..., :2]
-    out[..., 2:4] = m.view(np.uint8)
-    out[..., 4:] = raw[..., 2:]
-    return out.reshape(n, -1)
-
-
-Q5_0_BLOCK_BYTES = 22
-"""fp16 d, the 32 weights' fifth bits (a little-endian uint32), 16 bytes of nibbles as Q4_0's;
-a weight is d * (q - 16)."""
-
-
-def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks (uint8 [N, K / 32 * 22]) as Q8_0 blocks of the same values: the same d and
-    the int8 q - 16 (in [-16, 15]), so d * (q - 16) is the same float32 product, to the bit.
-    Q8_0 blocks are 34 bytes for Q5_0's 22."""
-    n, width = blocks.shape
-    raw = blocks.reshape(n, width // Q5_0_BLOCK_BYTES, Q5_0_BLOCK_BYTES)
-    fifth = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")  # [N, nb, 32]
-    nibbles = raw[..., 6:]
-    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weights 0-15, then 16-31
-    q = (low | (fifth << 4)).astype(np.int8) - np.int8(16)
-    out = np.empty((n, raw.shape[1], QuantFormat.Q8_0.block_bytes), dtype=np.uint8)
-    out[..., :2] = raw[..., :2]
-    out[..., 2:] = q.view(np.uint8)
-    return out.reshape(n, -1)
-
-
 _REPACKED = {"Q4_0": q4_0_as_q4_1, "Q5_0": q5_0_as_q8_0}
 """The GGUF types served as blocks of another format, and how (None: not this matrix)."""
 
@@ -110,20 +68,8 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    # Mixture of Experts (the experts themselves: `_EXPERT_STACKS`)
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    **MOE_LAYER_NAMES,
 }
-_EXPERT_STACKS = {
-    "ffn_gate_exps.weight": "gate_proj",
-    "ffn_up_exps.weight": "up_proj",
-    "ffn_down_exps.weight": "down_proj",
-}
-"""A layer's experts, stacked in one 3D tensor each ([E, rows, columns]): read per expert as
-`layers.N.mlp.experts.j.<proj>.weight`."""
 _GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 """llama.cpp's architecture names served under another registry key (and Mixtral is llama.cpp's
 `llama` with experts)."""
@@ -259,32 +205,8 @@ def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        moe=_moe_fields(reader, key, name, tensors) if experts else None,
+        moe=moe_fields(functools.partial(_field, reader), key, name, tensors) if experts else None,
         **(_gemma3_fields(reader, hidden, num_heads) if name == "gemma3" else {}),
-    )
-
-
-def _moe_fields(reader: gguf.GGUFReader, key: str, name: str, tensors: dict[str, Any]) -> MoEArch:
-    """The experts, as llama.cpp reads them: top k of `expert_count`, gates renormalized for
-    Mixtral and Qwen3-MoE but not Qwen2-MoE (whose shared expert is sigmoid-gated); a layer
-    without a router is dense."""
-    if "blk.0.ffn_gate.0.weight" in tensors:
-        raise ModelLoadError("experts stored one tensor each (an old Mixtral GGUF) are not read")
-    layers = int(_field(reader, f"{key}.block_count"))
-    shared = int(_field(reader, f"{key}.expert_shared_feed_forward_length", 0) or 0)
-    width = _field(reader, f"{key}.expert_feed_forward_length", 0) or _field(
-        reader, f"{key}.feed_forward_length"
-    )
-    return MoEArch(
-        num_experts=int(_field(reader, f"{key}.expert_count")),
-        top_k=int(_field(reader, f"{key}.expert_used_count")),
-        expert_intermediate_size=int(width),
-        renormalize=name != "qwen2_moe",
-        shared_intermediate_size=shared,
-        shared_gate=shared > 0,
-        dense_layers=tuple(
-            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
-        ),
     )
 
 
@@ -333,8 +255,8 @@ class GGUFTensorSource:
         """An expert's matrix -> (its layer's stacked tensor, its index there)."""
         for t in reader.tensors:
             parts = t.name.split(".", 2)
-            if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_STACKS:
-                proj = _EXPERT_STACKS[parts[2]]
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_STACKS:
+                proj = EXPERT_STACKS[parts[2]]
                 for j in range(int(t.shape[-1])):  # GGUF shapes run innermost first
                     self._experts[f"layers.{parts[1]}.mlp.experts.{j}.{proj}.weight"] = (t, j)
             else:

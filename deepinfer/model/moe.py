@@ -79,6 +79,10 @@ class MoEBlock(nn.Module):
         self.layer = layer
         d, i, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
         self.router = Linear(d, e, bias=False)
+        self.router_bias = (
+            nn.Parameter(torch.empty(e), requires_grad=False) if moe.score_bias else None
+        )
+        """Added to the scores that choose experts, never to the gates (`MoEArch.score_bias`)."""
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.shared = SharedExpert(arch, moe) if moe.shared_intermediate_size else None
@@ -111,8 +115,9 @@ class MoEBlock(nn.Module):
     def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:  # [T, D]
         m = self.moe
         gates, experts = route(
-            self.router(h), m.top_k, m.routing, m.renormalize, m.routed_scaling
-        )  # [T, k] each
+            self.router(h), m.top_k, m.routing, m.renormalize, m.routed_scaling,
+            self.router_bias, m.num_groups, m.topk_groups,
+        )  # fmt: skip  # [T, k] each
         counts = expert_counts(experts, m.num_experts)
         self.load.add(counts)
         if self.parallel is not None:

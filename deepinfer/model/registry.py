@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "mixtral": "deepinfer.model.moe:MoEForCausalLM",
     "qwen2_moe": "deepinfer.model.moe:MoEForCausalLM",
     "qwen3_moe": "deepinfer.model.moe:MoEForCausalLM",
+    "dots1": "deepinfer.model.moe:MoEForCausalLM",
 }
 
 

@@ -44,7 +44,7 @@ def _rope(config: dict[str, Any]) -> float:
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 """Hugging Face model types served under another registry key."""
 _QKV_BIAS = ("qwen2", "qwen2_moe")
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1")
 
 
 def _gemma3(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -92,7 +92,10 @@ _MIXTRAL_EXPERT = {".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.we
 
 
 def canonical_name(name: str, model_type: str) -> str:
-    """A checkpoint tensor's canonical name (Mixtral's experts and router under Qwen-MoE's)."""
+    """A checkpoint tensor's canonical name (Mixtral's experts and router, DeepSeek-style shared
+    experts, under Qwen-MoE's)."""
+    if ".mlp.shared_experts." in name:
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     if model_type == "mixtral" and ".block_sparse_moe." in name:
         for theirs, ours in _MIXTRAL_NAMES:
             name = name.replace(theirs, ours)
@@ -103,7 +106,9 @@ def canonical_name(name: str, model_type: str) -> str:
 
 
 def _moe(config: dict[str, Any], name: str, num_layers: int) -> MoEArch:
-    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config."""
+    """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or dots.llm1 config."""
+    if name == "dots1":
+        return _deepseek_moe(config, num_layers)
     # Qwen's own configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
     num_experts = int(config.get("num_experts") or config["num_local_experts"])
     if name == "mixtral":
@@ -127,6 +132,26 @@ def _moe(config: dict[str, Any], name: str, num_layers: int) -> MoEArch:
     )
 
 
+def _deepseek_moe(config: dict[str, Any], num_layers: int) -> MoEArch:
+    """DeepSeek-V3-style experts (dots.llm1): sigmoid scores with a choosing bias, grouped top
+    k, ungated shared experts, the first `first_k_dense_replace` layers dense."""
+    width = int(config["moe_intermediate_size"])
+    dense = min(int(config.get("first_k_dense_replace") or 0), num_layers)
+    return MoEArch(
+        num_experts=int(config["n_routed_experts"]),
+        top_k=int(config["num_experts_per_tok"]),
+        expert_intermediate_size=width,
+        routing="sigmoid_topk",
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        routed_scaling=float(config.get("routed_scaling_factor") or 1.0),
+        shared_intermediate_size=width * int(config.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(dense)),
+        score_bias=True,
+        num_groups=int(config.get("n_group") or 1),
+        topk_groups=int(config.get("topk_group") or 1),
+    )
+
+
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
     """The full-attention layers' RoPE parameters (transformers 5 nests them per layer type)."""
     params = config.get("rope_parameters") or {}
@@ -135,13 +160,15 @@ def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
 
 def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
     """The architecture of a Hugging Face config (llama, qwen2, qwen3, gemma3_text, mixtral,
-    qwen2_moe, qwen3_moe)."""
+    qwen2_moe, qwen3_moe, dots1)."""
     model_type = str(config.get("model_type", "<missing model_type>"))
     name = _MODEL_TYPES.get(model_type, model_type)
     check_architecture(name)
     unsupported = [key for key in ("mlp_bias", "use_sliding_window") if config.get(key)]
     if name == "mixtral" and config.get("sliding_window"):
         unsupported.append("sliding_window")
+    if "sliding_attention" in (config.get("layer_types") or ()) and name != "gemma3":
+        unsupported.append("sliding_attention layers")
     if config.get("attention_bias") and name not in _QKV_BIAS:
         unsupported.append("attention_bias (output projection bias)")
     if unsupported:
@@ -164,7 +191,7 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings")) or not has_lm_head,
             qkv_bias=name in _QKV_BIAS,
-            qk_norm=name in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=name in ("qwen3", "qwen3_moe", "gemma3", "dots1"),
             moe=_moe(config, name, num_layers) if name in _MOE else None,
             **(_gemma3(config, num_layers) if name == "gemma3" else {}),
         )

@@ -125,6 +125,8 @@ def _expert_state(moe: MoEArch, take: _Taker, i: int) -> StateDict:
         ),
         mlp + "w_down": torch.stack([take(e + "down_proj.weight") for e in experts]),
     }
+    if moe.score_bias:  # chooses experts, kept in float32 as DeepSeek's reference does
+        state[mlp + "router_bias"] = take(mlp + "gate.e_score_correction_bias").float()
     if moe.shared_intermediate_size:
         shared = mlp + "shared_expert."
         state[mlp + "shared.gate_up_proj.weight"] = take(

@@ -5,8 +5,10 @@ one place; nothing is dropped and the ranks stop with the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,9 @@ async def _tokens(config: Config) -> tuple[list[list[int]], Any]:
         for layer, replicas in ep.replicas.items():
             assert sum(replicas) == 8 + config.experts.redundant_experts
             n = replicas[0]
-            assert f'deepinfer_moe_expert_replicas{{expert="0",layer="{layer}"}} {float(n)}' in metrics
+            assert (
+                f'deepinfer_moe_expert_replicas{{expert="0",layer="{layer}"}} {float(n)}' in metrics
+            )
     return tokens, ep
 
 
@@ -113,3 +117,35 @@ def test_experts_must_fill_the_groups(tiny_moe: tuple[Path, Any]) -> None:  # no
     assert parallel is not None and parallel.num_groups == 3
     assert all(len(group) == 3 for group in parallel.placements[0].groups)
     parallel.close()
+
+
+async def test_a_second_machine_joins_with_the_serve_command(
+    tiny_moe: tuple[Path, Any],  # noqa: F811
+    alone: list[list[int]],
+) -> None:
+    """Two "machines" (nodes) of one rank each: node 1 runs `deepinfer serve --node-rank 1`, as
+    on another host, which starts its rank and waits; node 0 serves. The tokens are the same and
+    node 1's command ends when node 0 shuts down."""
+    path, port = tiny_moe[0], _free_port()
+    flags = [
+        "--expert-parallel", "2", "--expert-parallel-backend", "gloo", "--nnodes", "2",
+        "--master-port", str(port), "--dtype", "float32",
+    ]  # fmt: skip
+    node1 = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deepinfer.cli", "serve", "--model", str(path), *flags,
+        "--node-rank", "1", "--no-disk-cache",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    experts = ExpertsConfig(
+        expert_parallel=2, expert_parallel_backend="gloo", nnodes=2, master_port=port
+    )
+    try:
+        tokens, ep = await _tokens(_config(path, experts))
+        out, _ = await asyncio.wait_for(node1.communicate(), timeout=60)
+    finally:
+        if node1.returncode is None:
+            node1.kill()
+            await node1.wait()
+    assert tokens == alone
+    assert ep.group_rows[1] > 0  # node 1's rank computed rows
+    assert node1.returncode == 0, out.decode()

@@ -22,13 +22,17 @@ from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
 
 transformers = pytest.importorskip("transformers")
 
-GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "dots1": "dots1"}
 MOE_TO_GGUF = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
 }
 
 
@@ -73,10 +77,18 @@ def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if kind != "mixtral":
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        writer.add_key_length(cfg.head_dim if kind == "qwen3_moe" else 16)
-        writer.add_value_length(cfg.head_dim if kind == "qwen3_moe" else 16)
+        writer.add_key_length(cfg.head_dim if kind in ("qwen3_moe", "dots1") else 16)
+        writer.add_value_length(cfg.head_dim if kind in ("qwen3_moe", "dots1") else 16)
     if kind == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if kind == "dots1":  # as llama.cpp's converter writes dots.llm1 (groups: DeepSeek's keys)
+        writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        writer.add_expert_shared_count(cfg.n_shared_experts)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
     for name, array in _tensors(arch, hf_model).items():
         quantize = name.endswith(("gate_exps.weight", "up_exps.weight", "shexp.weight"))
         if (
@@ -93,7 +105,7 @@ def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None)
     writer.close()
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
@@ -109,9 +121,19 @@ def test_arch_from_the_metadata(tiny: Any) -> None:
     arch = gguf_arch(open_gguf(path))
     assert arch.architecture == kind and arch.moe is not None
     assert arch.moe.top_k == hf_model.config.num_experts_per_tok
-    assert arch.moe.dense_layers == ((1,) if kind == "qwen2_moe" else ())
+    assert arch.moe.dense_layers == {"qwen2_moe": (1,), "dots1": (0,)}.get(kind, ())
     assert arch.moe.renormalize == (kind != "qwen2_moe")
-    assert arch.moe.shared_intermediate_size == (40 if kind == "qwen2_moe" else 0)
+    if kind == "dots1":
+        m = arch.moe
+        assert (m.routing, m.score_bias, m.num_groups, m.topk_groups) == (
+            "sigmoid_topk",
+            True,
+            4,
+            2,
+        )
+        assert (m.routed_scaling, m.shared_intermediate_size, m.shared_gate) == (2.5, 48, False)
+    if kind != "dots1":
+        assert arch.moe.shared_intermediate_size == (40 if kind == "qwen2_moe" else 0)
 
 
 def test_logits_match_transformers(tiny: Any) -> None:
@@ -132,10 +154,10 @@ def test_quantized_experts_read_one_at_a_time(tiny: Any, tmp_path: Path) -> None
     arch = gguf_arch(reader)
     source = GGUFTensorSource(reader, arch)
     assert arch.moe is not None
-    stack = next(t for t in reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    stack = next(t for t in reader.tensors if t.name == "blk.2.ffn_up_exps.weight")
     whole = gguf.quants.dequantize(stack.data, stack.tensor_type)  # [E, I, D]
     for j in range(arch.moe.num_experts):
-        got = source.load(f"layers.0.mlp.experts.{j}.up_proj.weight").numpy()
+        got = source.load(f"layers.2.mlp.experts.{j}.up_proj.weight").numpy()
         np.testing.assert_array_equal(got, whole[j])
     load_model(path, torch.float32, "cpu")  # and the whole model loads
 

@@ -5,6 +5,7 @@ against a per-token loop."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,13 @@ def _config(kind: str) -> Any:
             num_experts_per_tok=3, shared_expert_intermediate_size=40, mlp_only_layers=[1],
             norm_topk_prob=False, tie_word_embeddings=True,
         )  # fmt: skip
+    if kind == "dots1":  # DeepSeek-V3 routing: sigmoid, choosing bias, 2 of 4 groups; dense layer 0
+        return transformers.Dots1Config(
+            **COMMON, head_dim=32, intermediate_size=80, moe_intermediate_size=24,
+            n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, n_group=4,
+            topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+            routed_scaling_factor=2.5, tie_word_embeddings=False,
+        )  # fmt: skip
     return transformers.Qwen3MoeConfig(
         **COMMON, head_dim=32, intermediate_size=80, moe_intermediate_size=24, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
@@ -70,9 +78,12 @@ def randomize(hf_model: Any) -> None:
                 param.copy_(0.2 * torch.randn_like(param))
             elif "embed" in name or "lm_head" in name:
                 param.copy_(0.5 * torch.randn_like(param))
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # chooses experts, never gates them
+                buffer.copy_(0.3 * torch.randn_like(buffer))
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
@@ -99,11 +110,21 @@ def test_arch_read_from_the_config(tiny: Any) -> None:
     assert arch.architecture == kind and arch.moe is not None
     c = hf_model.config
     assert arch.moe.top_k == c.num_experts_per_tok
-    assert arch.moe.num_experts == (getattr(c, "num_experts", None) or c.num_local_experts)
-    assert arch.moe.dense_layers == ((1,) if kind == "qwen2_moe" else ())
+    assert arch.moe.num_experts == (6 if kind == "mixtral" else 8)
+    dense = {"qwen2_moe": (1,), "dots1": (0,)}.get(kind, ())
+    assert arch.moe.dense_layers == dense
     assert arch.moe.shared_gate == (kind == "qwen2_moe")
     assert arch.moe.renormalize == (kind != "qwen2_moe")
-    assert [arch.sparse(i) for i in range(3)] == [True, kind != "qwen2_moe", True]
+    assert [arch.sparse(i) for i in range(3)] == [i not in dense for i in range(3)]
+    if kind == "dots1":
+        m = arch.moe
+        assert (m.routing, m.score_bias, m.num_groups, m.topk_groups) == (
+            "sigmoid_topk",
+            True,
+            4,
+            2,
+        )
+        assert (m.routed_scaling, m.shared_intermediate_size) == (2.5, 48)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
@@ -185,6 +206,32 @@ def test_every_expert_counts(tiny: Any) -> None:
     bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
     (after,) = run_step(model, SequentialBlocks(BLOCK_SIZE), [(0, prompt, 0)], all_rows=True)
     assert (after - before).abs().max() > 10 * 1e-4  # ten times the tolerance
+
+
+@pytest.mark.parametrize("tiny", ["dots1"], indirect=True)
+def test_the_choosing_bias_and_the_groups_count(tiny: Any) -> None:
+    """DeepSeek-V3 routing: without the choosing bias, or choosing among every group, other
+    experts are picked and the logits move far past the comparison's tolerance."""
+    _, directory, _ = tiny
+    prompt = _prompts()[2]
+
+    def logits(change: Any) -> torch.Tensor:
+        model: Any = load_model(directory, torch.float32, "cpu").model
+        for layer in model.layers[1:]:
+            change(layer.mlp)
+        bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
+        (out,) = run_step(model, SequentialBlocks(BLOCK_SIZE), [(0, prompt, 0)], all_rows=True)
+        return out
+
+    def no_bias(block: Any) -> None:
+        block.router_bias.zero_()
+
+    def all_groups(block: Any) -> None:
+        block.moe = dataclasses.replace(block.moe, topk_groups=block.moe.num_groups)
+
+    want = logits(lambda block: None)
+    assert (logits(no_bias) - want).abs().max() > 10 * 1e-4
+    assert (logits(all_groups) - want).abs().max() > 10 * 1e-4
 
 
 def test_an_unsupported_mixtral_window_is_refused(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from deepinfer.kernels.quant_matmul import (
     dequantize_reference,
 )
 from deepinfer.model import load_model, model_fingerprint
-from deepinfer.model.gguf_loader import q4_0_as_q4_1, q5_0_as_q8_0
+from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 
 transformers = pytest.importorskip("transformers")
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
