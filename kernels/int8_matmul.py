@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu_native import native_library
+from .fixed_sum import FixedSumWeight, fixed_sum_linear
 from .quant_matmul import (
     QK,
     QuantFormat,
@@ -90,9 +91,9 @@ class FixedOrderWeight:
 
 NativeWeight = QuantizedWeight | Int8PackedWeight
 """A weight served by a native CPU kernel: GGUF blocks (float kernel) or repacked (int8 kernel)."""
-BlockWeight = NativeWeight | FixedOrderWeight
+BlockWeight = NativeWeight | FixedOrderWeight | FixedSumWeight
 """A weight served by a kernel of its own: a native one's, or a float weight for the
-fixed-order Triton matmul."""
+fixed-order Triton matmul or the fixed-sum CPU one."""
 
 
 def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
@@ -101,6 +102,8 @@ def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
         from .matmul import matmul  # Triton: imported only where such a weight is served
 
         return matmul(x, w.weight.t())
+    if isinstance(w, FixedSumWeight):
+        return fixed_sum_linear(x, w.weight)
     return int8_linear(x, w) if isinstance(w, Int8PackedWeight) else quant_linear(x, w)
 
 

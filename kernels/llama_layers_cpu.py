@@ -25,6 +25,7 @@ import torch
 
 from .cpu_abi import LlamaLayer, LlamaStep, Matrix
 from .cpu_native import native_library
+from .fixed_sum import FixedSumWeight
 from .int8_matmul import BlockWeight, FixedOrderWeight, Int8PackedWeight
 from .paged_attention_cpu import MAX_GROUP, MAX_HEAD_DIM, NATIVE_KV_DTYPES
 from .paged_attention_torch import PagedAttentionPlan
@@ -77,8 +78,8 @@ class StackShape:
 
 
 def _matrix(w: BlockWeight, out_features: int, in_features: int) -> Matrix:
-    if isinstance(w, FixedOrderWeight):
-        raise ValueError("a float matrix (the fixed-order Triton matmul's) is no native kernel's")
+    if isinstance(w, FixedOrderWeight | FixedSumWeight):
+        raise ValueError("a float matrix (a fixed-order matmul's) is no native kernel's")
     int8 = isinstance(w, Int8PackedWeight)
     data = w.packed if isinstance(w, Int8PackedWeight) else w.blocks
     if (w.out_features, w.in_features) != (out_features, in_features):

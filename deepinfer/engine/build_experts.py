@@ -14,6 +14,7 @@ import torch
 from deepinfer.config import Config
 from deepinfer.engine.build_replicas import load
 from deepinfer.errors import ConfigError
+from deepinfer.kernels.int8_matmul import FixedOrderWeight, block_linear
 from deepinfer.model.expert_parallel import (
     ExpertGroup,
     ExpertParallel,
@@ -92,14 +93,21 @@ def build_expert_parallel(
     return parallel
 
 
-def _group(model: MoEForCausalLM, device: torch.device) -> LocalGroup:
+def _group(model: MoEForCausalLM, device: torch.device, fixed_order: bool = False) -> LocalGroup:
+    """A group on `device` reading `model`'s experts (copies of them on another device, through
+    the fixed-order matmul in the batch-invariant mode)."""
     here = model.embed_tokens.weight.device
     return LocalGroup(
         device,
         model.layer_ffns().__getitem__,
         weights=None if device == here else model.expert_weights,
         activation=model.attention_backend.silu_mul,
+        linear=_fixed_order_linear if fixed_order else None,
     )
+
+
+def _fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return block_linear(x, FixedOrderWeight(w))
 
 
 def local_groups(config: Config, model: MoEForCausalLM) -> list[ExpertGroup]:
@@ -114,7 +122,8 @@ def local_groups(config: Config, model: MoEForCausalLM) -> list[ExpertGroup]:
         devices = [here] * e.expert_parallel
     if any(d.type != here.type for d in devices):
         raise ConfigError(f"--expert-devices must be {here.type} devices, like the model's")
-    return [_group(model, device) for device in devices]
+    fixed_order = config.model.batch_invariant
+    return [_group(model, device, fixed_order) for device in devices]
 
 
 def start_ranks(config: Config, path: Path) -> ExpertRanks:

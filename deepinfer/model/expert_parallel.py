@@ -71,12 +71,16 @@ class LocalGroup:
         ffns: LayerFFNs,
         weights: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
         activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.device = device
         self._ffns = ffns
         self._weights = weights
         """(layer, expert) -> its (gate_up, down), to copy when the group is on another device."""
         self._activation = activation
+        self._linear = linear or _linear
+        """x [n, in], w [out, in] -> x @ w.T for copied experts (the fixed-order matmul in the
+        batch-invariant mode)."""
         self._held: dict[int, tuple[dict[int, ExpertWeights], dict[int, ExpertWeights]]] = {}
         """layer -> (current experts, previous experts), each expert -> its weights (None: in
         place, on the source device)."""
@@ -111,7 +115,7 @@ class LocalGroup:
                 y = self._ffns(layer)(s.expert, x)
             else:
                 assert self._activation is not None
-                y = self._activation(x @ held.gate_up.t()) @ held.down.t()
+                y = self._linear(self._activation(self._linear(x, held.gate_up)), held.down)
             outs.append(y.to(rows.device))
         return torch.cat(outs)
 
@@ -265,6 +269,10 @@ class ExpertParallel:
             group.close()
         if self._after_close is not None:
             self._after_close()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.t()
 
 
 def _put(out: torch.Tensor, slices: Sequence[ExpertSlice], values: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from deepinfer.model.quantized import (
     quantize_linears,
     quantized_matmul_wanted,
     serve_fixed_order,
+    serve_routers_fixed_sum,
 )
 from deepinfer.model.registry import get_model_class
 from deepinfer.model.safetensors_loader import open_safetensors_dir
@@ -112,6 +113,7 @@ def load_model(
     if batch_invariant and backend.name == "triton":
         serve_fixed_order(model)  # cuBLAS's sums depend on the shape: the fixed-order matmul
     elif batch_invariant:
+        serve_routers_fixed_sum(model)
         check_batch_invariant(model, path)
     causal_lm: CausalLM = model  # type: ignore[assignment]
     return LoadedModel(

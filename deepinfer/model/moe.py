@@ -15,7 +15,7 @@ import threading
 import torch
 from torch import nn
 
-from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
+from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, block_linear
 from deepinfer.kernels.llama_layers_cpu import LayerWeights
 from deepinfer.kernels.moe_torch import (
     ExpertFFN,
@@ -180,9 +180,12 @@ class MoEForCausalLM(LlamaForCausalLM):
         """One expert's float (gate_up [2I, D], down [D, I]) (experts in GGUF blocks are
         served on CPU only, where groups read them in place)."""
         block = self.blocks()[layer]
-        if block.quantized is not None:
+        if block.quantized is None:
+            return block.w_gate_up[expert], block.w_down[expert]
+        gate_up, down = block.quantized[0][expert], block.quantized[1][expert]
+        if not isinstance(gate_up, FixedOrderWeight) or not isinstance(down, FixedOrderWeight):
             raise ValueError("experts in GGUF blocks stay on the CPU")
-        return block.w_gate_up[expert], block.w_down[expert]
+        return gate_up.weight, down.weight
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:

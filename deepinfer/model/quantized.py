@@ -19,6 +19,7 @@ from torch import nn
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.cpu_native import NativeUnavailableError, native_library
+from deepinfer.kernels.fixed_sum import FixedSumWeight
 from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, NativeWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
@@ -105,6 +106,11 @@ def serve_fixed_order(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module.quantized is None:
             module.quantize(FixedOrderWeight(module.weight.detach()))
+        elif isinstance(module, MoEBlock) and module.quantized is None:
+            module.quantize(
+                [FixedOrderWeight(w) for w in module.w_gate_up.detach()],
+                [FixedOrderWeight(w) for w in module.w_down.detach()],
+            )
     if getattr(model, "lm_head_quantized", None) is None:
         head = getattr(model, "lm_head", None)
         source = head.quantized if isinstance(head, Linear) else None
@@ -113,6 +119,18 @@ def serve_fixed_order(model: nn.Module) -> None:
             assert isinstance(embed, nn.Embedding), "a tied head is the token embedding"
             source = FixedOrderWeight(embed.weight.detach())
         setattr(model, "lm_head_quantized", source)  # noqa: B010 (any model with the attribute)
+
+
+def serve_routers_fixed_sum(model: nn.Module) -> None:
+    """The batch-invariant mode on CPU: a Mixture of Experts' routers (and shared-expert gates),
+    which GGUF files keep in float32, through the fixed-sum matmul (`FixedSumWeight`): small
+    matrices, whose every output is one sum in one order whatever the step."""
+    for block in model.modules():
+        if isinstance(block, MoEBlock):
+            gate = block.shared.gate if block.shared is not None else None
+            for linear in (block.router, gate):
+                if linear is not None and linear.quantized is None:
+                    linear.quantize(FixedSumWeight(linear.weight.detach()))
 
 
 def float_matrices(model: nn.Module) -> list[str]:

@@ -15,6 +15,7 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, prefill_then_d
 from test_model_gguf_moe import write_moe_gguf
 from test_model_moe import COMMON, _prompts, randomize
 
+from deepinfer.kernels.fixed_sum import fixed_sum_linear
 from deepinfer.model import load_model
 from deepinfer.model.expert_parallel import ExpertParallel, LocalGroup, initial_placement
 from deepinfer.model.expert_placement import Placement
@@ -38,7 +39,8 @@ def hf_moe() -> Any:
 @pytest.fixture(scope="module")
 def q8_path(hf_moe: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ep") / "q8-experts.gguf"
-    write_moe_gguf(path, "qwen3_moe", hf_moe, experts_as=gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_moe_gguf(path, "qwen3_moe", hf_moe, experts_as=q8, every_matrix=True)
     return path
 
 
@@ -120,3 +122,37 @@ def test_every_group_computes_only_its_experts(q8_path: Path) -> None:
     assert {g for g, *_ in seen} == {0, 1, 2, 3}
     assert all(expert in placement.groups[g] for g, expert, _, _ in seen)
     parallel.close()
+
+
+def test_batch_invariant_mode_is_bitwise_at_any_batch_and_any_groups(q8_path: Path) -> None:
+    """`--batch-invariant` on CPU: the float32 routers go through the fixed-sum matmul, so a
+    prompt's logits are the same bits alone or batched with others, and over 4 groups with
+    replicas re-placed every step."""
+    loaded = load_model(q8_path, torch.float32, "cpu", batch_invariant=True)
+    model = loaded.model
+    assert isinstance(model, MoEForCausalLM) and loaded.batch_invariant
+    assert all(block.router.quantized is not None for block in model.blocks().values())
+    batched = _logits(model)
+    for i, (prompt, n) in enumerate(zip(_prompts(), [7, 2, 30], strict=True)):
+        bind_fresh_caches(model, num_blocks=64, block_size=4)
+        (alone,) = prefill_then_decode_logits(model, SequentialBlocks(4), [prompt], [n])
+        assert torch.equal(alone, batched[i])
+    parallel = _parallel(model, 4, redundant=4, eplb_interval=1)
+    for g, w in zip(_logits(model), batched, strict=True):
+        assert torch.equal(g, w)
+    assert parallel.stats.swaps > 0
+    parallel.close()
+
+
+def test_fixed_sum_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 200), torch.randn(50, 200)
+    full = fixed_sum_linear(x, w)
+    torch.testing.assert_close(full, x @ w.t(), atol=1e-4, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for n, t in ((1, 1), (7, 2), (50, 1)):
+            torch.set_num_threads(t)
+            assert torch.equal(fixed_sum_linear(x[:n], w), full[:n])
+    finally:
+        torch.set_num_threads(threads)

@@ -68,9 +68,12 @@ def _tensors(arch: str, hf_model: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None) -> None:
+def write_moe_gguf(
+    path: Path, kind: str, hf_model: Any, experts_as: Any = None, every_matrix: bool = False
+) -> None:
     """With `experts_as`, the experts' and shared expert's matrices in that format, where their
-    rows are whole blocks of 32."""
+    rows are whole blocks of 32; with `every_matrix` too, every other matrix but the routers and
+    the token embedding (llama.cpp keeps routers in float32)."""
     cfg, arch = hf_model.config, GGUF_ARCH[kind]
     writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
@@ -90,7 +93,11 @@ def write_moe_gguf(path: Path, kind: str, hf_model: Any, experts_as: Any = None)
         writer.add_expert_group_count(cfg.n_group)
         writer.add_expert_group_used_count(cfg.topk_group)
     for name, array in _tensors(arch, hf_model).items():
-        quantize = name.endswith(("gate_exps.weight", "up_exps.weight", "shexp.weight"))
+        quantize = name.endswith(("gate_exps.weight", "up_exps.weight", "shexp.weight")) or (
+            every_matrix
+            and array.ndim == 2
+            and not name.endswith(("ffn_gate_inp.weight", "token_embd.weight"))
+        )
         if (
             experts_as is not None
             and (quantize or name.endswith("down_exps.weight"))
