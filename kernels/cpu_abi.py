@@ -98,6 +98,10 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _i,
         (ctypes.POINTER(LlamaLayer), _i, ctypes.POINTER(LlamaStep), _p, _p, _i),
     ),
+    "di_moe_experts": (
+        _i,
+        (ctypes.POINTER(Matrix), ctypes.POINTER(Matrix), _i, _i, _p, _p, _p, _p, _i, _i, _i),
+    ),
     **{f"di_sizeof_{name.removeprefix('di_')}": (_l, ()) for name in STRUCTS},
 }
 """Every exported function's (restype, argtypes), by name."""

@@ -24,13 +24,13 @@ import tempfile
 from pathlib import Path
 
 from ..environment import env_name, env_value
-from .cpu_abi import AttentionArgs, LlamaLayer, LlamaStep, RmsNormArgs, declare
+from .cpu_abi import AttentionArgs, LlamaLayer, LlamaStep, Matrix, RmsNormArgs, declare
 
 SOURCES = tuple(
     Path(__file__).parent / "cpu" / n
     for n in (
         "dequant.c", "quant_gemm.c", "int8_gemm.c", "int8_kquants.c", "paged_attention.c",
-        "elementwise.c", "llama_layers.c", "sampling.c", "abi.c",
+        "elementwise.c", "llama_layers.c", "moe_experts.c", "sampling.c", "abi.c",
     )
 )  # fmt: skip
 HEADERS = tuple(
@@ -123,6 +123,26 @@ class NativeLibrary:
     ) -> None:
         """See `di_llama_layers` in cpu/llama_layers.c (`llama_layers_cpu` builds the args)."""
         _check(self._lib.di_llama_layers(layers, len(layers), ctypes.byref(step), h, residual, 0))
+
+    def moe_experts(
+        self,
+        gate_up: ctypes.Array[Matrix],
+        down: ctypes.Array[Matrix],
+        runs: tuple[int, int, int],
+        x: int,
+        y: int,
+        hidden: int,
+        intermediate: int,
+        num_threads: int,
+    ) -> None:
+        """See `di_moe_experts` in cpu/moe_experts.c; `runs`: (how many, experts, rows)."""
+        num_runs, experts, rows = runs
+        _check(
+            self._lib.di_moe_experts(
+                gate_up, down, len(gate_up), num_runs, experts, rows, x, y, hidden,
+                intermediate, num_threads,
+            )  # fmt: skip
+        )
 
     def struct_size(self, name: str) -> int:
         """sizeof the header's struct `name` (e.g. "di_llama_step"), as the library has it."""

@@ -77,7 +77,8 @@ class StackShape:
     scale: float
 
 
-def _matrix(w: BlockWeight, out_features: int, in_features: int) -> Matrix:
+def matrix(w: BlockWeight, out_features: int, in_features: int) -> Matrix:
+    """`w` as the native calls read it (ValueError where no native kernel serves it)."""
     if isinstance(w, FixedOrderWeight | FixedSumWeight):
         raise ValueError("a float matrix (a fixed-order matmul's) is no native kernel's")
     int8 = isinstance(w, Int8PackedWeight)
@@ -154,10 +155,10 @@ def _layer_struct(layer: LayerWeights, s: StackShape) -> LlamaLayer:
         raise ValueError(f"a window of {layer.window} keys")
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     matrices = (
-        _matrix(layer.qkv, width, s.hidden),
-        _matrix(layer.o, s.hidden, s.num_heads * s.head_dim),
-        _matrix(layer.gate_up, 2 * s.intermediate, s.hidden),
-        _matrix(layer.down, s.hidden, s.intermediate),
+        matrix(layer.qkv, width, s.hidden),
+        matrix(layer.o, s.hidden, s.num_heads * s.head_dim),
+        matrix(layer.gate_up, 2 * s.intermediate, s.hidden),
+        matrix(layer.down, s.hidden, s.intermediate),
     )
     norms = (
         _vector(layer.input_norm, s.hidden),

@@ -7,7 +7,7 @@ multiplied once per step, then adds each pair's gated output back to its token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -105,21 +105,35 @@ def grouped_experts(
 
 SortedFFN = Callable[[torch.Tensor], torch.Tensor]
 """A step's pair rows sorted by expert [n, D] -> each row's expert FFN of it [n, D]."""
+Run = tuple[int, int]
+"""(expert, rows): consecutive rows all routed to one expert."""
+RunExperts = Callable[[torch.Tensor, Sequence[Run]], torch.Tensor]
+"""Rows [n, D] in runs (consecutive, in run order) -> each row's expert FFN of it [n, D]."""
+
+
+def runs_of(counts: list[int]) -> list[Run]:
+    """The runs of a step's rows sorted by expert (`counts[e]` rows for expert e)."""
+    return [(e, n) for e, n in enumerate(counts) if n]
+
+
+def run_each(ffn: ExpertFFN) -> RunExperts:
+    """Runs through `ffn`, one call per run."""
+
+    def run(rows: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in runs:
+            out[start : start + n] = ffn(expert, rows[start : start + n])
+            start += n
+        return out
+
+    return run
 
 
 def each_expert(ffn: ExpertFFN, counts: list[int]) -> SortedFFN:
     """Sorted rows through `ffn`, one call per expert with rows (`counts[e]` of them)."""
-
-    def run(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                out[start : start + n] = ffn(expert, rows[start : start + n])
-                start += n
-        return out
-
-    return run
+    runs = runs_of(counts)
+    return lambda rows: run_each(ffn)(rows, runs)
 
 
 def combine_pairs(

@@ -99,7 +99,7 @@ def _group(model: MoEForCausalLM, device: torch.device, fixed_order: bool = Fals
     here = model.embed_tokens.weight.device
     return LocalGroup(
         device,
-        model.layer_ffns().__getitem__,
+        model.layer_runners().__getitem__,
         weights=None if device == here else model.expert_weights,
         activation=model.attention_backend.silu_mul,
         linear=_fixed_order_linear if fixed_order else None,

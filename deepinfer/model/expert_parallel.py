@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.kernels.moe_torch import ExpertFFN
+from deepinfer.kernels.moe_torch import RunExperts
 from deepinfer.model.expert_placement import (
     ExpertParallelStats,
     ExpertSlice,
@@ -42,8 +42,8 @@ from deepinfer.model.expert_placement import (
     static_placement,
 )
 
-LayerFFNs = Callable[[int], ExpertFFN]
-"""Layer index -> that layer's experts' FFN (on the weights' own device)."""
+LayerRunners = Callable[[int], RunExperts]
+"""Layer index -> that layer's experts, run by runs of rows (on the weights' own device)."""
 
 
 class ExpertGroup(Protocol):
@@ -68,13 +68,13 @@ class LocalGroup:
     def __init__(
         self,
         device: torch.device,
-        ffns: LayerFFNs,
+        runners: LayerRunners,
         weights: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
         activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
         linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.device = device
-        self._ffns = ffns
+        self._runners = runners
         self._weights = weights
         """(layer, expert) -> its (gate_up, down), to copy when the group is on another device."""
         self._activation = activation
@@ -107,17 +107,20 @@ class LocalGroup:
 
     def _run(self, layer: int, rows: torch.Tensor, slices: Sequence[ExpertSlice]) -> torch.Tensor:
         current, previous = self._held[layer]
-        outs = []
-        for s in slices:
-            x = rows[s.start : s.start + s.count].to(self.device, non_blocking=True)
-            held = current[s.expert] if s.expert in current else previous[s.expert]
-            if held is None:
-                y = self._ffns(layer)(s.expert, x)
-            else:
-                assert self._activation is not None
-                y = self._linear(self._activation(self._linear(x, held.gate_up)), held.down)
-            outs.append(y.to(rows.device))
-        return torch.cat(outs)
+        held = [current[s.expert] if s.expert in current else previous[s.expert] for s in slices]
+        x = torch.cat([rows[s.start : s.start + s.count] for s in slices])
+        x = x.to(self.device, non_blocking=True)
+        if all(h is None for h in held):  # in place: every run in one call
+            y = self._runners(layer)(x, [(s.expert, s.count) for s in slices])
+            return y.to(rows.device)
+        assert self._activation is not None
+        outs, start = [], 0
+        for s, copy in zip(slices, held, strict=True):
+            assert copy is not None
+            part = x[start : start + s.count]
+            outs.append(self._linear(self._activation(self._linear(part, copy.gate_up)), copy.down))
+            start += s.count
+        return torch.cat(outs).to(rows.device)
 
     def close(self) -> None:
         self._held.clear()

@@ -4,8 +4,9 @@ embeddings and the paged caches are the Llama model's.
 
 Expert weights are stacked per layer, `w_gate_up` [E, 2I, D] (rows [gate; up], as the dense
 `gate_up_proj`) and `w_down` [E, D, I]; a step multiplies each expert's tokens once
-(`kernels/moe_torch.grouped_experts`; on the triton backend every expert's rows in one launch,
-`kernels/moe_grouped.py`; a GGUF file's quantized experts in their blocks on CPU).
+(`kernels/moe_torch.combine_pairs`; on the triton backend every expert's rows in one launch,
+`kernels/moe_grouped.py`; a GGUF file's quantized experts in their blocks on CPU, all of them in
+one native call on the cpu backend, `kernels/moe_cpu.py`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ import threading
 import torch
 from torch import nn
 
+from deepinfer.kernels.cpu_native import NativeUnavailableError
 from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, block_linear
 from deepinfer.kernels.llama_layers_cpu import LayerWeights
+from deepinfer.kernels.moe_cpu import NativeExperts
 from deepinfer.kernels.moe_torch import (
     ExpertFFN,
+    RunExperts,
     combine_pairs,
     expert_counts,
     float_experts,
-    grouped_experts,
     route,
+    run_each,
+    runs_of,
 )
 from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
@@ -70,6 +75,8 @@ class ExpertLoad:
 class MoEBlock(nn.Module):
     quantized: tuple[list[BlockWeight], list[BlockWeight]] | None = None
     """Each expert's gate_up and down in blocks (native kernel), once `quantize` set them."""
+    native: NativeExperts | None = None
+    """Those blocks as the one-call native kernel reads them (where it takes them)."""
     parallel: ExpertParallel | None = None
     """The expert-parallel groups that compute this layer's rows (None: all here)."""
 
@@ -101,6 +108,10 @@ class MoEBlock(nn.Module):
             raise ValueError(f"expert weights of other shapes than {tuple(self.w_gate_up.shape)}")
         self.quantized = (gate_up, down)
         self.w_gate_up = self.w_down = None  # type: ignore[assignment]
+        try:
+            self.native = NativeExperts(gate_up, down)
+        except (ValueError, NativeUnavailableError):
+            self.native = None  # the fixed-order Triton matmul's, or no native kernels here
 
     def expert_ffn(self, ops: AttentionBackend) -> ExpertFFN:
         if self.quantized is None:
@@ -111,6 +122,13 @@ class MoEBlock(nn.Module):
             return block_linear(ops.silu_mul(block_linear(x, gate_up[expert])), down[expert])
 
         return ffn
+
+    def expert_runner(self, ops: AttentionBackend) -> RunExperts:
+        """Runs of rows through their experts: one native call for all on the `cpu` backend
+        (bit-identical), else one `expert_ffn` call per run."""
+        if self.native is not None and ops.name == "cpu":
+            return self.native.run
+        return run_each(self.expert_ffn(ops))
 
     def forward(self, h: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:  # [T, D]
         m = self.moe
@@ -130,7 +148,8 @@ class MoEBlock(nn.Module):
                 h, experts, gates, self.w_gate_up, self.w_down, ops.silu_mul
             )
         else:
-            out = grouped_experts(h, experts, gates, self.expert_ffn(ops), counts)
+            runner, runs = self.expert_runner(ops), runs_of(counts)
+            out = combine_pairs(h, experts, gates, lambda rows: runner(rows, runs))
         if self.shared is not None:
             out = out + self.shared(h, ops)
         return out
@@ -171,10 +190,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         for block in self.blocks().values():
             block.parallel = parallel
 
-    def layer_ffns(self) -> dict[int, ExpertFFN]:
-        """Each sparse layer's experts' FFN on this model's weights and kernels."""
+    def layer_runners(self) -> dict[int, RunExperts]:
+        """Each sparse layer's experts on this model's weights and kernels."""
         ops = self.attention_backend
-        return {layer: block.expert_ffn(ops) for layer, block in self.blocks().items()}
+        return {layer: block.expert_runner(ops) for layer, block in self.blocks().items()}
 
     def expert_weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's float (gate_up [2I, D], down [D, I]) (experts in GGUF blocks are

@@ -176,6 +176,14 @@ typedef struct {
 int di_llama_layers(const di_llama_layer *layers, int num_layers, const di_llama_step *s,
                     float *h, float *residual, int has_residual);
 
+/* A Mixture-of-Experts layer's experts in one call (cpu/moe_experts.c): x [sum(rows), D] holds
+   runs of rows, run r all routed to expert experts[r] and rows[r] long; y gets each row's
+   down(silu(gate) * up) of its expert. gate_up [E] are [2I, D] weights (rows gate; up), down [E]
+   [D, I]. Returns 0, -1 on bad arguments, -2 when out of memory. */
+int di_moe_experts(const di_matrix *gate_up, const di_matrix *down, int E, int num_runs,
+                   const int *experts, const int *rows, const float *x, float *y, int D, int I,
+                   int num_threads);
+
 /* sizeof each struct, as this compiler lays it out: the ctypes mirror checks itself against
    them (cpu/abi.c). */
 long di_sizeof_rms_norm_args(void);

@@ -21,7 +21,7 @@
 #include "deepinfer_kernels.h"
 #include "parts.h"
 
-static int matrix_ok(const di_matrix *m, int N, int K) {
+int di_matrix_ok(const di_matrix *m, int N, int K) {
     if (m->N != N || m->K != K) return 0;
     if (m->int8) return di_int8_packed_bytes(m->fmt, N, K) > 0;
     return di_format_ok(m->fmt, K);
@@ -188,8 +188,8 @@ static int check_layer(const di_llama_layer *y, const di_llama_step *s) {
     if (di_attention_check(&a) != 0) return -1;
     if (y->input_norm == NULL || y->post_norm == NULL || y->cos_sin == NULL) return -1;
     if (y->activation != DI_ACT_SILU && y->activation != DI_ACT_GELU_TANH) return -1;
-    if (!matrix_ok(&y->qkv, W, D) || !matrix_ok(&y->o, D, q_size) ||
-        !matrix_ok(&y->gate_up, 2 * I, D) || !matrix_ok(&y->down, D, I)) {
+    if (!di_matrix_ok(&y->qkv, W, D) || !di_matrix_ok(&y->o, D, q_size) ||
+        !di_matrix_ok(&y->gate_up, 2 * I, D) || !di_matrix_ok(&y->down, D, I)) {
         return -1;
     }
     return 0;

@@ -46,6 +46,9 @@ DI_INTERNAL long di_quant_gemm_buffer_floats(int K);
 DI_INTERNAL void di_quant_gemm_team(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
                         float *buf, di_team *team);
 
+/* llama_layers.c: 1 where m is an [N, K] weight the quantized kernels take */
+DI_INTERNAL int di_matrix_ok(const di_matrix *m, int N, int K);
+
 /* paged_attention.c: a step's split of every request's keys into tasks, and their scratch */
 typedef struct {
     int chunk; /* keys a task covers */

@@ -48,9 +48,9 @@ def _parallel(
     model: MoEForCausalLM, groups: int, redundant: int = 0, eplb_interval: int = 0
 ) -> ExpertParallel:
     assert model.arch.moe is not None
-    ffns = model.layer_ffns()
+    runners = model.layer_runners()
     parallel = ExpertParallel(
-        [LocalGroup(torch.device("cpu"), ffns.__getitem__) for _ in range(groups)],
+        [LocalGroup(torch.device("cpu"), runners.__getitem__) for _ in range(groups)],
         {
             layer: initial_placement(model.arch.moe.num_experts, groups, redundant)
             for layer in model.blocks()
