@@ -136,13 +136,8 @@ class NativeLibrary:
         num_threads: int,
     ) -> None:
         """See `di_moe_experts` in cpu/moe_experts.c; `runs`: (how many, experts, rows)."""
-        num_runs, experts, rows = runs
-        _check(
-            self._lib.di_moe_experts(
-                gate_up, down, len(gate_up), num_runs, experts, rows, x, y, hidden,
-                intermediate, num_threads,
-            )  # fmt: skip
-        )
+        shape = (hidden, intermediate, num_threads)
+        _check(self._lib.di_moe_experts(gate_up, down, len(gate_up), *runs, x, y, *shape))
 
     def struct_size(self, name: str) -> int:
         """sizeof the header's struct `name` (e.g. "di_llama_step"), as the library has it."""

@@ -22,12 +22,12 @@ try:
 except NativeUnavailableError as exc:  # pragma: no cover - machines without AVX2 or a compiler
     pytest.skip(f"native kernels unavailable: {exc}", allow_module_level=True)
 
-E, D, I = 6, 256, 256  # K-quants take rows of whole 256-blocks
+E, D, W = 6, 256, 256  # experts, hidden, width (K-quants take whole 256-blocks)
 
 
 def _experts(fmt: QuantFormat, int8: bool) -> tuple[list, list]:
-    gate_up = [gguf_weight(fmt, 2 * I, D, seed=e)[0] for e in range(E)]
-    down = [gguf_weight(fmt, D, I, seed=100 + e)[0] for e in range(E)]
+    gate_up = [gguf_weight(fmt, 2 * W, D, seed=e)[0] for e in range(E)]
+    down = [gguf_weight(fmt, D, W, seed=100 + e)[0] for e in range(E)]
     if int8:
         gate_up, down = [pack_int8(w) for w in gate_up], [pack_int8(w) for w in down]
     return gate_up, down
