@@ -330,16 +330,23 @@ def _validate_experts(e: ExpertsConfig) -> None:
             f"expert_parallel_backend must be one of {', '.join(EXPERT_PARALLEL_BACKENDS)}, "
             f"got {e.expert_parallel_backend!r}"
         )
-    if e.expert_parallel < 1 or e.redundant_experts < 0 or e.eplb_interval < 0:
-        raise ConfigError(
-            "expert_parallel must be at least 1, redundant_experts and eplb_interval at least 0"
-        )
+    if e.expert_parallel < 1 or e.nnodes < 1 or e.node_rank < 0:
+        raise ConfigError("expert_parallel and nnodes must be at least 1, node_rank at least 0")
+    if e.redundant_experts < 0 or e.eplb_interval < 0:
+        raise ConfigError("redundant_experts and eplb_interval must be at least 0")
+    if not 0 < e.master_port < 65536:
+        raise ConfigError(f"--master-port must be a TCP port, got {e.master_port}")
+
+
+def check_expert_layout(e: ExpertsConfig) -> None:
+    """The expert-parallel flags agree with each other (checked where they are used: each
+    flag alone is valid)."""
     if e.expert_devices and len(e.expert_devices) != e.expert_parallel:
         raise ConfigError(
             f"--expert-devices names {len(e.expert_devices)} devices for "
             f"--expert-parallel {e.expert_parallel} groups"
         )
-    if not 0 <= e.node_rank < e.nnodes:
+    if e.node_rank >= e.nnodes:
         raise ConfigError(f"--node-rank {e.node_rank} is not in [0, --nnodes {e.nnodes})")
     if e.nnodes > 1 and e.expert_parallel_backend == "local":
         raise ConfigError("--nnodes above 1 needs --expert-parallel-backend gloo or nccl")
@@ -347,8 +354,6 @@ def _validate_experts(e: ExpertsConfig) -> None:
         raise ConfigError(
             f"--expert-parallel {e.expert_parallel} does not divide over --nnodes {e.nnodes}"
         )
-    if not 0 < e.master_port < 65536:
-        raise ConfigError(f"--master-port must be a TCP port, got {e.master_port}")
 
 
 def _validate_workers(w: WorkersConfig) -> None:

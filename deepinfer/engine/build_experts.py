@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import Config
+from deepinfer.config import Config, check_expert_layout
 from deepinfer.engine.build_replicas import load
 from deepinfer.errors import ConfigError
 from deepinfer.kernels.int8_matmul import FixedOrderWeight, block_linear
@@ -47,6 +47,7 @@ def build_expert_parallel(
     None where the config asks for none or the model has no experts."""
     if not wants_expert_parallel(config):
         return None
+    check_expert_layout(config.experts)
     model = models[0]
     if not isinstance(model, MoEForCausalLM) or model.arch.moe is None:
         log.warning("--expert-parallel and EPLB flags ignored: %s has no experts", path.name)
@@ -151,6 +152,7 @@ def start_ranks(config: Config, path: Path) -> ExpertRanks:
 
 def run_node(config: Config) -> None:
     """`deepinfer serve --node-rank K` (K > 0): this machine's ranks, until rank 0 stops them."""
+    check_expert_layout(config.experts)
     ranks = start_ranks(config, config.model.resolved_path())
     log.info("expert ranks %s of node %d running", local_ranks(config), config.experts.node_rank)
     ranks.close(timeout_s=None)

@@ -18,7 +18,7 @@ from test_engine_moe import tiny_moe  # noqa: F401  (the module's fixture)
 from tiny_engine import run_all, tiny_config, token_prompts
 
 from deepinfer.api.metrics import ApiMetrics
-from deepinfer.config import Config, ExpertsConfig, WorkersConfig
+from deepinfer.config import Config, ExpertsConfig, WorkersConfig, check_expert_layout
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.build_experts import build_expert_parallel
 from deepinfer.errors import ConfigError
@@ -149,3 +149,18 @@ async def test_a_second_machine_joins_with_the_serve_command(
     assert tokens == alone
     assert ep.group_rows[1] > 0  # node 1's rank computed rows
     assert node1.returncode == 0, out.decode()
+
+
+@pytest.mark.parametrize(
+    ("experts", "message"),
+    [
+        (ExpertsConfig(expert_parallel=2, expert_devices=("cpu",)), "names 1 devices"),
+        (ExpertsConfig(expert_parallel=2, nnodes=2), "needs --expert-parallel-backend"),
+        (ExpertsConfig(expert_parallel=3, expert_parallel_backend="gloo", nnodes=2), "divide"),
+        (ExpertsConfig(expert_parallel=2, expert_parallel_backend="gloo", node_rank=1), "not in"),
+    ],
+)
+def test_flags_that_disagree_are_refused(experts: ExpertsConfig, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_expert_layout(experts)
+    check_expert_layout(ExpertsConfig(expert_parallel=4, expert_parallel_backend="nccl", nnodes=2))
