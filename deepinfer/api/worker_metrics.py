@@ -40,6 +40,11 @@ def _expert_load(load: tuple[tuple[int, ...], ...]) -> Metric:
 def _expert_parallel(ep: ExpertParallelStats) -> Iterator[Metric]:
     """Expert parallelism: the groups' shares and the balancer's placements."""
     yield GaugeMetricFamily("deepinfer_moe_expert_groups", "Expert-parallel groups", ep.num_groups)
+    yield GaugeMetricFamily(
+        "deepinfer_moe_failed_groups",
+        "Expert-parallel groups out of service (their experts computed by the serving process)",
+        len(ep.failed_groups),
+    )
     for name, doc, value in (
         ("deepinfer_moe_eplb_rebalances", "Expert placements computed from recent load", ep.rebalances),
         ("deepinfer_moe_placement_swaps", "Sparse layers whose experts were re-placed", ep.swaps),

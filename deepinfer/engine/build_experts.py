@@ -63,12 +63,12 @@ def build_expert_parallel(
         groups = local_groups(config, model)
     else:
         ranks = start_ranks(config, path)
-        groups = [_group(model, model.embed_tokens.weight.device)]
         device = model.embed_tokens.weight.device
+        here = _group(model, device)
         comm = device if e.expert_parallel_backend == "nccl" else torch.device("cpu")
         dtype = model.embed_tokens.weight.dtype
-        groups += [
-            RankGroup(rank, model.arch.hidden_size, dtype, comm)
+        groups = [here] + [
+            RankGroup(rank, model.arch.hidden_size, dtype, comm, fallback=here)
             for rank in range(1, e.expert_parallel)
         ]
     placements = {

@@ -49,6 +49,9 @@ LayerRunners = Callable[[int], RunExperts]
 class ExpertGroup(Protocol):
     """One group of the placement: a device of this process, or another process."""
 
+    failed: str | None
+    """Why the group is out of service, its runs computed by a stand-in (None: serving)."""
+
     def run(
         self, layer: int, rows: torch.Tensor, slices: Sequence[ExpertSlice]
     ) -> torch.Tensor:  # the slices' rows' outputs, concatenated in slice order
@@ -64,6 +67,8 @@ class ExpertGroup(Protocol):
 class LocalGroup:
     """A group of this process: on the weights' own device it reads them in place; on another
     device (a GPU of its own) it holds copies of its experts' weights, on a stream of its own."""
+
+    failed: str | None = None
 
     def __init__(
         self,
@@ -104,6 +109,16 @@ class LocalGroup:
             out = self._run(layer, rows, slices)
         self._stream.synchronize()
         return out
+
+    def run_any(
+        self, layer: int, rows: torch.Tensor, slices: Sequence[ExpertSlice]
+    ) -> torch.Tensor:
+        """`run` for any experts, held or not (a group on the weights' own device reads every
+        expert in place: another group's stand-in)."""
+        if self._weights is not None:
+            raise ValueError("a group holding copies computes only its own experts")
+        x = torch.cat([rows[s.start : s.start + s.count] for s in slices])
+        return self._runners(layer)(x, [(s.expert, s.count) for s in slices])
 
     def _run(self, layer: int, rows: torch.Tensor, slices: Sequence[ExpertSlice]) -> torch.Tensor:
         current, previous = self._held[layer]
@@ -223,6 +238,7 @@ class ExpertParallel:
         return ExpertParallelStats(
             self.num_groups, st.steps, st.rebalances, st.swaps, rows,
             {layer: tuple(p.replicas(_num_experts(p))) for layer, p in placements.items()},
+            tuple(g for g, group in enumerate(self.groups) if group.failed is not None),
         )  # fmt: skip
 
     def end_step(self) -> None:

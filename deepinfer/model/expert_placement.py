@@ -94,6 +94,8 @@ class ExpertParallelStats:
     """(token, expert) rows each group computed since start."""
     replicas: dict[int, tuple[int, ...]]
     """Sparse layer -> replicas of each expert in its current placement."""
+    failed_groups: tuple[int, ...] = ()
+    """Groups out of service (a rank whose process is gone), their runs computed here."""
 
 
 def static_placement(num_experts: int, num_groups: int) -> Placement:

@@ -38,21 +38,44 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class RankGroup:
-    """Rank 0's handle on group `rank`, a process of its own."""
+    """Rank 0's handle on group `rank`, a process of its own. Should the rank fail (its process
+    gone: the exchange raises), its runs go to `fallback` from then on, a group of this process
+    that reads every expert in place (rank 0 loads the whole model): the same arithmetic, so
+    the same outputs, and no request fails past the step that found the rank gone."""
 
-    def __init__(self, rank: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        rank: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fallback: LocalGroup,
+    ) -> None:
         self.rank = rank
         self._hidden = hidden_size
         self._dtype = dtype
         self._device = device
         """Where messages live: the CPU for gloo, this rank's GPU for NCCL."""
+        self._fallback = fallback
         self._lock = threading.Lock()
+        self.failed: str | None = None
+        """Why the rank is out of service (None: serving)."""
 
     def _header(self, kind: int, layer: int, n: int, rows: int) -> None:
         header = torch.tensor([kind, layer, n, rows], dtype=torch.int64, device=self._device)
         dist.send(header, self.rank)
 
     def run(self, layer: int, rows: torch.Tensor, slices: Sequence[ExpertSlice]) -> torch.Tensor:
+        if self.failed is None:
+            try:
+                return self._exchange(layer, rows, slices)
+            except RuntimeError as exc:  # gloo and NCCL errors, a peer's closed socket among them
+                self._fail(exc)
+        return self._fallback.run_any(layer, rows, slices)
+
+    def _exchange(
+        self, layer: int, rows: torch.Tensor, slices: Sequence[ExpertSlice]
+    ) -> torch.Tensor:
         spec = [v for s in slices for v in (s.expert, s.count)]
         x = torch.cat([rows[s.start : s.start + s.count] for s in slices]).to(self._device)
         y = torch.empty_like(x)
@@ -63,14 +86,33 @@ class RankGroup:
             dist.recv(y, self.rank)
         return y.to(rows.device)
 
-    def place(self, layer: int, experts: tuple[int, ...]) -> None:
+    def _fail(self, exc: BaseException) -> None:
         with self._lock:
-            self._header(PLACE, layer, len(experts), 0)
-            dist.send(torch.tensor(experts, dtype=torch.int64, device=self._device), self.rank)
+            if self.failed is None:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.error(
+                    "expert rank %d failed (%s); its experts run in this process from now on",
+                    self.rank, self.failed,
+                )  # fmt: skip
+
+    def place(self, layer: int, experts: tuple[int, ...]) -> None:
+        if self.failed is not None:
+            return
+        try:
+            with self._lock:
+                self._header(PLACE, layer, len(experts), 0)
+                dist.send(torch.tensor(experts, dtype=torch.int64, device=self._device), self.rank)
+        except RuntimeError as exc:
+            self._fail(exc)
 
     def close(self) -> None:
-        with self._lock:
-            self._header(STOP, 0, 0, 0)
+        if self.failed is not None:
+            return
+        try:
+            with self._lock:
+                self._header(STOP, 0, 0, 0)
+        except RuntimeError as exc:
+            self._fail(exc)
 
 
 def serve_experts(group: LocalGroup, hidden_size: int, dtype: torch.dtype) -> None:

@@ -164,3 +164,27 @@ def test_flags_that_disagree_are_refused(experts: ExpertsConfig, message: str) -
     with pytest.raises(ConfigError, match=message):
         check_expert_layout(experts)
     check_expert_layout(ExpertsConfig(expert_parallel=4, expert_parallel_backend="nccl", nnodes=2))
+
+
+async def test_a_rank_that_dies_is_stood_in_for(
+    tiny_moe: tuple[Path, Any],  # noqa: F811
+    alone: list[list[int]],
+) -> None:
+    """The rank's process is killed between two batches of requests: the next exchange fails,
+    the serving process computes that rank's experts from then on (it holds every expert), and
+    every request still gets the unparallel tokens; shutdown does not wait on the dead rank."""
+    experts = ExpertsConfig(
+        expert_parallel=2, expert_parallel_backend="gloo", master_port=_free_port()
+    )
+    async with AsyncEngine(_config(tiny_moe[0], experts)) as engine:
+        first = await run_all(engine, token_prompts())
+        (process,) = [p for p in multiprocessing.active_children() if p.name == "deepinfer-rank1"]
+        process.kill()
+        process.join(10)
+        second = await run_all(engine, token_prompts())
+        engine.check_integrity()
+        stats = engine.stats()
+        metrics = ApiMetrics(engine).render().decode()
+    assert first == alone and second == alone
+    assert stats.expert_parallel is not None and stats.expert_parallel.failed_groups == (1,)
+    assert "deepinfer_moe_failed_groups 1.0" in metrics
