@@ -219,6 +219,8 @@ class ExpertParallel:
                 self._idle.notify_all()
 
     def _run(self, layer: int, rows: torch.Tensor, slices: list[list[ExpertSlice]]) -> torch.Tensor:
+        if rows.is_cuda:  # written on the caller's stream; the groups read on streams of their own
+            torch.cuda.current_stream(rows.device).synchronize()
         pending: list[tuple[Sequence[ExpertSlice], Future[torch.Tensor]]] = []
         for group, mine in zip(self.groups[1:], slices[1:], strict=True):
             if mine:
