@@ -63,6 +63,31 @@ class MoEArch:
 
 
 @dataclass(frozen=True)
+class MLAArch:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from a compressed
+    latent of `kv_lora_rank` (plus one RoPE key of `qk_rope_head_dim` shared by every head),
+    queries from one of `q_lora_rank` (0: a plain projection). A head's key is its
+    `qk_nope_head_dim` part and the shared RoPE part (`ModelArch.head_dim` is their sum); its
+    value is `v_head_dim` wide."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+    interleaved_rope: bool = True
+    """The checkpoint's rotary rows are in interleaved pairs (DeepSeek's `rope_interleave`; the
+    loader reorders them into halves)."""
+
+    def __post_init__(self) -> None:
+        dims = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if min(dims) < 1 or self.q_lora_rank < 0 or self.qk_rope_head_dim % 2:
+            raise ModelLoadError(f"invalid latent attention metadata: {self}")
+        if self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ModelLoadError("latent attention values wider than its keys are not served")
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """Everything the model code and the KV cache need to know about an architecture.
 
@@ -72,7 +97,7 @@ class ModelArch:
 
     architecture: str
     """Registry key: `llama`, `qwen2`, `qwen3`, `gemma3`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
-    `dots1`."""
+    `dots1`, `deepseek_v3`."""
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -99,6 +124,8 @@ class ModelArch:
     """Attention logits' scale (None: 1 / sqrt(head_dim))."""
     moe: MoEArch | None = None
     """The experts of the sparse layers (None: every layer has a dense FFN)."""
+    mla: MLAArch | None = None
+    """Latent attention in every layer (None: grouped-query attention)."""
 
     def __post_init__(self) -> None:
         sizes = {
@@ -141,6 +168,11 @@ class ModelArch:
     def windowed(self) -> bool:
         """Some layer attends a sliding window."""
         return any(self.layer_windows)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width of the part of a head RoPE rotates (all of it but in latent attention)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def attention_scale(self) -> float:

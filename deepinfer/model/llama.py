@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
                 else Linear(arch.hidden_size, arch.vocab_size, bias=False)
             )
         cos_sin = rotary_cos_sin(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, device
+            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, device
         )
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [P, D]
         local = arch.rope_local_theta

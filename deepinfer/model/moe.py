@@ -35,6 +35,7 @@ from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.expert_parallel import ExpertParallel
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from deepinfer.model.mla import MLAAttention
 
 
 class SharedExpert(LlamaMLP):
@@ -160,14 +161,16 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__(arch, layer)
+        if arch.mla is not None:
+            self.self_attn = MLAAttention(arch, layer)  # type: ignore[assignment]
         if arch.moe is not None and arch.sparse(layer):
             self.mlp = MoEBlock(arch, arch.moe, layer)  # type: ignore[assignment]
 
     def native_weights(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
     ) -> LayerWeights:
-        if isinstance(self.mlp, MoEBlock):
-            raise ValueError("the native stack has no expert layers")
+        if isinstance(self.mlp, MoEBlock) or isinstance(self.self_attn, MLAAttention):
+            raise ValueError("the native stack has no expert or latent-attention layers")
         return super().native_weights(kv_cache, cos_sin)
 
 

@@ -23,6 +23,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "qwen2_moe": "deepinfer.model.moe:MoEForCausalLM",
     "qwen3_moe": "deepinfer.model.moe:MoEForCausalLM",
     "dots1": "deepinfer.model.moe:MoEForCausalLM",
+    # DeepSeek-V3's latent attention and experts
+    "deepseek_v3": "deepinfer.model.moe:MoEForCausalLM",
 }
 
 

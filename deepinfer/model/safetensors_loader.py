@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.arch import ModelArch, MoEArch
+from deepinfer.model.arch import MLAArch, ModelArch, MoEArch
 from deepinfer.model.registry import check_architecture
 
 # Buffers some older checkpoints save; recomputed by the model.
@@ -44,7 +44,7 @@ def _rope(config: dict[str, Any]) -> float:
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 """Hugging Face model types served under another registry key."""
 _QKV_BIAS = ("qwen2", "qwen2_moe")
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3")
 
 
 def _gemma3(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def canonical_name(name: str, model_type: str) -> str:
 
 def _moe(config: dict[str, Any], name: str, num_layers: int) -> MoEArch:
     """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or dots.llm1 config."""
-    if name == "dots1":
+    if name in ("dots1", "deepseek_v3"):
         return _deepseek_moe(config, num_layers)
     # Qwen's own configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
     num_experts = int(config.get("num_experts") or config["num_local_experts"])
@@ -152,6 +152,35 @@ def _deepseek_moe(config: dict[str, Any], num_layers: int) -> MoEArch:
     )
 
 
+def _mla(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention: as many KV heads as query heads, a head's key its
+    non-rotary and rotary parts (wide as the cache's head)."""
+    mla = MLAArch(
+        kv_lora_rank=int(config["kv_lora_rank"]),
+        qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+        v_head_dim=int(config["v_head_dim"]),
+        q_lora_rank=int(config.get("q_lora_rank") or 0),
+        interleaved_rope=bool(config.get("rope_interleave", True)),
+    )
+    return {
+        "mla": mla,
+        "head_dim": mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+        "num_kv_heads": int(config["num_attention_heads"]),
+    }
+
+
+def _attention(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """Heads' shapes (and latent attention's, for DeepSeek-V3)."""
+    if name == "deepseek_v3":
+        return _mla(config)
+    num_heads = int(config["num_attention_heads"])
+    return {
+        "num_kv_heads": int(config.get("num_key_value_heads") or num_heads),
+        "head_dim": int(config.get("head_dim") or int(config["hidden_size"]) // num_heads),
+    }
+
+
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
     """The full-attention layers' RoPE parameters (transformers 5 nests them per layer type)."""
     params = config.get("rope_parameters") or {}
@@ -160,7 +189,7 @@ def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
 
 def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
     """The architecture of a Hugging Face config (llama, qwen2, qwen3, gemma3_text, mixtral,
-    qwen2_moe, qwen3_moe, dots1)."""
+    qwen2_moe, qwen3_moe, dots1, deepseek_v3)."""
     model_type = str(config.get("model_type", "<missing model_type>"))
     name = _MODEL_TYPES.get(model_type, model_type)
     check_architecture(name)
@@ -183,8 +212,6 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
             vocab_size=int(config["vocab_size"]),
             rope_theta=_rope(config),
             rms_norm_eps=float(config["rms_norm_eps"]),
@@ -194,6 +221,7 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             qk_norm=name in ("qwen3", "qwen3_moe", "gemma3", "dots1"),
             moe=_moe(config, name, num_layers) if name in _MOE else None,
             **(_gemma3(config, num_layers) if name == "gemma3" else {}),
+            **_attention(config, name),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks the key {exc.args[0]!r}") from exc

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.arch import ModelArch, MoEArch
+from deepinfer.model.arch import MLAArch, ModelArch, MoEArch
 
 StateDict = dict[str, torch.Tensor]
 
@@ -98,9 +98,11 @@ def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
     attn = src + "self_attn."
     state = {ours: take(theirs) for ours, theirs in norm_sources(arch, i).items()}
     for module, names in linear_sources(i).items():
-        if arch.sparse(i) and ".mlp." in module:
+        if (arch.sparse(i) and ".mlp." in module) or (arch.mla and module.endswith("qkv_proj")):
             continue
         state[module + ".weight"] = take(*names)
+    if arch.mla is not None:
+        state.update(_mla_state(arch, arch.mla, take, i))
     if arch.moe is not None and arch.sparse(i):
         state.update(_expert_state(arch.moe, take, i))
     if arch.qkv_bias:
@@ -110,6 +112,39 @@ def _layer_state(arch: ModelArch, take: _Taker, i: int) -> StateDict:
     if arch.qk_norm:
         state[dst + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
         state[dst + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
+    return state
+
+
+def deinterleave_rows(weight: torch.Tensor, width: int, start: int, rope: int) -> torch.Tensor:
+    """`weight`'s rows in blocks of `width`, each block's rows [start, start + rope) reordered
+    from interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ...; x1, x3, ...)."""
+    order = torch.arange(weight.shape[0]).view(-1, width)
+    part = order[:, start : start + rope]
+    order[:, start : start + rope] = torch.cat([part[:, 0::2], part[:, 1::2]], dim=1)
+    return weight[order.reshape(-1)]
+
+
+def _mla_state(arch: ModelArch, mla: MLAArch, take: _Taker, i: int) -> StateDict:
+    """A latent-attention layer's projections and norms (DeepSeek's names), the rotary rows of
+    the query and of the shared key reordered from interleaved pairs into halves."""
+    ours, theirs = f"layers.{i}.self_attn.", f"layers.{i}.self_attn."
+    rope, nope = mla.qk_rope_head_dim, mla.qk_nope_head_dim
+
+    def rotary(weight: torch.Tensor, width: int, start: int) -> torch.Tensor:
+        return deinterleave_rows(weight, width, start, rope) if mla.interleaved_rope else weight
+
+    q = ("q_b_proj", "q_b_proj") if mla.q_lora_rank else ("q_proj", "q_proj")
+    state = {
+        ours + q[0] + ".weight": rotary(take(theirs + q[1] + ".weight"), arch.head_dim, nope),
+        ours + "kv_a_proj.weight": rotary(
+            take(theirs + "kv_a_proj_with_mqa.weight"), mla.kv_lora_rank + rope, mla.kv_lora_rank
+        ),
+        ours + "kv_a_norm.weight": take(theirs + "kv_a_layernorm.weight"),
+        ours + "kv_b_proj.weight": take(theirs + "kv_b_proj.weight"),
+    }
+    if mla.q_lora_rank:
+        state[ours + "q_a_proj.weight"] = take(theirs + "q_a_proj.weight")
+        state[ours + "q_a_norm.weight"] = take(theirs + "q_a_layernorm.weight")
     return state
 
 

@@ -6,6 +6,8 @@ against a per-token loop."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,14 @@ def _config(kind: str) -> Any:
             topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
             routed_scaling_factor=2.5, tie_word_embeddings=False,
         )  # fmt: skip
+    if kind == "deepseek_v3":  # latent attention (q and kv latents, interleaved RoPE) too
+        return transformers.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4}, intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8,
+            num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
+            first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+            kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
+            v_head_dim=16, tie_word_embeddings=False,
+        )  # fmt: skip
     return transformers.Qwen3MoeConfig(
         **COMMON, head_dim=32, intermediate_size=80, moe_intermediate_size=24, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
@@ -78,12 +88,16 @@ def randomize(hf_model: Any) -> None:
                 param.copy_(0.2 * torch.randn_like(param))
             elif "embed" in name or "lm_head" in name:
                 param.copy_(0.5 * torch.randn_like(param))
+            elif any(p in name for p in ("q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")):
+                param.copy_(0.3 * torch.randn_like(param))  # latent attention: scores that vary
         for name, buffer in hf_model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # chooses experts, never gates them
                 buffer.copy_(0.3 * torch.randn_like(buffer))
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
+@pytest.fixture(
+    scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3"]
+)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
@@ -111,7 +125,7 @@ def test_arch_read_from_the_config(tiny: Any) -> None:
     c = hf_model.config
     assert arch.moe.top_k == c.num_experts_per_tok
     assert arch.moe.num_experts == (6 if kind == "mixtral" else 8)
-    dense = {"qwen2_moe": (1,), "dots1": (0,)}.get(kind, ())
+    dense = {"qwen2_moe": (1,), "dots1": (0,), "deepseek_v3": (0,)}.get(kind, ())
     assert arch.moe.dense_layers == dense
     assert arch.moe.shared_gate == (kind == "qwen2_moe")
     assert arch.moe.renormalize == (kind != "qwen2_moe")
@@ -232,6 +246,26 @@ def test_the_choosing_bias_and_the_groups_count(tiny: Any) -> None:
     want = logits(lambda block: None)
     assert (logits(no_bias) - want).abs().max() > 10 * 1e-4
     assert (logits(all_groups) - want).abs().max() > 10 * 1e-4
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_latent_attention_rope_layout_counts(tiny: Any, tmp_path: Path) -> None:
+    """The comparison above is sensitive to the RoPE rows' order: read without reordering the
+    interleaved pairs, the logits move far past its tolerance."""
+    _, directory, _ = tiny
+    prompt = _prompts()[2]
+
+    def logits(directory: Path) -> torch.Tensor:
+        model: Any = load_model(directory, torch.float32, "cpu").model
+        bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
+        (out,) = run_step(model, SequentialBlocks(BLOCK_SIZE), [(0, prompt, 0)], all_rows=True)
+        return out
+
+    plain = tmp_path / "as-if-not-interleaved"
+    shutil.copytree(directory, plain)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config, "rope_interleave": False}))
+    assert (logits(plain) - logits(directory)).abs().max() > 10 * 1e-4
 
 
 def test_an_unsupported_mixtral_window_is_refused(tmp_path: Path) -> None:
