@@ -7,11 +7,20 @@ import torch
 
 
 def rotary_cos_sin(
-    head_dim: int, max_positions: int, base: float, device: torch.device | str = "cpu"
+    head_dim: int,
+    max_positions: int,
+    base: float,
+    device: torch.device | str = "cpu",
+    inv_freq: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:  # [P, D]: cos in the first half, sin in the second
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(device)
+    """The table RoPE reads: base ** (-2i / D) per pair (or `inv_freq`, a scaled RoPE's), cos
+    and sin of every position's angles, times `scale` (YaRN's attention factor)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :].double()
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return (table * scale if scale != 1.0 else table).float().to(device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,20 @@ class MoEArch:
 
 
 @dataclass(frozen=True)
+class YarnRope:
+    """YaRN-scaled RoPE (`model/rope.py`): context extended `factor` times past
+    `original_max_positions`."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    """cos and sin are scaled by it."""
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class MLAArch:
     """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from a compressed
     latent of `kv_lora_rank` (plus one RoPE key of `qk_rope_head_dim` shared by every head),
@@ -126,6 +140,8 @@ class ModelArch:
     """The experts of the sparse layers (None: every layer has a dense FFN)."""
     mla: MLAArch | None = None
     """Latent attention in every layer (None: grouped-query attention)."""
+    rope_yarn: YarnRope | None = None
+    """YaRN scaling of the full layers' RoPE (None: plain)."""
 
     def __post_init__(self) -> None:
         sizes = {

@@ -28,6 +28,7 @@ from deepinfer.model.kv_layout import KVCaches, check_kv_caches
 # Re-exported for callers that import the KV helpers next to the model.
 from deepinfer.model.kv_layout import allocate_kv_caches as allocate_kv_caches
 from deepinfer.model.kv_layout import kv_bytes_per_block as kv_bytes_per_block
+from deepinfer.model.rope import rope_table
 from deepinfer.model.step_context import StepContext, step_context
 
 _TRANSPOSED_ROWS = range(2, 65)
@@ -256,9 +257,7 @@ class LlamaForCausalLM(nn.Module):
                 if arch.tie_word_embeddings
                 else Linear(arch.hidden_size, arch.vocab_size, bias=False)
             )
-        cos_sin = rotary_cos_sin(
-            arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta, device
-        )
+        cos_sin = rope_table(arch, device)
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [P, D]
         local = arch.rope_local_theta
         if local is not None and local != arch.rope_theta and arch.windowed:

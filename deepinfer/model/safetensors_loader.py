@@ -10,8 +10,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.arch import MLAArch, ModelArch, MoEArch
+from deepinfer.model.arch import MLAArch, ModelArch, MoEArch, YarnRope
 from deepinfer.model.registry import check_architecture
+from deepinfer.model.rope import yarn_mscale
 
 # Buffers some older checkpoints save; recomputed by the model.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,13 +33,40 @@ def _read_config(directory: Path) -> dict[str, Any]:
 
 
 def _rope(config: dict[str, Any]) -> float:
-    """rope_theta; refuses any RoPE scaling (older configs: rope_scaling; newer: rope_parameters)."""
-    params = _rope_params(config)
-    scaling = config.get("rope_scaling") or params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
+    """rope_theta; refuses RoPE scaling but YaRN's (older configs: rope_scaling; newer:
+    rope_parameters)."""
+    rope_type = _rope_scaling(config).get("rope_type", _rope_scaling(config).get("type", "default"))
+    if rope_type not in ("default", "yarn"):
         raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported")
-    return float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    return float(config.get("rope_theta") or _rope_params(config).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any]:
+    scaling: dict[str, Any] = config.get("rope_scaling") or _rope_params(config)
+    return scaling
+
+
+def _yarn(config: dict[str, Any]) -> YarnRope | None:
+    """YaRN's parameters, where the config scales RoPE so (as transformers reads them)."""
+    p = _rope_scaling(config)
+    if p.get("rope_type", p.get("type")) != "yarn":
+        return None
+    original = int(p["original_max_position_embeddings"])
+    factor = float(p.get("factor") or int(config["max_position_embeddings"]) / original)
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    elif attention_factor is None:
+        attention_factor = yarn_mscale(factor)
+    return YarnRope(
+        factor=factor,
+        original_max_positions=original,
+        beta_fast=float(p.get("beta_fast") or 32),
+        beta_slow=float(p.get("beta_slow") or 1),
+        attention_factor=float(attention_factor),
+        truncate=bool(p.get("truncate", True)),
+    )
 
 
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -163,10 +191,16 @@ def _mla(config: dict[str, Any]) -> dict[str, Any]:
         q_lora_rank=int(config.get("q_lora_rank") or 0),
         interleaved_rope=bool(config.get("rope_interleave", True)),
     )
+    head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    scale = head_dim**-0.5
+    yarn, mscale_all_dim = _yarn(config), _rope_scaling(config).get("mscale_all_dim")
+    if yarn is not None and mscale_all_dim:  # DeepSeek's softmax scale follows YaRN's too
+        scale *= yarn_mscale(yarn.factor, mscale_all_dim) ** 2
     return {
         "mla": mla,
-        "head_dim": mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+        "head_dim": head_dim,
         "num_kv_heads": int(config["num_attention_heads"]),
+        "query_scale": scale,
     }
 
 
@@ -214,6 +248,7 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             num_heads=num_heads,
             vocab_size=int(config["vocab_size"]),
             rope_theta=_rope(config),
+            rope_yarn=_yarn(config),
             rms_norm_eps=float(config["rms_norm_eps"]),
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings")) or not has_lm_head,

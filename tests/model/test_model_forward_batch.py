@@ -115,7 +115,7 @@ def test_registry() -> None:
     assert get_model_class("qwen3") is get_model_class("llama")
     with pytest.raises(
         ModelLoadError,
-        match="supported: dots1, gemma3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
+        match="supported: deepseek_v3, dots1, gemma3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
     ):
         get_model_class("falcon")
 

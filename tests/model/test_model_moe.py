@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,13 @@ def _config(kind: str) -> Any:
             topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
             routed_scaling_factor=2.5, tie_word_embeddings=False,
         )  # fmt: skip
-    if kind == "deepseek_v3":  # latent attention (q and kv latents, interleaved RoPE) too
+    if kind == "deepseek_v3":  # latent attention (q and kv latents, interleaved RoPE), YaRN too
+        yarn = {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 32,
+        }  # fmt: skip
         return transformers.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4}, intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8,
+            **{**COMMON, "num_key_value_heads": 4}, rope_parameters=yarn, intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8,
             num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
             first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
             kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
@@ -130,6 +135,10 @@ def test_arch_read_from_the_config(tiny: Any) -> None:
     assert arch.moe.shared_gate == (kind == "qwen2_moe")
     assert arch.moe.renormalize == (kind != "qwen2_moe")
     assert [arch.sparse(i) for i in range(3)] == [i not in dense for i in range(3)]
+    if kind == "deepseek_v3":  # a head's key: 16 plain and 16 rotary dims; YaRN's scale
+        assert arch.mla is not None and (arch.head_dim, arch.num_kv_heads) == (32, 4)
+        assert arch.rope_yarn is not None and arch.rope_yarn.factor == 4.0
+        assert arch.attention_scale == pytest.approx(32**-0.5 * (0.1 * math.log(4) + 1) ** 2)
     if kind == "dots1":
         m = arch.moe
         assert (m.routing, m.score_bias, m.num_groups, m.topk_groups) == (
