@@ -24,6 +24,7 @@ import torch
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
+from deepinfer.model.gguf_mla import MLA_LAYER_NAMES, joined_kv_b, mla_fields
 from deepinfer.model.gguf_moe import EXPERT_STACKS, MOE_LAYER_NAMES, moe_fields
 from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 from deepinfer.model.registry import check_architecture
@@ -69,8 +70,9 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     **MOE_LAYER_NAMES,
+    **MLA_LAYER_NAMES,
 }
-_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3"}
 """llama.cpp's architecture names served under another registry key (and Mixtral is llama.cpp's
 `llama` with experts)."""
 _PERMUTED_QK = ("llama", "mixtral")
@@ -179,7 +181,8 @@ def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
     name = "mixtral" if key == "llama" and experts else _GGUF_ARCHS.get(key, key)
     check_architecture(name)
     scaling = _field(reader, f"{key}.rope.scaling.type", "none")
-    if (
+    yarn_ok = scaling == "yarn" and key == "deepseek2"  # latent attention's YaRN (gguf_mla.py)
+    if not yarn_ok and (
         scaling not in ("none", "linear")
         or float(_field(reader, f"{key}.rope.scaling.factor", 1.0)) != 1.0
     ):
@@ -196,8 +199,6 @@ def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{key}.feed_forward_length")),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{key}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{key}.attention.key_length", hidden // max(num_heads, 1))),
         vocab_size=int(_field(reader, f"{key}.vocab_size", int(embd_shape[-1]))),
         rope_theta=float(_field(reader, f"{key}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{key}.attention.layer_norm_rms_epsilon")),
@@ -207,7 +208,18 @@ def gguf_arch(reader: gguf.GGUFReader) -> ModelArch:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         moe=moe_fields(functools.partial(_field, reader), key, name, tensors) if experts else None,
         **(_gemma3_fields(reader, hidden, num_heads) if name == "gemma3" else {}),
+        **_heads(reader, key, hidden, num_heads),
     )
+
+
+def _heads(reader: gguf.GGUFReader, key: str, hidden: int, num_heads: int) -> dict[str, Any]:
+    """KV heads and head width (and latent attention's fields for `deepseek2`)."""
+    if key == "deepseek2":
+        return mla_fields(functools.partial(_field, reader), key, num_heads)
+    return {
+        "num_kv_heads": int(_field(reader, f"{key}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{key}.attention.key_length", hidden // max(num_heads, 1))),
+    }
 
 
 GEMMA3_GLOBAL_EVERY = 6
@@ -262,9 +274,23 @@ class GGUFTensorSource:
             else:
                 self._tensors[canonical_name(t.name, arch.architecture)] = t
         self._arch = arch
+        self._joined = {
+            name.replace(".k_b_proj.", ".kv_b_proj.")
+            for name in self._tensors
+            if name.endswith("self_attn.k_b_proj.weight")
+        } - set(self._tensors)
+        """`kv_b_proj` of the layers whose file splits it (`gguf_mla.joined_kv_b`)."""
 
     def names(self) -> set[str]:
-        return set(self._tensors) | set(self._experts)
+        parts = {
+            n.replace(".kv_b_proj.", p) for n in self._joined for p in (".k_b_proj.", ".v_b_proj.")
+        }
+        return (set(self._tensors) - parts) | set(self._experts) | self._joined
+
+    def _joined_kv_b(self, name: str) -> torch.Tensor:
+        k_b = self.load(name.replace(".kv_b_proj.", ".k_b_proj.")).numpy()
+        v_b = self.load(name.replace(".kv_b_proj.", ".v_b_proj.")).numpy()
+        return torch.from_numpy(joined_kv_b(k_b, v_b, self._arch.num_heads).copy())
 
     def other_formats(self) -> dict[str, int]:
         """Matrices stored in formats the native kernel does not take, counted by format (they
@@ -305,6 +331,8 @@ class GGUFTensorSource:
             return dequantize(blocks)
         if name in self._experts:
             return self._load_expert(name)
+        if name in self._joined:
+            return self._joined_kv_b(name)
         tensor = self._tensors[name]
         array = self._dequantized(tensor, tensor.data)
         if name.endswith("shared_expert_gate.weight"):

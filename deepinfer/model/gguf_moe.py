@@ -34,9 +34,9 @@ Field = Callable[..., Any]
 
 def moe_fields(field: Field, key: str, name: str, tensors: dict[str, Any]) -> MoEArch:
     """The experts, as llama.cpp reads them: top k of `expert_count`; softmax scores, or sigmoid
-    ones with a choosing bias and groups (dots.llm1, DeepSeek-style); gates renormalized by
-    default but for Qwen2-MoE (whose shared expert is sigmoid-gated); a layer without a router
-    is dense."""
+    ones with a choosing bias and groups (dots.llm1, DeepSeek-V3); gates renormalized by
+    default but for Qwen2-MoE (whose shared expert is sigmoid-gated) and DeepSeek (whose files
+    say); a layer without a router is dense."""
     if "blk.0.ffn_gate.0.weight" in tensors:
         raise ModelLoadError("experts stored one tensor each (an old Mixtral GGUF) are not read")
     layers = int(field(f"{key}.block_count"))
@@ -54,7 +54,9 @@ def moe_fields(field: Field, key: str, name: str, tensors: dict[str, Any]) -> Mo
         top_k=int(field(f"{key}.expert_used_count")),
         expert_intermediate_size=width,
         routing="sigmoid_topk" if sigmoid else "softmax_topk",
-        renormalize=bool(field(f"{key}.expert_weights_norm", name != "qwen2_moe")),
+        renormalize=bool(
+            field(f"{key}.expert_weights_norm", name not in ("qwen2_moe", "deepseek_v3"))
+        ),
         routed_scaling=float(field(f"{key}.expert_weights_scale", 0.0) or 1.0),
         shared_intermediate_size=shared,
         shared_gate=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in tensors,

@@ -22,7 +22,10 @@ from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
 
 transformers = pytest.importorskip("transformers")
 
-GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "dots1": "dots1"}
+GGUF_ARCH = {
+    "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "dots1": "dots1",
+    "deepseek_v3": "deepseek2",
+}  # fmt: skip
 MOE_TO_GGUF = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
@@ -33,7 +36,22 @@ MOE_TO_GGUF = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
 }
+
+
+def _split_kv_b(out: dict[str, np.ndarray], cfg: Any) -> None:
+    """llama.cpp's absorbed form: each layer's kv_b as k_b (per head, transposed) and v_b."""
+    for name in [n for n in out if n.endswith("attn_kv_b.weight")]:
+        kv_b = out.pop(name).reshape(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+        k_b, v_b = np.split(kv_b, [cfg.qk_nope_head_dim], axis=1)
+        out[name.replace("kv_b", "k_b")] = np.ascontiguousarray(k_b.swapaxes(1, 2))
+        out[name.replace("kv_b", "v_b")] = np.ascontiguousarray(v_b)
 
 
 def _tensors(arch: str, hf_model: Any) -> dict[str, np.ndarray]:
@@ -69,7 +87,12 @@ def _tensors(arch: str, hf_model: Any) -> dict[str, np.ndarray]:
 
 
 def write_moe_gguf(
-    path: Path, kind: str, hf_model: Any, experts_as: Any = None, every_matrix: bool = False
+    path: Path,
+    kind: str,
+    hf_model: Any,
+    experts_as: Any = None,
+    every_matrix: bool = False,
+    split_kv_b: bool = False,
 ) -> None:
     """With `experts_as`, the experts' and shared expert's matrices in that format, where their
     rows are whole blocks of 32; with `every_matrix` too, every other matrix but the routers and
@@ -80,11 +103,26 @@ def write_moe_gguf(
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if kind != "mixtral":
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if kind not in ("mixtral", "deepseek_v3"):
         writer.add_key_length(cfg.head_dim if kind in ("qwen3_moe", "dots1") else 16)
         writer.add_value_length(cfg.head_dim if kind in ("qwen3_moe", "dots1") else 16)
     if kind == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if kind == "dots1":  # as llama.cpp's converter writes dots.llm1 (groups: DeepSeek's keys)
+    if kind == "deepseek_v3":  # as llama.cpp's converter writes DeepSeek-V3 (deepseek2)
+        head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        writer.add_key_length_mla(head) if split_kv_b else writer.add_key_length(head)
+        writer.add_value_length_mla(cfg.v_head_dim) if split_kv_b else writer.add_value_length(
+            cfg.v_head_dim
+        )
+        writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+        writer.add_kv_lora_rank(cfg.kv_lora_rank)
+        yarn = cfg.rope_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn["factor"])
+        writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * yarn["mscale_all_dim"])
+    if kind in ("dots1", "deepseek_v3"):  # as llama.cpp's converter writes them
         writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
         writer.add_expert_shared_count(cfg.n_shared_experts)
         writer.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -92,7 +130,10 @@ def write_moe_gguf(
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_group_count(cfg.n_group)
         writer.add_expert_group_used_count(cfg.topk_group)
-    for name, array in _tensors(arch, hf_model).items():
+    tensors = _tensors(arch, hf_model)
+    if split_kv_b:
+        _split_kv_b(tensors, cfg)
+    for name, array in tensors.items():
         quantize = name.endswith(("gate_exps.weight", "up_exps.weight", "shexp.weight")) or (
             every_matrix
             and array.ndim == 2
@@ -112,7 +153,9 @@ def write_moe_gguf(
     writer.close()
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
+@pytest.fixture(
+    scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3"]
+)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
@@ -128,8 +171,13 @@ def test_arch_from_the_metadata(tiny: Any) -> None:
     arch = gguf_arch(open_gguf(path))
     assert arch.architecture == kind and arch.moe is not None
     assert arch.moe.top_k == hf_model.config.num_experts_per_tok
-    assert arch.moe.dense_layers == {"qwen2_moe": (1,), "dots1": (0,)}.get(kind, ())
+    assert arch.moe.dense_layers == {"qwen2_moe": (1,), "dots1": (0,), "deepseek_v3": (0,)}.get(
+        kind, ()
+    )
     assert arch.moe.renormalize == (kind != "qwen2_moe")
+    if kind == "deepseek_v3":
+        assert arch.mla is not None and arch.rope_yarn is not None
+        assert (arch.head_dim, arch.num_kv_heads, arch.mla.q_lora_rank) == (32, 4, 48)
     if kind == "dots1":
         m = arch.moe
         assert (m.routing, m.score_bias, m.num_groups, m.topk_groups) == (
@@ -139,12 +187,27 @@ def test_arch_from_the_metadata(tiny: Any) -> None:
             2,
         )
         assert (m.routed_scaling, m.shared_intermediate_size, m.shared_gate) == (2.5, 48, False)
-    if kind != "dots1":
+    if kind not in ("dots1", "deepseek_v3"):
         assert arch.moe.shared_intermediate_size == (40 if kind == "qwen2_moe" else 0)
 
 
 def test_logits_match_transformers(tiny: Any) -> None:
     _, path, hf_model = tiny
+    model = load_model(path, torch.float32, "cpu").model
+    bind_fresh_caches(model, num_blocks=64, block_size=4)
+    prompts, prefill_lens = _prompts(), [7, 2, 30]
+    ours = prefill_then_decode_logits(model, SequentialBlocks(4), prompts, prefill_lens)
+    for got, prompt, n in zip(ours, prompts, prefill_lens, strict=True):
+        torch.testing.assert_close(got, _hf_logits(hf_model, prompt)[n - 1 :], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_latent_attention_split_as_llama_cpp_absorbs_it(tiny: Any, tmp_path: Path) -> None:
+    """A file whose kv_b is stored as llama.cpp's k_b and v_b gives the same logits."""
+    _, _, hf_model = tiny
+    path = tmp_path / "split.gguf"
+    write_moe_gguf(path, "deepseek_v3", hf_model, split_kv_b=True)
+    assert any(t.name == "blk.1.attn_k_b.weight" for t in open_gguf(path).tensors)
     model = load_model(path, torch.float32, "cpu").model
     bind_fresh_caches(model, num_blocks=64, block_size=4)
     prompts, prefill_lens = _prompts(), [7, 2, 30]
