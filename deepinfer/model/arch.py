@@ -60,6 +60,11 @@ class MoEArch:
                 f"invalid MoE metadata: {self.num_experts} experts in {groups} groups, top "
                 f"{chosen} groups, top {self.top_k} experts"
             )
+        if chosen < groups and self.routing != "sigmoid_topk":
+            raise ModelLoadError(
+                "expert groups with softmax scores (DeepSeek-V2's group-limited routing) are not "
+                "served; only DeepSeek-V3's (sigmoid scores)"
+            )
 
 
 @dataclass(frozen=True)

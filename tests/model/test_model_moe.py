@@ -25,6 +25,7 @@ from model_test_utils import (
     run_step,
 )
 
+from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.moe_torch import (
     expert_counts,
     float_experts,
@@ -33,6 +34,7 @@ from deepinfer.kernels.moe_torch import (
     route,
 )
 from deepinfer.model import load_model
+from deepinfer.model.arch import MoEArch
 
 transformers = pytest.importorskip("transformers")
 
@@ -297,3 +299,11 @@ def test_triton_backend_matches_transformers(tiny: Any) -> None:
     ours = prefill_then_decode_logits(model, SequentialBlocks(BLOCK_SIZE), prompts, prefill_lens)
     for got, prompt, n in zip(ours, prompts, prefill_lens, strict=True):
         torch.testing.assert_close(got, _hf_logits(hf_model, prompt)[n - 1 :], atol=1e-4, rtol=0)
+
+
+def test_grouped_softmax_routing_is_refused() -> None:
+    """DeepSeek-V2's group-limited routing (softmax scores) is not DeepSeek-V3's: refused, not
+    served as the other."""
+    with pytest.raises(ModelLoadError, match="group-limited"):
+        MoEArch(num_experts=8, top_k=2, expert_intermediate_size=16, num_groups=4, topk_groups=2)
+    MoEArch(8, 2, 16, routing="sigmoid_topk", num_groups=4, topk_groups=2)
