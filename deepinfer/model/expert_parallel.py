@@ -234,6 +234,7 @@ class ExpertParallel:
         return out
 
     def snapshot(self) -> ExpertParallelStats:
+        """The groups' work and the balancer's, for /metrics."""
         with self._lock:
             st, rows = self.stats, tuple(self._group_rows)
             placements = dict(self.placements)
@@ -257,7 +258,8 @@ class ExpertParallel:
 
     def rebalance(self, loads: dict[int, list[int]]) -> None:
         """Balanced placements for these per-layer loads, loaded and swapped in."""
-        self.stats.rebalances += 1
+        with self._lock:
+            self.stats.rebalances += 1
         for layer, load in loads.items():
             if not any(load):
                 continue
@@ -268,7 +270,7 @@ class ExpertParallel:
                 self._idle.wait_for(functools.partial(self._layer_idle, layer))
                 self._place(layer, placement)  # beside the old experts: a run may start now
                 self.placements[layer] = placement
-            self.stats.swaps += 1
+                self.stats.swaps += 1
 
     def _balanced(self, load: list[int]) -> Placement:
         if self.nodes > 1:
