@@ -6,12 +6,18 @@ one place; nothing is dropped and the ranks stop with the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
 from test_engine_moe import tiny_moe  # noqa: F401  (the module's fixture)
@@ -25,6 +31,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.model import load_model
 
 transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(path: Path, experts: ExpertsConfig) -> Config:
@@ -188,3 +195,80 @@ async def test_a_rank_that_dies_is_stood_in_for(
     assert first == alone and second == alone
     assert stats.expert_parallel is not None and stats.expert_parallel.failed_groups == (1,)
     assert "deepinfer_moe_failed_groups 1.0" in metrics
+
+
+def _serve(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [sys.executable, str(ROOT / "server.py"), "--port", str(port), "--no-disk-cache", *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
+
+
+def _chat(base: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+    texts = []
+    for question in ("Name three colors.", "What is two plus two?"):
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": question}], max_tokens=16,
+            temperature=0.0,
+        )  # fmt: skip
+        texts.append(reply.choices[0].message.content or "")
+    return texts
+
+
+def test_the_server_with_expert_ranks(tiny_moe: tuple[Path, Any], tmp_path: Path) -> None:  # noqa: F811
+    """`server.py` with 2 gloo ranks and EPLB answers the official client as the server without
+    them does, reports its groups in /metrics, and on SIGTERM stops its rank and exits 0."""
+    model = ["--model", str(tiny_moe[0]), "--dtype", "float32"]
+    ep = ["--expert-parallel", "2", "--expert-parallel-backend", "gloo", "--redundant-experts",
+          "2", "--eplb-interval", "4", "--master-port", str(_free_port())]  # fmt: skip
+    plain, base = _serve(model, tmp_path / "plain.log")
+    try:
+        want = _chat(base)
+    finally:
+        plain.kill()
+        plain.wait(30)
+    proc, base = _serve(model + ep, tmp_path / "ep.log")
+    try:
+        got = _chat(base)
+        metrics = httpx.get(f"{base}/metrics").text
+        ranks = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "ep.log").read_text()
+    assert got == want and all(got)
+    assert "deepinfer_moe_expert_groups 2.0" in metrics
+    # uvicorn ends a graceful shutdown by re-raising the signal; the rank was stopped, not killed
+    assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log
+    assert ranks and not any(_running(pid) for pid in ranks)
+    assert "Traceback" not in log and "terminating it" not in log, log[-2000:]
+
+
+def _running(pid: int) -> bool:
+    """The process is alive (not gone, nor a zombie waiting to be reaped)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
