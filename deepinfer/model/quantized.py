@@ -24,8 +24,9 @@ from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, NativeW
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
 from deepinfer.model.llama import Linear
+from deepinfer.model.mla import MLAAttention
 from deepinfer.model.moe import MoEBlock
-from deepinfer.model.weights import linear_sources, shared_expert_sources
+from deepinfer.model.weights import deinterleave_rows, linear_sources, shared_expert_sources
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ def quantize_linears(
         )
     for i in range(num_layers):
         total += _quantize_modules(linear_sources(i), source, int8, modules)
+        attn = modules.get(f"layers.{i}.self_attn")
+        if isinstance(attn, MLAAttention):
+            total += _quantize_mla(attn, source, i, int8)
         block = modules.get(f"layers.{i}.mlp")
         if isinstance(block, MoEBlock):
             total += _quantize_modules(shared_expert_sources(i), source, int8, modules)
@@ -167,6 +171,34 @@ def _quantize_modules(
             weight = _served(fused, int8)
             module.quantize(weight)
             total += weight.nbytes
+    return total
+
+
+def _quantize_mla(attn: MLAAttention, source: GGUFTensorSource, layer: int, int8: bool) -> int:
+    """A latent-attention layer's projections stored in a kernel format, in blocks (the rotary
+    rows reordered as `weights._mla_state` reorders the float ones: whole rows of blocks
+    move); the bytes served."""
+    m, theirs = attn.mla, f"layers.{layer}.self_attn."
+    q = "q_b_proj" if m.q_lora_rank else "q_proj"
+    rotary = {q: (attn.arch.head_dim, m.qk_nope_head_dim), "kv_a_proj": (
+        m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank)}  # fmt: skip
+    stored = {q: q, "kv_a_proj": "kv_a_proj_with_mqa", "kv_b_proj": "kv_b_proj"}
+    if m.q_lora_rank:
+        stored["q_a_proj"] = "q_a_proj"
+    total = 0
+    for ours, name in stored.items():
+        blocks = source.load_quantized(theirs + name + ".weight")
+        if blocks is None:
+            continue
+        if ours in rotary and m.interleaved_rope:
+            width, start = rotary[ours]
+            rows = deinterleave_rows(blocks.blocks, width, start, m.qk_rope_head_dim)
+            blocks = QuantizedWeight(blocks.fmt, rows.contiguous(), blocks.in_features)
+        weight = _served(blocks, int8)
+        linear = getattr(attn, ours)
+        assert isinstance(linear, Linear)
+        linear.quantize(weight)
+        total += weight.nbytes
     return total
 
 

@@ -177,7 +177,7 @@ def test_arch_from_the_metadata(tiny: Any) -> None:
     assert arch.moe.renormalize == (kind != "qwen2_moe")
     if kind == "deepseek_v3":
         assert arch.mla is not None and arch.rope_yarn is not None
-        assert (arch.head_dim, arch.num_kv_heads, arch.mla.q_lora_rank) == (32, 4, 48)
+        assert (arch.head_dim, arch.num_kv_heads, arch.mla.q_lora_rank) == (32, 4, 64)
     if kind == "dots1":
         m = arch.moe
         assert (m.routing, m.score_bias, m.num_groups, m.topk_groups) == (
@@ -278,3 +278,28 @@ def test_quantized_experts_served_in_their_blocks(tmp_path: Path) -> None:
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().mean() / want.abs().mean())
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_latent_attention_served_in_blocks(tiny: Any, tmp_path: Path) -> None:
+    """Every matrix of a DeepSeek-V3 in Q8_0 (the latent projections too, their rotary rows
+    reordered in blocks): the logits of the same values dequantized, within float rounding."""
+    _, _, hf_model = tiny
+    path = tmp_path / "q8.gguf"
+    write_moe_gguf(path, "deepseek_v3", hf_model, gguf.GGMLQuantizationType.Q8_0, every_matrix=True)
+    served = load_model(path, torch.float32, "cpu", quantized_matmul="on")
+    plain = load_model(path, torch.float32, "cpu", quantized_matmul="off")
+    attn: Any = served.model.layers[1].self_attn
+    assert all(
+        getattr(attn, name).quantized is not None
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+    )
+    prompts, prefill_lens = _prompts(), [7, 2, 30]
+    logits = []
+    for loaded in (served, plain):
+        bind_fresh_caches(loaded.model, num_blocks=64, block_size=4)
+        logits.append(
+            prefill_then_decode_logits(loaded.model, SequentialBlocks(4), prompts, prefill_lens)
+        )
+    for got, want in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

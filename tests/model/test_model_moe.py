@@ -73,7 +73,7 @@ def _config(kind: str) -> Any:
             **{**COMMON, "num_key_value_heads": 4}, rope_parameters=yarn, intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8,
             num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
             first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-            kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
+            kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16,
             v_head_dim=16, tie_word_embeddings=False,
         )  # fmt: skip
     return transformers.Qwen3MoeConfig(
