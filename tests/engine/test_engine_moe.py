@@ -85,3 +85,44 @@ def test_moe_models_decode_without_cuda_graphs() -> None:
     with pytest.raises(ConfigError, match="Mixture-of-Experts"):
         capture_graphs(Config(runtime=RuntimeConfig(cuda_graphs="on")), replica, 64)
     assert capture_graphs(Config(), replica, 64) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """DeepSeek-V3's latent attention (expanded into the paged caches: 4 KV heads of 32) and
+    grouped sigmoid routing."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if ".mlp." in name or "_proj" in name:
+                param.copy_(0.2 * torch.randn_like(param))
+            elif "embed" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+    hf_model.eval()
+    path = tmp_path_factory.mktemp("tiny-deepseek")
+    hf_model.save_pretrained(path, safe_serialization=True)
+    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
+    return path, hf_model
+
+
+async def test_deepseek_engine_equals_transformers(tiny_deepseek: tuple[Path, Any]) -> None:
+    """Through the engine (disaggregated workers, the prefix cache on): the greedy tokens of
+    transformers, and a second run of the same prompts served from cached latent-attention KV."""
+    path, hf_model = tiny_deepseek
+    prompts = token_prompts()
+    async with AsyncEngine(tiny_config(path, WorkersConfig())) as engine:
+        got = await run_all(engine, prompts)
+        again = await run_all(engine, prompts)
+        engine.check_integrity()
+        cached = engine.stats().prefill_counts
+    want = [_hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    assert got == want and again == want
+    assert cached.num_computed_tokens < 2 * sum(len(p) for p in prompts)
