@@ -20,8 +20,8 @@ SLICE_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
-class FixedSumWeight:
-    """A float [out_features, in_features] weight multiplied by `fixed_sum_linear`."""
+class FloatMatrix:
+    """A float [out_features, in_features] weight that a kernel of its own multiplies."""
 
     weight: torch.Tensor
 
@@ -32,6 +32,11 @@ class FixedSumWeight:
     @property
     def in_features(self) -> int:
         return int(self.weight.shape[1])
+
+
+@dataclass(frozen=True)
+class FixedSumWeight(FloatMatrix):
+    """A float weight multiplied by `fixed_sum_linear`."""
 
 
 def fixed_sum_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [T, D] x [E, D]

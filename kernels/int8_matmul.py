@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu_native import native_library
-from .fixed_sum import FixedSumWeight, fixed_sum_linear
+from .fixed_sum import FixedSumWeight, FloatMatrix, fixed_sum_linear
 from .quant_matmul import (
     QK,
     QuantFormat,
@@ -72,21 +72,11 @@ def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K]
 
 
 @dataclass(frozen=True)
-class FixedOrderWeight:
+class FixedOrderWeight(FloatMatrix):
     """A float [out_features, in_features] weight multiplied by the Triton matmul of one fixed
     reduction order (`kernels/matmul.py`: no split-K, constant tiles, so an output's sum over K
     does not depend on how many rows the step has): the batch-invariant mode's matrices on the
     Triton backend, where cuBLAS picks its kernel by the shape."""
-
-    weight: torch.Tensor  # [out_features, in_features]
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[1])
 
 
 NativeWeight = QuantizedWeight | Int8PackedWeight

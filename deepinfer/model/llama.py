@@ -122,21 +122,34 @@ class LlamaAttention(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, a.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, a.rms_norm_eps)
         ops.apply_rotary(q, k, batch.positions, step.cos_sin_local if self.window else step.cos_sin)
-        k_cache, v_cache = kv_cache
-        windowed = self.window is not None
-        slots, tables = batch.group(windowed)
-        plan, lens = step.attention_plan(windowed), batch.context_lens
-        ops.store_kv(k, v, k_cache, v_cache, slots)
-        if batch.is_decode_only:  # T == B: one query per request
-            out = ops.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, self.scale, plan=plan, window=self.window
-            )
-        else:
-            out = ops.paged_prefill_attention(
-                q, k_cache, v_cache, tables, batch.query_start_loc, lens, self.scale,
-                plan=plan, window=self.window,
-            )  # fmt: skip
+        out = paged_attention(step, q, k, v, kv_cache, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, a.q_size))  # [T, H, D] -> [T, hidden]
+
+
+def paged_attention(
+    step: StepContext,
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]: this step's keys and values, stored first
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [T, H, D]
+    """Store the step's K/V in a layer's cache, then attend each query over its context (the
+    windowed pool's tables and plan for a layer with a `window`)."""
+    ops, batch = step.ops, step.batch
+    k_cache, v_cache = kv_cache
+    windowed = window is not None
+    slots, tables = batch.group(windowed)
+    plan, lens = step.attention_plan(windowed), batch.context_lens
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    if batch.is_decode_only:  # T == B: one query per request
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, plan=plan, window=window
+        )
+    return ops.paged_prefill_attention(
+        q, k_cache, v_cache, tables, batch.query_start_loc, lens, scale, plan=plan, window=window
+    )
 
 
 class LlamaMLP(nn.Module):

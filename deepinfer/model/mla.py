@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from deepinfer.model.arch import ModelArch
-from deepinfer.model.llama import Linear, RMSNorm
+from deepinfer.model.llama import Linear, RMSNorm, paged_attention
 from deepinfer.model.step_context import StepContext
 
 
@@ -77,16 +77,5 @@ class MLAAttention(nn.Module):
         k = torch.cat([kv[..., :nope], k_rope.expand(t, heads, -1)], dim=-1)
         v = h.new_zeros(t, heads, a.head_dim)
         v[..., : m.v_head_dim] = kv[..., nope:]
-        k_cache, v_cache = kv_cache
-        slots, tables = batch.group(False)
-        plan, lens = step.attention_plan(False), batch.context_lens
-        ops.store_kv(k, v, k_cache, v_cache, slots)
-        if batch.is_decode_only:
-            out = ops.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, self.scale, plan=plan
-            )
-        else:
-            out = ops.paged_prefill_attention(
-                q, k_cache, v_cache, tables, batch.query_start_loc, lens, self.scale, plan=plan
-            )
+        out = paged_attention(step, q, k, v, kv_cache, self.scale, None)
         return self.o_proj(out[..., : m.v_head_dim].reshape(t, heads * m.v_head_dim))

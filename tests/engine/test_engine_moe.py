@@ -33,16 +33,21 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
         tie_word_embeddings=True,
     )  # fmt: skip
+    return _saved(config, (".mlp.",), tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+def _saved(config: Any, scaled: tuple[str, ...], path: Path) -> tuple[Path, Any]:
+    """A random model of `config` (parameters named with one of `scaled` and the embedding
+    made large enough to matter: logits of order 1), saved with SmolLM2's tokenizer."""
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # routers and experts that matter; logits of order 1
+    with torch.no_grad():
         for name, param in hf_model.named_parameters():
-            if ".mlp." in name:
+            if any(part in name for part in scaled):
                 param.copy_(0.2 * torch.randn_like(param))
             elif "embed" in name:
                 param.copy_(0.5 * torch.randn_like(param))
     hf_model.eval()
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
     hf_model.save_pretrained(path, safe_serialization=True)
     Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
     return path, hf_model
@@ -98,19 +103,7 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if ".mlp." in name or "_proj" in name:
-                param.copy_(0.2 * torch.randn_like(param))
-            elif "embed" in name:
-                param.copy_(0.5 * torch.randn_like(param))
-    hf_model.eval()
-    path = tmp_path_factory.mktemp("tiny-deepseek")
-    hf_model.save_pretrained(path, safe_serialization=True)
-    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
-    return path, hf_model
+    return _saved(config, (".mlp.", "_proj"), tmp_path_factory.mktemp("tiny-deepseek"))
 
 
 async def test_deepseek_engine_equals_transformers(tiny_deepseek: tuple[Path, Any]) -> None:

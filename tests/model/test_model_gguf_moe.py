@@ -191,14 +191,18 @@ def test_arch_from_the_metadata(tiny: Any) -> None:
         assert arch.moe.shared_intermediate_size == (40 if kind == "qwen2_moe" else 0)
 
 
-def test_logits_match_transformers(tiny: Any) -> None:
-    _, path, hf_model = tiny
+def _assert_matches_transformers(path: Path, hf_model: Any) -> None:
     model = load_model(path, torch.float32, "cpu").model
     bind_fresh_caches(model, num_blocks=64, block_size=4)
     prompts, prefill_lens = _prompts(), [7, 2, 30]
     ours = prefill_then_decode_logits(model, SequentialBlocks(4), prompts, prefill_lens)
     for got, prompt, n in zip(ours, prompts, prefill_lens, strict=True):
         torch.testing.assert_close(got, _hf_logits(hf_model, prompt)[n - 1 :], atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers(tiny: Any) -> None:
+    _, path, hf_model = tiny
+    _assert_matches_transformers(path, hf_model)
 
 
 @pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
@@ -208,12 +212,7 @@ def test_latent_attention_split_as_llama_cpp_absorbs_it(tiny: Any, tmp_path: Pat
     path = tmp_path / "split.gguf"
     write_moe_gguf(path, "deepseek_v3", hf_model, split_kv_b=True)
     assert any(t.name == "blk.1.attn_k_b.weight" for t in open_gguf(path).tensors)
-    model = load_model(path, torch.float32, "cpu").model
-    bind_fresh_caches(model, num_blocks=64, block_size=4)
-    prompts, prefill_lens = _prompts(), [7, 2, 30]
-    ours = prefill_then_decode_logits(model, SequentialBlocks(4), prompts, prefill_lens)
-    for got, prompt, n in zip(ours, prompts, prefill_lens, strict=True):
-        torch.testing.assert_close(got, _hf_logits(hf_model, prompt)[n - 1 :], atol=1e-4, rtol=0)
+    _assert_matches_transformers(path, hf_model)
 
 
 def test_quantized_experts_read_one_at_a_time(tiny: Any, tmp_path: Path) -> None:
