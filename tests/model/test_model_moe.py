@@ -260,9 +260,14 @@ def test_the_choosing_bias_and_the_groups_count(tiny: Any) -> None:
 
 
 @pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
-def test_latent_attention_rope_layout_counts(tiny: Any, tmp_path: Path) -> None:
-    """The comparison above is sensitive to the RoPE rows' order: read without reordering the
-    interleaved pairs, the logits move far past its tolerance."""
+@pytest.mark.parametrize(
+    "change",
+    [{"rope_interleave": False}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}],
+    ids=["rope-rows-not-reordered", "without-yarn"],
+)
+def test_latent_attention_rope_counts(tiny: Any, tmp_path: Path, change: dict[str, Any]) -> None:
+    """The comparison above is sensitive to DeepSeek's RoPE: read without reordering the
+    interleaved pairs, or without YaRN, the logits move far past its tolerance."""
     _, directory, _ = tiny
     prompt = _prompts()[2]
 
@@ -272,11 +277,11 @@ def test_latent_attention_rope_layout_counts(tiny: Any, tmp_path: Path) -> None:
         (out,) = run_step(model, SequentialBlocks(BLOCK_SIZE), [(0, prompt, 0)], all_rows=True)
         return out
 
-    plain = tmp_path / "as-if-not-interleaved"
-    shutil.copytree(directory, plain)
-    config = json.loads((plain / "config.json").read_text())
-    (plain / "config.json").write_text(json.dumps({**config, "rope_interleave": False}))
-    assert (logits(plain) - logits(directory)).abs().max() > 10 * 1e-4
+    other = tmp_path / "changed"
+    shutil.copytree(directory, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, **change}))
+    assert (logits(other) - logits(directory)).abs().max() > 10 * 1e-4
 
 
 def test_an_unsupported_mixtral_window_is_refused(tmp_path: Path) -> None:
