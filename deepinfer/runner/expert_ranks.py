@@ -11,7 +11,8 @@ Launch: `deepinfer serve --expert-parallel N --expert-parallel-backend gloo|nccl
 starts its share of the N ranks (N / `--nnodes` processes, itself rank 0) and serves; on
 another machine the same command with `--node-rank K --master-addr HOST` starts ranks
 K * N / nnodes onwards and waits for them, as torchrun users expect. Every rank loads the model
-file itself (same path on every machine) and keeps its experts' weights.
+file itself (same path on every machine) and computes the experts its placement gives it (its
+weights are read in place: a placement moves no bytes between processes).
 """
 
 from __future__ import annotations
