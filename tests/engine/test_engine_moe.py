@@ -9,57 +9,22 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
+from tiny_moe import hf_greedy, qwen3_moe_config, save_random
 
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.config import Config, RuntimeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.build_replicas import capture_graphs
-from deepinfer.environment import default_model_path
 from deepinfer.errors import ConfigError
 from deepinfer.model.arch import MoEArch
-from deepinfer.model.gguf_loader import open_gguf
-from deepinfer.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return _saved(config, (".mlp.",), tmp_path_factory.mktemp("tiny-qwen3-moe"))
-
-
-def _saved(config: Any, scaled: tuple[str, ...], path: Path) -> tuple[Path, Any]:
-    """A random model of `config` (parameters named with one of `scaled` and the embedding
-    made large enough to matter: logits of order 1), saved with SmolLM2's tokenizer."""
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if any(part in name for part in scaled):
-                param.copy_(0.2 * torch.randn_like(param))
-            elif "embed" in name:
-                param.copy_(0.5 * torch.randn_like(param))
-    hf_model.eval()
-    hf_model.save_pretrained(path, safe_serialization=True)
-    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
-    return path, hf_model
-
-
-def _hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            next_id = hf_model(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist()
+    return save_random(qwen3_moe_config(), (".mlp.",), tmp_path_factory.mktemp("tiny-qwen3-moe"))
 
 
 async def test_moe_engine_equals_transformers(tiny_moe: tuple[Path, Any]) -> None:
@@ -70,7 +35,7 @@ async def test_moe_engine_equals_transformers(tiny_moe: tuple[Path, Any]) -> Non
         engine.check_integrity()
         stats = engine.stats()
         metrics = ApiMetrics(engine).render().decode()
-    want = [_hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     assert got == want
     # every token forwarded (prompt tokens computed, then each decode input) went to 2 experts
     # in each of the 2 layers
@@ -103,7 +68,7 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
     )  # fmt: skip
-    return _saved(config, (".mlp.", "_proj"), tmp_path_factory.mktemp("tiny-deepseek"))
+    return save_random(config, (".mlp.", "_proj"), tmp_path_factory.mktemp("tiny-deepseek"))
 
 
 async def test_deepseek_engine_equals_transformers(tiny_deepseek: tuple[Path, Any]) -> None:
@@ -116,6 +81,6 @@ async def test_deepseek_engine_equals_transformers(tiny_deepseek: tuple[Path, An
         again = await run_all(engine, prompts)
         engine.check_integrity()
         cached = engine.stats().prefill_counts
-    want = [_hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     assert got == want and again == want
     assert cached.num_computed_tokens < 2 * sum(len(p) for p in prompts)

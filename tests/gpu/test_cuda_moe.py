@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_moe import hf_greedy, qwen3_moe_config, save_random
 
 from deepinfer.config import (
     CacheConfig,
@@ -21,10 +22,7 @@ from deepinfer.config import (
     SchedulerConfig,
 )
 from deepinfer.engine.core import EngineCore
-from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import Request, SamplingParams
-from deepinfer.text.tokenizer import Tokenizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,31 +35,7 @@ PROMPTS = [[(i * 37 + j * 11) % 5000 + 100 for j in range(5 + 23 * (i % 4))] for
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            scale = 0.2 if ".mlp." in name else 0.5 if "embed" in name else None
-            if scale is not None:
-                param.copy_(scale * torch.randn_like(param))
-    path = tmp_path_factory.mktemp("cuda-moe")
-    hf_model.eval().save_pretrained(path, safe_serialization=True)
-    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
-    return path, hf_model
-
-
-def _hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, hf_model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist()
+    return save_random(qwen3_moe_config(), (".mlp.",), tmp_path_factory.mktemp("cuda-moe"))
 
 
 def _greedy(path: Path, experts: ExpertsConfig, n: int = 12) -> list[list[int]]:
@@ -87,7 +61,7 @@ def _greedy(path: Path, experts: ExpertsConfig, n: int = 12) -> list[list[int]]:
 
 def test_moe_on_cuda_equals_transformers(tiny_moe: tuple[Path, Any]) -> None:
     path, hf_model = tiny_moe
-    assert _greedy(path, ExpertsConfig()) == [_hf_greedy(hf_model, p, 12) for p in PROMPTS]
+    assert _greedy(path, ExpertsConfig()) == [hf_greedy(hf_model, p, 12) for p in PROMPTS]
 
 
 def test_expert_groups_on_cuda_give_the_same_tokens(tiny_moe: tuple[Path, Any]) -> None:
