@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.message import message
 from deepinfer.request import FinishReason
 
 
@@ -31,7 +32,7 @@ class RunnerOutput:
     verified, maybe fewer than asked."""
 
 
-@dataclass(frozen=True)
+@message
 class TokenDelta:
     """New output of one request since the last delta (engine -> embedding API, token ids only)."""
 

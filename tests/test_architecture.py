@@ -25,7 +25,16 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 NO_TORCH = {"cache", "scheduler", "text"}
 NO_ASYNCIO = {"cache", "scheduler", "model", "sampling", "runner", "text", "kernels"}
-LEAVES = {"config", "environment", "server_config", "errors", "request", "outputs", "byte_alphabet"}
+LEAVES = {
+    "config",
+    "environment",
+    "server_config",
+    "errors",
+    "request",
+    "outputs",
+    "message",
+    "byte_alphabet",
+}
 KERNELS_MAY_IMPORT = {"environment", "errors", "kernels"}
 """The kernels read their switches (`DEEPINFER_NATIVE*`) through the one environment reader
 (`environment.py`, a stdlib-only leaf); their own modules import each other relatively."""

@@ -249,9 +249,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        table = self._blocks[rid]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
         start = self._num_registered.get(rid, 0)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= start:  # most decode steps: no block filled
+            return
+        table = self._blocks[rid]
+        num_full = min(num_full, len(table))
         if num_full <= start:
             return
         hashes = self.block_hashes(request)

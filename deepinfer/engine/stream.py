@@ -177,14 +177,14 @@ class RequestStream:
         p, self._pending, self._has_pending = self._pending, _Pending(), False
         self.num_unread_tokens = 0
         self._delivered_final = self._finish is not None
-        return GenerationOutput(
-            request_id=self.request_id,
-            text="".join(p.text),
-            token_ids=tuple(p.token_ids),
-            logprobs=tuple(p.logprobs),
-            finish_reason=self._finish,
-            stop_reason=self._stop_reason if self._finish is not None else None,
-            usage=self._usage(),
+        return GenerationOutput(  # positional: one per frame, keywords cost more
+            self.request_id,
+            "".join(p.text),
+            tuple(p.token_ids),
+            tuple(p.logprobs),
+            self._finish,
+            self._stop_reason if self._finish is not None else None,
+            self._usage(),
         )
 
     def _usage(self) -> Usage:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.cache.host.tier import HostTierStats
+from deepinfer.message import message
 from deepinfer.model.expert_placement import ExpertParallelStats
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
@@ -14,7 +15,7 @@ from deepinfer.scheduler.prefill_types import PlannerStats
 from deepinfer.scheduler.speculative import SpeculativeCounts
 
 
-@dataclass(frozen=True)
+@message
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -31,7 +32,7 @@ class Usage:
         return self.cached_tokens - self.disk_cached_tokens - self.host_cached_tokens
 
 
-@dataclass(frozen=True)
+@message
 class GenerationOutput:
     """New output of one request since the previous one (deltas merge for slow readers)."""
 

@@ -22,16 +22,18 @@ def decode_chunk(request: Request, kv: KVCacheManager, draft: Draft = NO_DRAFT) 
     assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
     size = draft.size
     tables = kv.chunk_tables(request, start + 1 + size)
+    # Positional (the fields in order): made for every decoder every step, and keywords cost
+    # more than the rest of the construction.
     return ScheduledChunk(
-        request=request,
-        start_position=start,
-        num_new_tokens=1 + size,
-        block_ids=tables.block_ids,
-        sample=True,
-        draft_token_ids=draft.token_ids,
-        num_worker_drafts=draft.num_worker_tokens,
-        window_block_ids=tables.window_block_ids,
-        cached_until=tables.cached_until,
+        request,
+        start,
+        1 + size,
+        tables.block_ids,
+        True,
+        draft.token_ids,
+        draft.num_worker_tokens,
+        tables.window_block_ids,
+        tables.cached_until,
     )
 
 
@@ -85,9 +87,11 @@ def apply_sampling(
     rejected draft's KV lies past them, never cached. The caller finishes the request."""
     request = chunk.request
     taken, reason = take_tokens(request, out, max_model_len)
-    if drafter is not None and chunk.num_drafts:
-        verified = out.drafted.get(request.request_id, chunk.num_drafts)
+    num_drafts = len(chunk.draft_token_ids) + chunk.num_worker_drafts
+    if drafter is not None and num_drafts:
+        verified = out.drafted.get(request.request_id, num_drafts)
         drafter.observe_request(request.request_id, verified, out)
-    request.num_computed_tokens = chunk.end_position - chunk.num_drafts + len(taken) - 1
+    end = chunk.start_position + chunk.num_new_tokens
+    request.num_computed_tokens = end - num_drafts + len(taken) - 1
     kv.cache_blocks(request)
     return taken, reason

@@ -266,10 +266,11 @@ class DisaggScheduler:
         self._pop_in_flight(StepKind.DECODE, so)
         if self.drafter is not None:
             self.drafter.observe_step(so, out)
+        aborts, kv = self._deferred_aborts, self.decode_kv
         deltas = [
-            self._sampled(chunk, out, self.decode_kv)
+            self._sampled(chunk, out, kv)
             for chunk in so.chunks
-            if chunk.request_id not in self._deferred_aborts
+            if not aborts or chunk.request.request_id not in aborts
         ]
         if any(r.is_finished for r in self.decoding):
             self.decoding = [r for r in self.decoding if not r.is_finished]
@@ -315,6 +316,8 @@ class DisaggScheduler:
         return token_delta(request, taken, reason)
 
     def _apply_deferred_aborts(self, so: ScheduleOutput) -> None:
+        if not self._deferred_aborts:
+            return
         for rid in so_ids(so) & self._deferred_aborts:
             self._deferred_aborts.discard(rid)
             request = self._requests.get(rid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from deepinfer.message import message
 from deepinfer.request import Request
 
 
@@ -17,7 +18,7 @@ class StepKind(enum.Enum):
     DECODE = "decode"
 
 
-@dataclass(frozen=True)
+@message
 class ScheduledChunk:
     """Compute `num_new_tokens` tokens of one request, starting at `start_position`.
 

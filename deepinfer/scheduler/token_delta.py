@@ -15,8 +15,13 @@ def take_tokens(
     """Append a sampling step's tokens for `request` (its pick, then any verified run) up to
     the first that finishes it; the tokens appended and the finish reason."""
     rid = request.request_id
-    taken: list[SampledToken] = []
-    for sampled in (out.sampled[rid], *out.accepted.get(rid, ())):
+    first = out.sampled[rid]
+    request.output_token_ids.append(first.token_id)
+    taken = [first]
+    reason = check_finished(request, max_model_len)
+    if reason is not None or not out.accepted:
+        return taken, reason
+    for sampled in out.accepted.get(rid, ()):
         request.output_token_ids.append(sampled.token_id)
         taken.append(sampled)
         reason = check_finished(request, max_model_len)
@@ -30,14 +35,12 @@ def token_delta(
 ) -> TokenDelta:
     """The delta for the `sampled` tokens (one, or a step's verified run), already appended to
     `request`'s outputs."""
-    return TokenDelta(
-        request_id=request.request_id,
-        token_ids=(sampled[0].token_id,)
-        if len(sampled) == 1
-        else tuple([s.token_id for s in sampled]),
-        logprobs=tuple(sampled) if request.sampling.logprobs is not None else (),
-        finish_reason=reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-        num_output_tokens=len(request.output_token_ids),
+    return TokenDelta(  # positional: one per request per step, keywords cost more
+        request.request_id,
+        (sampled[0].token_id,) if len(sampled) == 1 else tuple([s.token_id for s in sampled]),
+        tuple(sampled) if request.sampling.logprobs is not None else (),
+        reason,
+        len(request.prompt_token_ids),
+        max(request.num_cached_tokens, 0),
+        len(request.output_token_ids),
     )
