@@ -83,39 +83,46 @@ class NullModel(nn.Module):
         self.arch = arch
         self.attention_backend = backend
         self.device = device
-        self.words = torch.tensor(words, dtype=torch.int64, device=device)
+        self.words = words
         self.kv_caches: KVCaches | None = None
         self._logits = threading.local()
         """Per worker thread: a zeroed [rows, V] buffer and the entries the last step set (the
         sampler never writes logits; zeroing 200 KB a row every step would cost more than the
         rest of the null forward)."""
 
+    # Costing nothing includes the GIL: every torch op drops and retakes it, and each retake
+    # can wait for the event loop's thread, so the few rows' arithmetic is done on lists and
+    # a step is a handful of ops (a real model's step is one native call or one graph replay).
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [B_sample, V] float32
         return self.compute_logits(self.forward_hidden(batch))
 
     def forward_hidden(
         self, batch: ForwardBatch, num_layers: int | None = None
     ) -> torch.Tensor:  # [B_sample, 1]: the next token's index among the words, as a float
-        rows = batch.logits_indices
-        mixed = batch.input_ids[rows] * 7919 + batch.positions[rows] * 104729 + 17
-        return (mixed % self.words.shape[0]).to(torch.float32).unsqueeze(1)
+        ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
+        n = len(self.words)
+        index = [
+            float((ids[r] * 7919 + positions[r] * 104729 + 17) % n)
+            for r in batch.logits_indices.tolist()
+        ]
+        return torch.tensor(index, dtype=torch.float32, device=self.device).reshape(-1, 1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
         """Logits with `_LOGIT` at each row's word, 0 elsewhere: a view of this thread's buffer,
         valid until its next call (the runner samples a step's logits before the next)."""
-        rows = hidden.shape[0]
+        rows, vocab = hidden.shape[0], self.arch.vocab_size
         local = self._logits
         buffer: torch.Tensor | None = getattr(local, "buffer", None)
         if buffer is None or buffer.shape[0] < rows:
-            buffer = torch.zeros(max(rows, 64), self.arch.vocab_size, device=self.device)
-            local.buffer, local.set = buffer, None
+            buffer = torch.zeros(max(rows, 64), vocab, device=self.device)
+            local.buffer, local.flat, local.set = buffer, buffer.view(-1), None
         if local.set is not None:  # clear what the previous step set
-            buffer[: local.set.shape[0]].scatter_(1, local.set, 0.0)
-        chosen = self.words[hidden[:, 0].to(torch.int64)].unsqueeze(1)  # [rows, 1]
-        logits = buffer[:rows]
-        logits.scatter_(1, chosen, _LOGIT)
-        local.set = chosen
-        return logits
+            local.flat.index_fill_(0, local.set, 0.0)
+        words = self.words
+        chosen = [r * vocab + words[int(i)] for r, (i,) in enumerate(hidden.tolist())]
+        local.set = torch.tensor(chosen, dtype=torch.int64, device=self.device)
+        local.flat.index_fill_(0, local.set, _LOGIT)
+        return buffer[:rows]
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         self.kv_caches = kv_caches  # never written: nothing reads them back

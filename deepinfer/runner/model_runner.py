@@ -75,11 +75,11 @@ class ModelRunner:
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] = {}
         if sampled_ids:
-            by_id = {c.request_id: c.request for c in so.chunks if c.sample}
-            requests = [by_id[rid] for rid in sampled_ids]
+            sampling = [c for c in so.chunks if c.sample]
+            requests = [c.request for c in sampling for _ in range(c.num_logits)]
             with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
                 logits = self._forward(batch)  # [B_sample, V]
-                rows = [row for c in so.chunks if c.sample for row in self._rows(c)]
+                rows = [row for c in sampling for row in self._rows(c)]
                 streams = DrawnStreams.save(so.chunks, self._generators)
                 tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
             sampled, accepted = verify_drafts(so.chunks, tokens)

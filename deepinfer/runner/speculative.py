@@ -33,6 +33,8 @@ def verify_drafts(
 ) -> tuple[dict[str, SampledToken], dict[str, tuple[SampledToken, ...]]]:
     """(first token, the tokens after it) of every sampling chunk, from the picks of their
     logits rows in order (`ScheduledChunk.num_logits` rows each)."""
+    if len(picks) == len(chunks) and all(c.sample and not c.num_drafts for c in chunks):
+        return {c.request.request_id: pick for c, pick in zip(chunks, picks, strict=True)}, {}
     sampled: dict[str, SampledToken] = {}
     accepted: dict[str, tuple[SampledToken, ...]] = {}
     row = 0

@@ -77,9 +77,11 @@ class Sampler:
         base = bias_and_mask(logits, rows, token_mask)  # [B, V] float32
         processed = self.process_logits(base, rows)  # [B, V]
         token_ids = self.choose(processed, rows)  # [B], -1 where unsound
-        if not bool((token_ids >= 0).all()):  # the ids are read back right after anyway
+        ids: list[int] = token_ids.tolist()  # checked on the list: no more ops (GIL retakes)
+        if ids and min(ids) < 0:
             processed, token_ids = self._repair(base, processed, token_ids, rows)
-        return _package(processed, token_ids, rows, self._plain)
+            ids = token_ids.tolist()
+        return _package(processed, token_ids, ids, rows, self._plain)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """`logits` in float32 with suppression and penalties applied (step 1): a copy when any
@@ -87,6 +89,8 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         assert logits.device.type == self.device.type, "logits on the sampler's device"
         adjusted = any(row.suppress_token_ids or row.params.needs_penalties for row in rows)
+        if logits.dtype == torch.float32 and not adjusted:
+            return logits
         processed = logits.to(torch.float32, copy=adjusted)
         if adjusted:
             apply_suppression(processed, rows)
@@ -146,10 +150,10 @@ def repair_logits(processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 def _package(
     processed: torch.Tensor,
     token_ids: torch.Tensor,
+    ids: list[int],
     rows: Sequence[SamplingRow],
     plain: dict[int, SampledToken],
 ) -> list[SampledToken]:
-    ids: list[int] = token_ids.tolist()
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return [plain.get(t) or plain.setdefault(t, SampledToken(t)) for t in ids]
