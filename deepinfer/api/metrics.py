@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from deepinfer.api.live_stats import LiveStats
 from deepinfer.api.protocol import EngineClient, OutputStream
+from deepinfer.api.weighted_histogram import WeightedHistogram
 from deepinfer.api.worker_metrics import worker_metrics
 from deepinfer.cache.disk.tier import DiskTierStats
 from deepinfer.cache.host.tier import HostTierStats
@@ -203,7 +204,7 @@ class ApiMetrics:
             "deepinfer_time_to_first_token_seconds", "Time from arrival to first output token",
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
-        self.itl = Histogram(
+        self.itl = WeightedHistogram(
             "deepinfer_inter_token_latency_seconds", "Time between output tokens",
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
@@ -279,8 +280,7 @@ class _TrackedStream:
                         live.on_first_tokens(len(out.token_ids), now - arrival_s)
                     else:
                         gap = (now - last_s) / len(out.token_ids)
-                        for _ in out.token_ids:
-                            m.itl.observe(gap)
+                        m.itl.observe(gap, len(out.token_ids))
                         live.on_tokens(len(out.token_ids), gap)
                     last_s = now
                 usage = out.usage

@@ -11,35 +11,54 @@
 
 #include "deepinfer_kernels.h"
 
+/* One pass: per lane, the first largest value and its index (four independent chains of max and
+   blend keep up with memory; a second pass to find the index would read the row again). Then
+   the smallest index among the lanes holding the row's largest value. */
+#define ARGMAX_CHAINS 4
+
 static int64_t argmax_row(const float *x, int V) {
-    __m256 best = _mm256_set1_ps(-INFINITY);
+    __m256 best[ARGMAX_CHAINS], where[ARGMAX_CHAINS];
     __m256 nan = _mm256_setzero_ps();
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int c = 0; c < ARGMAX_CHAINS; c++) {
+        best[c] = _mm256_set1_ps(-INFINITY);
+        where[c] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    }
     int i = 0;
-    for (; i + 8 <= V; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        best = _mm256_max_ps(best, v);
+    for (; i + 8 * ARGMAX_CHAINS <= V; i += 8 * ARGMAX_CHAINS) {
+        for (int c = 0; c < ARGMAX_CHAINS; c++) {
+            const int at = i + 8 * c;
+            const __m256 v = _mm256_loadu_ps(x + at);
+            const __m256 index = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_set1_epi32(at), lanes));
+            const __m256 gt = _mm256_cmp_ps(v, best[c], _CMP_GT_OQ);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            best[c] = _mm256_blendv_ps(best[c], v, gt);
+            where[c] = _mm256_blendv_ps(where[c], index, gt);
+        }
     }
-    float top[8];
-    _mm256_storeu_ps(top, best);
+    if (_mm256_movemask_ps(nan)) return -1;
     float m = -INFINITY;
-    int any_nan = _mm256_movemask_ps(nan) != 0;
-    for (int j = 0; j < 8; j++) m = top[j] > m ? top[j] : m;
-    for (int j = i; j < V; j++) {
-        any_nan |= isnan(x[j]);
-        m = x[j] > m ? x[j] : m;
-    }
-    if (any_nan || !isfinite(m)) return -1;
-    const __m256 target = _mm256_set1_ps(m);
-    for (i = 0; i + 8 <= V; i += 8) {
-        const __m256 eq = _mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ);
-        const int hits = _mm256_movemask_ps(eq);
-        if (hits) return i + __builtin_ctz((unsigned)hits);
+    int64_t arg = -1;
+    for (int c = 0; c < ARGMAX_CHAINS; c++) {
+        float value[8];
+        int32_t index[8];
+        _mm256_storeu_ps(value, best[c]);
+        _mm256_storeu_si256((__m256i *)index, _mm256_castps_si256(where[c]));
+        for (int j = 0; j < 8; j++) {
+            if (value[j] > m || (value[j] == m && index[j] >= 0 && index[j] < arg)) {
+                m = value[j];
+                arg = index[j];
+            }
+        }
     }
     for (; i < V; i++) {
-        if (x[i] == m) return i;
+        if (isnan(x[i])) return -1;
+        if (x[i] > m) {
+            m = x[i];
+            arg = i;
+        }
     }
-    return -1; /* unreachable: m is one of the row's values */
+    return isfinite(m) ? arg : -1;
 }
 
 /* Rows split over `threads` OpenMP threads when the batch is big enough to pay for the team

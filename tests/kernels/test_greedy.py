@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.kernels.greedy import greedy_ids, greedy_ids_reference
@@ -73,3 +75,23 @@ def test_a_big_batch_over_several_threads_matches_torch(threads: int) -> None:
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(got, greedy_ids_reference(logits))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.integers(1, 300),
+    rows=st.integers(1, 6),
+    levels=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    nan_at=st.none() | st.integers(0, 10_000),
+)
+def test_ties_anywhere_take_the_first(
+    vocab: int, rows: int, levels: int, seed: int, nan_at: int | None
+) -> None:
+    """Few distinct values: the largest is tied across the vector lanes and the kernel's chains;
+    the first index wins, as torch's argmax (a NaN anywhere gives -1)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=g).float()
+    if nan_at is not None:
+        logits.view(-1)[nan_at % logits.numel()] = NAN
+    assert torch.equal(greedy_ids(logits), greedy_ids_reference(logits))
