@@ -241,6 +241,11 @@ class Request:
             return outputs[lo - n : hi - n]
         return prompt[lo:hi] + outputs[: max(hi - n, 0)]
 
+    def token_at(self, i: int) -> int:
+        """`all_token_ids[i]` (0 <= i < num_tokens) without building it."""
+        prompt = self.prompt_token_ids
+        return prompt[i] if i < len(prompt) else self.output_token_ids[i - len(prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -23,6 +23,8 @@ from deepinfer.text.stop import StopStringMatcher
 @dataclass
 class _Pending:
     text: list[str] = field(default_factory=list)
+    text_ids: list[int] = field(default_factory=list)
+    """Ids after `text`, detokenized when the reader takes them (no stop strings to watch)."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
 
@@ -124,6 +126,11 @@ class RequestStream:
             and text_ids[-1] in self._stop_token_ids
         ):
             self._stop_reason = text_ids.pop()
+        if self._matcher is None:  # text is made once a frame, when the reader takes it
+            p.text_ids.extend(text_ids)
+            self._finish = delta.finish_reason
+            self._has_pending = True
+            return False
         text = self._detok.push(text_ids)
         matched = self._match(text)
         if matched is not None:
@@ -135,24 +142,19 @@ class RequestStream:
         return matched is not None
 
     def _match(self, text: str) -> str | None:
-        if self._matcher is None:
-            self._pending.text.append(text)
-            return None
+        assert self._matcher is not None
         result = self._matcher.push(text)
         self._pending.text.append(result.text_to_emit)
         return result.matched
 
     def _flush(self) -> None:
-        tail = self._detok.flush()
-        if self._matcher is not None:
-            result = self._matcher.push(tail)
-            self._pending.text.append(result.text_to_emit)
-            if result.matched is not None:
-                self._finish, self._stop_reason = FinishReason.STOP, result.matched
-            else:
-                self._pending.text.append(self._matcher.flush())
+        assert self._matcher is not None
+        result = self._matcher.push(self._detok.flush())
+        self._pending.text.append(result.text_to_emit)
+        if result.matched is not None:
+            self._finish, self._stop_reason = FinishReason.STOP, result.matched
         else:
-            self._pending.text.append(tail)
+            self._pending.text.append(self._matcher.flush())
 
     def fail(self, error: BaseException) -> None:
         """End the stream with an error (engine shutdown or an internal failure)."""
@@ -177,6 +179,10 @@ class RequestStream:
         p, self._pending, self._has_pending = self._pending, _Pending(), False
         self.num_unread_tokens = 0
         self._delivered_final = self._finish is not None
+        if self._matcher is None:
+            p.text.append(self._detok.push(p.text_ids))
+            if self._finish is not None:
+                p.text.append(self._detok.flush())
         return GenerationOutput(  # positional: one per frame, keywords cost more
             self.request_id,
             "".join(p.text),

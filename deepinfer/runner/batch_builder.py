@@ -40,7 +40,7 @@ def _decode_batch(
     chunks: tuple[ScheduledChunk, ...], block_size: int, device: torch.device
 ) -> tuple[ForwardBatch, list[str]]:
     positions = [c.start_position for c in chunks]
-    tokens = [c.request.token_span(p, p + 1)[0] for c, p in zip(chunks, positions, strict=True)]
+    tokens = [c.request.token_at(p) for c, p in zip(chunks, positions, strict=True)]
     tables = [c.block_ids for c in chunks]
     batch = build_decode_batch(tokens, positions, tables, block_size, device)
     return batch, [c.request.request_id for c in chunks]
