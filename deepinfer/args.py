@@ -58,6 +58,10 @@ def _zero_is_none(text: str) -> float | None:
     return float(text) or None
 
 
+def _zero_is_none_int(text: str) -> int | None:
+    return int(text) or None
+
+
 def _in_gib(flag: str) -> Conversion:
     return Conversion(flag, _gib, lambda num_bytes: f"{num_bytes / GIB:g}", "In GiB.")
 
@@ -75,6 +79,9 @@ CONVERSIONS = {
     "cache.kv_memory_bytes": _in_gib("--kv-memory-gb"),
     "disk_cache.max_bytes": _in_gib("--disk-cache-gb"),
     "host_cache.max_bytes": _in_gib("--host-cache-gb"),
+    "workers.gc_young_threshold": Conversion(
+        "--gc-young-threshold", _zero_is_none_int, str, "0 means None."
+    ),
     "workers.gil_switch_interval_ms": Conversion(
         "--gil-switch-interval-ms", _zero_is_none, str, "0 means None."
     ),

@@ -167,6 +167,11 @@ class WorkersConfig:
     """Upper bounds of the uncached-prompt-length buckets (one more bucket holds the rest)."""
     prefill_max_batched_tokens: int = 16384
     """Most prompt tokens in one prefill step, whatever the time budget allows."""
+    gc_young_threshold: int | None = 50_000
+    """While the engine runs, what exists at its start is frozen out of Python's cyclic garbage
+    collection and the youngest generation is collected every this many allocations (Python's
+    default: 700); restored at shutdown. None: leave the collector as it is. See
+    `engine/process_settings.py`."""
     gil_switch_interval_ms: float | None = 0.5
     """While the engine runs, Python's GIL switch interval (`sys.setswitchinterval`; restored at
     shutdown); None: leave Python's 5 ms. A forward pass drops and retakes the GIL at every op
@@ -365,6 +370,10 @@ def _validate_workers(w: WorkersConfig) -> None:
         raise ConfigError(f"workers.prefill_step_ms must be positive, got {w.prefill_step_ms}")
     if w.prefill_max_batched_tokens < 1:
         raise ConfigError("workers.prefill_max_batched_tokens must be positive")
+    if w.gc_young_threshold is not None and w.gc_young_threshold < 1:
+        raise ConfigError(
+            f"workers.gc_young_threshold must be at least 1 (or None), got {w.gc_young_threshold}"
+        )
     if w.gil_switch_interval_ms is not None and not 0 < w.gil_switch_interval_ms <= 100:
         raise ConfigError(
             f"workers.gil_switch_interval_ms must be in (0, 100], got {w.gil_switch_interval_ms}"

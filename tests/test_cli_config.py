@@ -167,7 +167,11 @@ def _sample(spec: FlagSpec) -> str:
     """A valid value for the flag, not its default."""
     if spec.choices is not None:
         return str(next(c for c in reversed(spec.choices) if c != spec.default))
-    if spec.conversion is not None:
+    if spec.conversion is not None:  # in the flag's own unit: a fraction where it takes one
+        try:
+            spec.conversion.parse("2.5")
+        except ValueError:
+            return "32"
         return "2.5"
     if typing.get_origin(spec.hint) is tuple:
         return "1,2" if typing.get_args(spec.hint)[0] is int else "a,b"

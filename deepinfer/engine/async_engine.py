@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import sys
 import uuid
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from deepinfer.engine.admission import check_admissible, check_sampling_inputs
 from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.driver import EngineDriver, StepObserver
 from deepinfer.engine.frame_pacer import FramePacer
+from deepinfer.engine.process_settings import ProcessSettings
 from deepinfer.engine.prompts import Prompt, encode_prompt
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.stream_table import StreamTable
@@ -66,7 +66,8 @@ class AsyncEngine:
         self._kv_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-io")
         """Copies between device blocks and lower tiers (into blocks no step can see yet)."""
         self._counter = itertools.count()
-        self._saved_switch_interval: float | None = None
+        self._process_settings = ProcessSettings(self.config.workers)
+        """The GIL switch interval and the garbage collector's settings while the engine runs."""
         self.step_observers: list[StepObserver] = []
         """Callables `(so, out)` run on the loop after each step (metrics hook)."""
 
@@ -91,9 +92,7 @@ class AsyncEngine:
         self._driver = EngineDriver(
             self._core, self._workers, lending, self._streams, self.step_observers
         )
-        if (interval_ms := workers.gil_switch_interval_ms) is not None:
-            self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(interval_ms / 1e3)
+        self._process_settings.apply()
         self._driver.start()
 
     async def shutdown(self) -> None:
@@ -105,9 +104,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._kv_io.shutdown, True)
         if self._core is not None:
             await asyncio.to_thread(self._core.close)
-        if self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
+        self._process_settings.restore()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()

@@ -6,6 +6,7 @@ without leaking a block, and reports its workers and planner; plus the pure piec
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,3 +130,20 @@ async def test_gil_switch_interval_is_set_while_running_and_restored(tiny_llama_
         assert sys.getswitchinterval() == before
     with pytest.raises(ConfigError, match="gil_switch_interval_ms"):
         tiny_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.0))
+
+
+async def test_the_collector_is_tuned_while_running_and_restored(tiny_llama_dir: Path) -> None:
+    """What exists at start is frozen out of collection and the youngest generation waits for
+    more allocations; shutdown gives the collector back as it was (nothing left frozen)."""
+    before = gc.get_threshold()
+    config = tiny_config(tiny_llama_dir, WorkersConfig(gc_young_threshold=12_345))
+    async with AsyncEngine(config) as engine:
+        assert gc.get_threshold() == (12_345, *before[1:])
+        assert gc.get_freeze_count() > 1000  # the model, tokenizer and block records
+        assert len(await run_all(engine, token_prompts()[:2])) == 2
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+    async with AsyncEngine(tiny_config(tiny_llama_dir, WorkersConfig(gc_young_threshold=None))):
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    with pytest.raises(ConfigError, match="gc_young_threshold"):
+        tiny_config(tiny_llama_dir, WorkersConfig(gc_young_threshold=-5))
