@@ -20,6 +20,8 @@ def decode_chunk(request: Request, kv: KVCacheManager, draft: Draft = NO_DRAFT) 
     """A decoder's chunk: its last token, then its drafts (slots already allocated)."""
     start = request.num_computed_tokens
     assert start == request.num_tokens - 1, "a decoder computes exactly its last token"
+    if draft is NO_DRAFT and kv.window is None:  # most chunks: no drafts, one block table
+        return ScheduledChunk(request, start, 1, kv.block_ids(request.request_id), True)
     size = draft.size
     tables = kv.chunk_tables(request, start + 1 + size)
     # Positional (the fields in order): made for every decoder every step, and keywords cost
@@ -53,10 +55,9 @@ def plan_decodes(
     i = 0
     while i < len(decoding):
         request = decoding[i]
-        draft = drafted.get(request.request_id)
         if (
             drafter is not None
-            and draft is not None
+            and (draft := drafted.get(request.request_id)) is not None
             and drafter.take_slots(kv, request, draft, reserve_blocks=len(decoding) - i - 1)
         ):
             chunks.append(decode_chunk(request, kv, draft))
