@@ -35,8 +35,7 @@ class ProcessSettings:
         if (young := self._config.gc_young_threshold) is not None:
             threshold = gc.get_threshold()
             self._gc_threshold = (threshold[0], threshold[1], threshold[2])
-            gc.collect()
-            gc.freeze()
+            gc.freeze()  # no collection first: in an embedding test process it can take a second
             gc.set_threshold(young, threshold[1], threshold[2])
 
     def restore(self) -> None:
