@@ -69,6 +69,7 @@ def _field(reader: Any, key: str) -> Any:
 _PARALLEL_ENCODE_CHARS = 512
 """Texts shorter than this in all are encoded one by one (see `Tokenizer.encode_batch`)."""
 
+
 class Tokenizer:
     """Text <-> token ids. `encode` never produces a control token from text; build with
     `from_gguf` or `from_dir`."""
