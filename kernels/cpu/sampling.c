@@ -15,6 +15,7 @@
    blend keep up with memory; a second pass to find the index would read the row again). Then
    the smallest index among the lanes holding the row's largest value. */
 #define ARGMAX_CHAINS 4
+#define ARGMAX_AHEAD 512 /* floats: 2 KB */
 
 static int64_t argmax_row(const float *x, int V) {
     __m256 best[ARGMAX_CHAINS], where[ARGMAX_CHAINS];
@@ -26,6 +27,10 @@ static int64_t argmax_row(const float *x, int V) {
     }
     int i = 0;
     for (; i + 8 * ARGMAX_CHAINS <= V; i += 8 * ARGMAX_CHAINS) {
+        /* Read ahead without keeping the row in the shared caches: a step's logits are tens of
+           megabytes, read once, and would otherwise evict what the serving threads work on. */
+        _mm_prefetch((const char *)(x + i + ARGMAX_AHEAD), _MM_HINT_NTA);
+        _mm_prefetch((const char *)(x + i + ARGMAX_AHEAD + 16), _MM_HINT_NTA);
         for (int c = 0; c < ARGMAX_CHAINS; c++) {
             const int at = i + 8 * c;
             const __m256 v = _mm256_loadu_ps(x + at);
