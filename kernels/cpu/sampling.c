@@ -67,11 +67,13 @@ static int64_t argmax_row(const float *x, int V) {
 }
 
 /* Rows split over `threads` OpenMP threads when the batch is big enough to pay for the team
-   (16 MB of logits or more: a decode step of a hundred rows over a 50k vocabulary). */
+   (16 MB of logits or more: a decode step of a hundred rows over a 50k vocabulary), handed out
+   a few at a time: a helper the kernel wakes late (its core busy serving) takes fewer rows
+   instead of holding the caller at the barrier for a fixed half. */
 int di_argmax_rows(const float *x, long stride, int rows, int V, int64_t *out, int threads) {
     if (rows < 0 || V <= 0 || stride < V) return -1;
     const int parallel = threads > 1 && (long)rows * V >= (1L << 22);
-#pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (parallel)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads > 1 ? threads : 1) if (parallel)
     for (int r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, V);
     return 0;
 }
