@@ -3,7 +3,11 @@ the run ends the stream at that token, exactly as one-token deltas would."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from deepinfer.engine.stream import RequestStream
+from deepinfer.engine.types import GenerationOutput
 from deepinfer.environment import default_model_path
 from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.outputs import SampledToken, TokenDelta
@@ -54,3 +58,40 @@ async def test_without_stop_strings_a_run_is_one_delta() -> None:
     out = await anext(stream)
     assert out.token_ids == tuple(ids) and out.text == "Plain text, no stops here."
     assert out.usage.completion_tokens == len(ids)
+
+
+_TOKENIZER = Tokenizer.from_gguf(open_gguf(default_model_path()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 49151), min_size=1, max_size=40),
+    takes=st.sets(st.integers(0, 39)),
+    stop_at_end=st.booleans(),
+)
+async def test_text_made_at_take_equals_text_made_per_push(
+    ids: list[int], takes: set[int], stop_at_end: bool
+) -> None:
+    """A stream without stop strings detokenizes when its reader takes; one watching a stop
+    string that never matches detokenizes every push. Whatever the ids (cut characters, control
+    tokens) and wherever the reader takes, the texts, ids and usage agree."""
+    if stop_at_end:
+        ids = [*ids, 2]  # the stop token: counted, never rendered
+    finish = FinishReason.STOP if stop_at_end else FinishReason.LENGTH
+    streams = [_stream(_TOKENIZER, ()), _stream(_TOKENIZER, ("\x00never",))]
+    outs: list[list[GenerationOutput]] = [[], []]
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        for stream, out in zip(streams, outs, strict=True):
+            assert stream.push(_delta([t], i, finish if last else None), wake=False) is False
+            if last or i in takes:
+                out.append(await anext(stream))
+    plain, watched = outs
+    assert "".join(o.text for o in plain) == "".join(o.text for o in watched)
+    if "\x00" not in "".join(o.text for o in plain):  # else the matcher holds a NUL back a while
+        assert [o.text for o in plain] == [o.text for o in watched]
+    assert "".join(o.text for o in plain) == _TOKENIZER.decode(
+        ids[:-1] if stop_at_end else ids, skip_special_tokens=True
+    )
+    assert [o.token_ids for o in plain] == [o.token_ids for o in watched]
+    assert plain[-1].usage == watched[-1].usage and plain[-1].finish_reason is finish
