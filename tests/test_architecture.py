@@ -34,6 +34,7 @@ LEAVES = {
     "outputs",
     "message",
     "byte_alphabet",
+    "block_ids",
 }
 KERNELS_MAY_IMPORT = {"environment", "errors", "kernels"}
 """The kernels read their switches (`DEEPINFER_NATIVE*`) through the one environment reader

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Sequence
 
+from deepinfer.block_ids import BlockIds
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.block_pool import Block, BlockPool
+
+_NO_IDS = BlockIds(())
 
 
 class BlockTables:
     def __init__(self) -> None:
         self._tables: dict[str, list[Block]] = {}
-        self._ids: dict[str, tuple[list[Block], tuple[int, ...]]] = {}
+        self._ids: dict[str, tuple[list[Block], BlockIds]] = {}
         """`ids` as last made, with the list it was made from."""
 
     def __contains__(self, request_id: str) -> bool:
@@ -45,15 +48,15 @@ class BlockTables:
     def request_ids(self) -> set[str]:
         return set(self._tables)
 
-    def ids(self, request_id: str) -> tuple[int, ...]:
+    def ids(self, request_id: str) -> BlockIds:
         """The request's block table as ids."""
         table = self._tables.get(request_id)
         if table is None:
-            return ()
+            return _NO_IDS
         known = self._ids.get(request_id)
         if known is not None and known[0] is table and len(known[1]) == len(table):
             return known[1]
-        ids = tuple(b.block_id for b in table)
+        ids = BlockIds(b.block_id for b in table)
         self._ids[request_id] = (table, ids)
         return ids
 

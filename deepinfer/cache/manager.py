@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from deepinfer.block_ids import BlockIds
 from deepinfer.cache.block_hash import BlockHash, block_hashes_for, seed_bytes
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.block_tables import BlockTables, HeldBlocks
@@ -354,7 +355,7 @@ class KVCacheManager:
             dropped += self.window.pool.reset_prefix_cache()
         return dropped
 
-    def block_ids(self, request_id: str) -> tuple[int, ...]:
+    def block_ids(self, request_id: str) -> BlockIds:
         return self._blocks.ids(request_id)
 
     def num_blocks_of(self, request_id: str) -> int:

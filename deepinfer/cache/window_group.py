@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deepinfer.block_ids import BlockIds
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.block_pool import NULL_BLOCK_ID, BlockPool
 from deepinfer.cache.free_queue import Block, require
@@ -279,11 +280,11 @@ class WindowGroup:
             self.pool.cache_block(block, block_hash)
         self.pool.free(blocks)
 
-    def block_ids(self, request_id: str) -> tuple[int, ...]:
+    def block_ids(self, request_id: str) -> BlockIds:
         held = self._held.get(request_id)
         if held is None:
-            return ()
-        return tuple(NULL_BLOCK_ID if b is None else b.block_id for b in held.table)
+            return BlockIds(())
+        return BlockIds(NULL_BLOCK_ID if b is None else b.block_id for b in held.table)
 
     def num_held(self, request_id: str) -> int:
         held = self._held.get(request_id)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
+
+from deepinfer.block_ids import int32_row
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,11 @@ def build_decode_batch(
 
 
 def _tables(tables: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
-    """Block tables as one [B, max_blocks] int32 tensor, padded with the null block."""
+    """Block tables as one [B, max_blocks] int32 tensor, padded with the null block: a join of
+    the rows' int32 bytes (a `BlockIds` carries its own)."""
     width = max(map(len, tables))
-    pad = (0,) * width
-    # One flat int32 buffer (torch reads a nested list element by element, several times slower).
-    flat = array("i", chain.from_iterable(tuple(t) + pad[len(t) :] for t in tables))
-    rows = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
-    return rows.view(len(tables), width).to(device)
+    pad = bytes(4 * width)
+    rows = [int32_row(t) for t in tables]
+    flat = bytearray().join([r + pad[len(r) :] for r in rows])
+    data = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
+    return data.view(len(tables), width).to(device)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import struct
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer.block_ids import BlockIds
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.kernels.cpu_native import native_available
 from deepinfer.model.arch import ModelArch
@@ -144,3 +147,30 @@ def test_decode_batch_equals_the_general_builder(data: st.DataObject) -> None:
     short = [tables[0][: positions[0] // block_size]]
     with pytest.raises(ValueError):
         build_decode_batch(tokens[:1], positions[:1], short, block_size)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_block_tables_are_the_rows_padded_with_the_null_block(
+    rows: list[tuple[bool, list[int]]],
+) -> None:
+    """Rows as `BlockIds` (joined from their own int32 bytes) or as plain tuples: the same
+    table, each row padded with the null block (0) to the longest."""
+    tables = [BlockIds(ids) if own else tuple(ids) for own, ids in rows]
+    batch = build_forward_batch([BatchChunk([1], 0, t) for t in tables], block_size=16)
+    width = max(len(ids) for _, ids in rows)
+    assert batch.block_tables.tolist() == [ids + [0] * (width - len(ids)) for _, ids in rows]
+
+
+def test_block_ids_are_a_tuple_with_their_int32_bytes() -> None:
+    ids = BlockIds([7, 0, 2**31 - 1])
+    assert ids == (7, 0, 2**31 - 1) and ids[1:] == (0, 2**31 - 1) and hash(ids) == hash(tuple(ids))
+    assert ids.int32 == struct.pack("=3i", 7, 0, 2**31 - 1)
+    again = pickle.loads(pickle.dumps(ids))
+    assert type(again) is BlockIds and again == ids and again.int32 == ids.int32
