@@ -19,6 +19,13 @@ class BlockIds(tuple[int, ...]):
         self.int32 = array("i", self).tobytes()
         return self
 
+    def extend(self, more: Iterable[int]) -> BlockIds:
+        """These ids then `more` (a table that grew: its bytes are copied, not converted)."""
+        tail = tuple(more)
+        grown = tuple.__new__(BlockIds, self + tail)
+        grown.int32 = self.int32 + array("i", tail).tobytes()
+        return grown
+
 
 def int32_row(ids: Sequence[int]) -> bytes:
     """Block ids as native int32 bytes (those of a `BlockIds` as made)."""

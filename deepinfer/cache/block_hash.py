@@ -91,11 +91,24 @@ def block_hashes_for(
     A request keeps its list and calls this again as blocks fill: the cost is proportional to the
     new full blocks only. A trailing partial block is never hashed.
     """
-    hashes = list(start_hashes)
-    num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        extra = salt_extra(salt) if i == 0 else b""
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], seed, extra)
-        hashes.append(parent)
-    return hashes
+    skip = len(start_hashes) * block_size
+    return extend_block_hashes(start_hashes, token_ids[skip:], block_size, seed, salt)
+
+
+def extend_block_hashes(
+    hashes: Sequence[BlockHash],
+    new_token_ids: Sequence[int],
+    block_size: int,
+    seed: bytes,
+    salt: str | None = None,
+) -> list[BlockHash]:
+    """`hashes` (of a sequence's first full blocks) then those of the full blocks of
+    `new_token_ids`, the tokens that follow them: a request whose blocks fill reads only its new
+    tokens, never its whole context again."""
+    out = list(hashes)
+    parent = out[-1] if out else None
+    for start in range(0, len(new_token_ids) - block_size + 1, block_size):
+        extra = salt_extra(salt) if not out else b""
+        parent = hash_block(parent, new_token_ids[start : start + block_size], seed, extra)
+        out.append(parent)
+    return out

@@ -29,7 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from deepinfer.block_ids import BlockIds
-from deepinfer.cache.block_hash import BlockHash, block_hashes_for, seed_bytes
+from deepinfer.cache.block_hash import (
+    BlockHash,
+    block_hashes_for,
+    extend_block_hashes,
+    seed_bytes,
+)
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.block_tables import BlockTables, HeldBlocks
 from deepinfer.cache.claims import PromptClaims
@@ -108,10 +113,11 @@ class KVCacheManager:
         """Hashes of the request's full blocks (kept per request, extended as blocks fill)."""
         rid = request.request_id
         hashes = self._hashes.get(rid, [])
-        if request.num_tokens // self.block_size > len(hashes):
-            hashes = block_hashes_for(
-                request.all_token_ids, self.block_size, self._seed, request.cache_salt, hashes
-            )
+        num_full = request.num_tokens // self.block_size
+        if num_full > len(hashes):
+            bs = self.block_size
+            new = request.token_span(len(hashes) * bs, num_full * bs)
+            hashes = extend_block_hashes(hashes, new, bs, self._seed, request.cache_salt)
         self._hashes[rid] = hashes
         return hashes
 

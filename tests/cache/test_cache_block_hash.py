@@ -12,6 +12,7 @@ from pathlib import Path
 
 from deepinfer.cache.block_hash import (
     block_hashes_for,
+    extend_block_hashes,
     hash_block,
     root_hash,
     salt_extra,
@@ -54,6 +55,20 @@ def test_incremental_equals_one_shot() -> None:
         hashes = block_hashes_for(tokens[:n], 8, SEED, "s", hashes)
         assert hashes == full[: n // 8]
     assert block_hashes_for(tokens, 8, SEED, "s", hashes) == full
+
+
+def test_extending_with_the_new_tokens_alone_equals_the_documented_layout() -> None:
+    """A request whose blocks fill hashes only its new tokens (the spans a decode reads)."""
+    rng = random.Random(2)
+    for salt in (None, "t"):
+        tokens = [rng.randrange(49152) for _ in range(90)]
+        want = spec_hashes(tokens, 8, SEED, salt)
+        hashes: list[bytes] = []
+        done = 0
+        for n in (0, 5, 8, 30, 31, 64, 90):
+            hashes = extend_block_hashes(hashes, tokens[done * 8 : n], 8, SEED, salt)
+            done = len(hashes)
+            assert hashes == want[: n // 8]
 
 
 def test_naive_concatenation_collisions_differ() -> None:

@@ -172,5 +172,8 @@ def test_block_ids_are_a_tuple_with_their_int32_bytes() -> None:
     ids = BlockIds([7, 0, 2**31 - 1])
     assert ids == (7, 0, 2**31 - 1) and ids[1:] == (0, 2**31 - 1) and hash(ids) == hash(tuple(ids))
     assert ids.int32 == struct.pack("=3i", 7, 0, 2**31 - 1)
+    grown = ids.extend([5, 9])
+    assert type(grown) is BlockIds and grown == (*ids, 5, 9)
+    assert grown.int32 == BlockIds(grown).int32 and ids == (7, 0, 2**31 - 1)
     again = pickle.loads(pickle.dumps(ids))
     assert type(again) is BlockIds and again == ids and again.int32 == ids.int32
