@@ -11,6 +11,7 @@ from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import ScheduledChunk
+from deepinfer.scheduler.stop import check_finished
 from deepinfer.scheduler.token_delta import take_tokens
 
 NO_DRAFT = Draft()
@@ -87,6 +88,12 @@ def apply_sampling(
     tokens but its drafts, then the accepted drafts (the tokens taken after the first); a
     rejected draft's KV lies past them, never cached. The caller finishes the request."""
     request = chunk.request
+    if chunk.num_new_tokens == 1 and not out.accepted:  # most chunks: one token, no drafts
+        token = out.sampled[request.request_id]
+        request.output_token_ids.append(token.token_id)
+        request.num_computed_tokens = chunk.start_position + 1
+        kv.cache_blocks(request)
+        return (token,), check_finished(request, max_model_len)
     taken, reason = take_tokens(request, out, max_model_len)
     num_drafts = len(chunk.draft_token_ids) + chunk.num_worker_drafts
     if drafter is not None and num_drafts:
