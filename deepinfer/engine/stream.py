@@ -52,7 +52,8 @@ class RequestStream:
         self._on_abort = on_abort
         self._pending = _Pending()
         self._has_pending = False
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        """The reader's, while it waits for output."""
         self._disk_cached_tokens = disk_cached_tokens
         self._host_cached_tokens = host_cached_tokens
         self._counts = (num_prompt_tokens, 0, 0)
@@ -94,7 +95,12 @@ class RequestStream:
         """Let the reader take what was merged."""
         self.num_unread_tokens = 0
         self.woken = True
-        self._event.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _parts(self, delta: TokenDelta) -> list[TokenDelta]:
         """A delta of several tokens (a speculative step's verified run) as one delta a token
@@ -118,14 +124,15 @@ class RequestStream:
             self._counts = counts
         p = self._pending
         p.token_ids.extend(delta.token_ids)
-        p.logprobs.extend(delta.logprobs)
-        text_ids = list(delta.token_ids)
+        if delta.logprobs:
+            p.logprobs.extend(delta.logprobs)
+        text_ids: tuple[int, ...] = delta.token_ids
         if (
             delta.finish_reason is FinishReason.STOP
             and text_ids
             and text_ids[-1] in self._stop_token_ids
         ):
-            self._stop_reason = text_ids.pop()
+            self._stop_reason, text_ids = text_ids[-1], text_ids[:-1]
         if self._matcher is None:  # text is made once a frame, when the reader takes it
             p.text_ids.extend(text_ids)
             self._finish = delta.finish_reason
@@ -160,7 +167,7 @@ class RequestStream:
         """End the stream with an error (engine shutdown or an internal failure)."""
         if not self.finished:
             self._error = error
-            self._event.set()
+            self._notify()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -171,8 +178,8 @@ class RequestStream:
                 raise self._error
             if self._delivered_final:
                 raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            await waiter
         return self._take()
 
     def _take(self) -> GenerationOutput:
