@@ -182,4 +182,6 @@ def _tables(tables: Sequence[Sequence[int]], device: torch.device | str) -> torc
     rows = [int32_row(t) for t in tables]
     flat = bytearray().join([r + pad[len(r) :] for r in rows])
     data = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
-    return data.view(len(tables), width).to(device)
+    table = data.view(len(tables), width)
+    on_cpu = torch.device(device).type == "cpu"  # `to` would still dispatch (and drop the GIL)
+    return table if on_cpu else table.to(device)

@@ -35,8 +35,8 @@ def bias_and_mask(
     """float32 `[B, V]`: a copy with biases and the mask applied when there are any, else
     `logits` as float32 (never written)."""
     biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
-    if not biased and token_mask is None:
-        return logits.to(torch.float32)
+    if not biased and token_mask is None:  # no op when float32 already (each drops the GIL)
+        return logits if logits.dtype == torch.float32 else logits.to(torch.float32)
     additive = token_mask is not None and token_mask.dtype == torch.float32
     if additive:
         assert token_mask is not None and token_mask.shape == logits.shape, "one mask per logit"
