@@ -54,10 +54,10 @@ class BlockTables:
         if table is None:
             return _NO_IDS
         known = self._ids.get(request_id)
-        if known is not None and known[0] is table:
+        if known is not None and known[0] is table and len(known[1]) <= len(table):
             if len(known[1]) == len(table):
                 return known[1]
-            ids = known[1].extend(b.block_id for b in table[len(known[1]) :])
+            ids = known[1].extend(b.block_id for b in table[len(known[1]) :])  # it grew
         else:
             ids = BlockIds(b.block_id for b in table)
         self._ids[request_id] = (table, ids)

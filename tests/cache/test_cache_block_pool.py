@@ -1,4 +1,4 @@
-"""BlockPool: LRU order, reference counting, the hash map, and integrity checking."""
+"""BlockPool: LRU order, reference counting, the hash map, and integrity checking; a table's ids."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import random
 
 import pytest
 
+from deepinfer.block_ids import BlockIds
 from deepinfer.cache.block_pool import NULL_BLOCK_ID, BlockPool
+from deepinfer.cache.block_tables import BlockTables
 from deepinfer.cache.free_queue import Block, FreeBlockQueue, IntegrityError
 
 
@@ -143,3 +145,19 @@ def test_random_operations_against_a_model() -> None:
                         lru.append(b.block_id)
         pool.check_integrity()
         assert pool.free_block_ids() == lru
+
+
+def test_block_ids_follow_a_growing_table() -> None:
+    """A table's ids are made once and extended as it grows: equal to the table's ids made
+    afresh, as a tuple and as int32 bytes."""
+    pool, tables = BlockPool(40), BlockTables()
+    assert tables.ids("r") == ()
+    table = tables.table("r")
+    for n in (1, 3, 0, 7, 2):
+        table.extend(pool.allocate(n))
+        ids = tables.ids("r")
+        assert ids == tuple(b.block_id for b in table) and tables.ids("r") is ids
+        assert ids.int32 == BlockIds(ids).int32
+    tables.check_integrity()
+    tables.pop("r")
+    assert tables.ids("r") == ()
