@@ -1,20 +1,16 @@
-"""Each running request's block table, and the blocks held outside any request.
+"""`BlockTables`: each running request's block table.
 
-`BlockTables`: a request's table is an append-only list of blocks (a freed request's list is
-dropped, never reused), so its ids are made again only when it grows: a decode step asks for
-every running request's ids and almost never finds a new block.
-
-`HeldBlocks`: blocks reserved to be filled from a lower tier before any request holds them, or
-pinned while a lower tier copies them out (a request holding them may finish meanwhile).
+A request's table is an append-only list of blocks (a freed request's list is dropped, never
+reused), so its ids are made again only when it grows: a decode step asks for every running
+request's ids and almost never finds a new block.
 """
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Sequence
+from collections.abc import ItemsView
 
 from deepinfer.block_ids import BlockIds
-from deepinfer.cache.block_hash import BlockHash
-from deepinfer.cache.block_pool import Block, BlockPool
+from deepinfer.cache.block_pool import Block
 
 _NO_IDS = BlockIds(())
 
@@ -68,44 +64,3 @@ class BlockTables:
         for rid, (table, ids) in self._ids.items():
             assert self._tables.get(rid) is table, f"{rid}: block ids kept for a freed table"
             assert ids == tuple(b.block_id for b in table[: len(ids)]), f"{rid}: stale block ids"
-
-
-class HeldBlocks:
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
-        self._held: dict[int, list[Block]] = {}
-        self._next = 0
-
-    def _hold(self, blocks: list[Block]) -> int:
-        self._next += 1
-        self._held[self._next] = blocks
-        return self._next
-
-    def reserve(self, num_blocks: int) -> tuple[int, list[int]]:
-        """Take free blocks: (reservation id, block ids)."""
-        blocks = self._pool.allocate(num_blocks)
-        return self._hold(blocks), [b.block_id for b in blocks]
-
-    def commit(self, reservation: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Register the first `len(block_hashes)` reserved blocks and release them all to the
-        free queue, cached. Returns how many were registered."""
-        blocks = self._held.pop(reservation)
-        registered = 0
-        for block, block_hash in zip(blocks, block_hashes, strict=False):
-            registered += self._pool.cache_block(block, block_hash)
-        self._pool.free(blocks)
-        return registered
-
-    def pin(self, block_ids: Sequence[int]) -> int:
-        blocks = [self._pool.blocks[i] for i in block_ids]
-        self._pool.touch(blocks)
-        return self._hold(blocks)
-
-    def release(self, hold: int) -> None:
-        self._pool.free(self._held.pop(hold))
-
-    def count(self, holders: list[int]) -> None:
-        """Add one to `holders[block_id]` for each held block (integrity checks)."""
-        for blocks in self._held.values():
-            for block in blocks:
-                holders[block.block_id] += 1

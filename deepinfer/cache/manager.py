@@ -29,16 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from deepinfer.block_ids import BlockIds
-from deepinfer.cache.block_hash import (
-    BlockHash,
-    block_hashes_for,
-    extend_block_hashes,
-    seed_bytes,
-)
+from deepinfer.cache.block_hash import BlockHash, extend_block_hashes, seed_bytes
 from deepinfer.cache.block_pool import BlockPool
-from deepinfer.cache.block_tables import BlockTables, HeldBlocks
+from deepinfer.cache.block_tables import BlockTables
 from deepinfer.cache.claims import PromptClaims
 from deepinfer.cache.free_queue import Block, require
+from deepinfer.cache.tier_blocks import TierBlocks
 from deepinfer.cache.usage import CacheUsage, ChunkTables
 from deepinfer.cache.window_group import WindowGroup, WindowSpec
 from deepinfer.request import Request
@@ -72,7 +68,8 @@ class KVCacheManager:
         """When set (a lower tier is attached), newly registered blocks are recorded for it."""
         self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
         self._new_windows: list[tuple[list[tuple[int, BlockHash]], str | None]] = []
-        self._held = HeldBlocks(self.pool)
+        self.tiers = TierBlocks(self.pool, block_size, self._seed)
+        """The pool as the host and disk tiers see it (prefix lookups, reserved and pinned blocks)."""
         self._claims = PromptClaims()
         self.window = (
             WindowGroup(window, num_window_blocks, block_size, enable_prefix_caching)
@@ -301,44 +298,6 @@ class KVCacheManager:
         new, self._new_blocks = self._new_blocks, []
         return new
 
-    # -- filling blocks from a lower tier (disk) --
-    def prompt_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of the blocks a prefix hit may cover (all full blocks but the last token's)."""
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        ids = request.all_token_ids[: max_blocks * self.block_size]
-        return block_hashes_for(ids, self.block_size, self._seed, request.cache_salt)
-
-    def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading hashes have a device block now."""
-        if not self.enable_prefix_caching:
-            return 0
-        n = 0
-        for block_hash in block_hashes:
-            if self.pool.get_cached_block(block_hash) is None:
-                break
-            n += 1
-        return n
-
-    def reserve_blocks(self, num_blocks: int) -> tuple[int, list[int]] | None:
-        """Take free blocks to fill from a lower tier: (reservation id, block ids), or None when
-        the pool cannot spare them (keep a margin for running requests)."""
-        if not self.enable_prefix_caching or num_blocks > self.pool.num_free_blocks // 2:
-            return None
-        return self._held.reserve(num_blocks)
-
-    def commit_reserved(self, reservation: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Register the first `len(block_hashes)` reserved blocks (their KV is now filled) and
-        release them all to the free queue, cached. Returns how many were registered."""
-        return self._held.commit(reservation, block_hashes)
-
-    def pin_blocks(self, block_ids: Sequence[int]) -> int:
-        """Hold blocks so they are not handed out while a lower tier copies them (a request
-        holding them may finish meanwhile). Returns the pin for `unpin_blocks`."""
-        return self._held.pin(block_ids)
-
-    def unpin_blocks(self, pin: int) -> None:
-        self._held.release(pin)
-
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (finish, abort, preemption). Idempotent."""
         rid = request.request_id
@@ -397,7 +356,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         self._blocks.check_integrity()
         holders = [0] * self.pool.num_blocks
-        self._held.count(holders)
+        self.tiers.held.count(holders)
         for rid, table in self._blocks.items():
             require(len({id(b) for b in table}) == len(table), f"{rid} holds a block twice")
             for block in table:

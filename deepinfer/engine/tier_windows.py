@@ -61,7 +61,7 @@ async def fill_window_from_disk(
     window, disk = core.kv.window, core.disk
     if window is None or disk is None:
         return 0
-    num_hit = core.kv.cached_prefix_len(hashes)
+    num_hit = core.kv.tiers.cached_prefix_len(hashes)
     if num_hit == 0 or window.stored_window_end(hashes, num_hit) is not None:
         return 0
     end = await _window_on_disk(window, disk, hashes[:num_hit])

@@ -71,7 +71,7 @@ async def fill_from_lower_tiers(core: EngineCore, forward: Executor, request: Re
         return TierFill()
     if request.retention == Retention.NONE:
         return TierFill()
-    hashes = kv.prompt_hashes(request)
+    hashes = kv.tiers.prompt_hashes(request)
     fill = await _fill_blocks_from_tiers(core, forward, request, hashes)
     await fill_window_from_disk(core, forward, hashes)
     return fill
@@ -81,13 +81,13 @@ async def _fill_blocks_from_tiers(
     core: EngineCore, forward: Executor, request: Request, hashes: list[BlockHash]
 ) -> TierFill:
     kv, host, disk = core.kv, core.host, core.disk
-    num_device = kv.cached_prefix_len(hashes)
+    num_device = kv.tiers.cached_prefix_len(hashes)
     rest = hashes[num_device:]
     num_host = host.contains_prefix(rest) if host is not None else 0
     num_disk = 0
     if disk is not None and num_host < len(rest):
         num_disk = await _disk_prefix(disk, rest[num_host:])
-    reservation = kv.reserve_blocks(num_host + num_disk) if num_host + num_disk else None
+    reservation = kv.tiers.reserve(num_host + num_disk) if num_host + num_disk else None
     if reservation is None:
         _touch(core, hashes[:num_device], request.retention)
         return TierFill()
@@ -104,7 +104,7 @@ async def _fill_blocks_from_tiers(
         loop = asyncio.get_running_loop()
         loaded = await loop.run_in_executor(forward, _fill_blocks, core, plan)
     finally:
-        kv.commit_reserved(reservation_id, rest[: sum(loaded)])
+        kv.tiers.commit(reservation_id, rest[: sum(loaded)])
     _touch(core, hashes[: num_device + sum(loaded)], request.retention)
     return TierFill(loaded[0] * kv.block_size, loaded[1] * kv.block_size)
 
@@ -184,11 +184,11 @@ async def write_behind(core: EngineCore, forward: Executor) -> None:
     if not new or (core.disk is None and core.host is None):
         return
     loop = asyncio.get_running_loop()
-    pin = core.kv.pin_blocks([b[0] for b in new])  # the other worker's steps may reuse freed ones
+    pin = core.kv.tiers.pin([b[0] for b in new])  # the other worker's steps may reuse freed ones
     try:
         payloads = await loop.run_in_executor(forward, _snapshot_to_host, core, new)
     finally:
-        core.kv.unpin_blocks(pin)
+        core.kv.tiers.unpin(pin)
     core.offer_to_disk([(b[1], b[2]) for b in new], payloads)
 
 
