@@ -48,19 +48,19 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.mlp = Gemma3MLP(arch)
         self.post_ffn_norm = RMSNorm(arch.hidden_size)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        step: StepContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's normed FFN output, the residual stream before it is added)."""
+    def attention_input(
+        self, h: torch.Tensor, residual: torch.Tensor | None, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ops = step.ops
         h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
-        h = ops.rms_norm(
-            self.self_attn(h, kv_cache, step), self.post_attention_norm.weight, self.eps
-        )
+        return (*self.self_attn.project(h, step), residual)
+
+    def attention_output(
+        self, out: torch.Tensor, residual: torch.Tensor, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's normed FFN output, the residual stream before it is added)."""
+        ops = step.ops
+        h = ops.rms_norm(self.self_attn.output(out), self.post_attention_norm.weight, self.eps)
         h, residual = ops.fused_add_rms_norm(h, residual, self.pre_ffn_norm.weight, self.eps)
         h = ops.rms_norm(self.mlp(h, ops), self.post_ffn_norm.weight, self.eps)
         return h, residual

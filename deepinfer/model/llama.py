@@ -104,13 +104,11 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim)
         self.scale = arch.attention_scale
 
-    def forward(
-        self,
-        h: torch.Tensor,  # [T, hidden]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        step: StepContext,
-    ) -> torch.Tensor:  # [T, hidden]
-        a, ops, batch = self.arch, step.ops, step.batch
+    def project(
+        self, h: torch.Tensor, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, H, D], [T, Hkv, D] x 2
+        """This step's queries, keys and values, rotated (what attention reads and stores)."""
+        a, ops = self.arch, step.ops
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h)  # [T, (H + 2 Hkv) D]
         # q, k and v stay views of qkv (unit last stride, any row stride): every kernel takes them.
@@ -121,9 +119,12 @@ class LlamaAttention(nn.Module):
         if a.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, a.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, a.rms_norm_eps)
-        ops.apply_rotary(q, k, batch.positions, step.cos_sin_local if self.window else step.cos_sin)
-        out = paged_attention(step, q, k, v, kv_cache, self.scale, self.window)
-        return self.o_proj(out.reshape(num_tokens, a.q_size))  # [T, H, D] -> [T, hidden]
+        local = step.cos_sin_local if self.window else step.cos_sin
+        ops.apply_rotary(q, k, step.batch.positions, local)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
+        return self.o_proj(out.reshape(out.shape[0], self.arch.q_size))
 
 
 def paged_attention(
@@ -165,7 +166,39 @@ class LlamaMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """A decoder layer, `layer(h, residual, kv_cache, step) -> (output, residual)`: the residual
     stream is None before the first layer, and each layer returns it before its own output is
-    added."""
+    added.
+
+    A layer is its attention's input (`attention_input`: norms and projections up to the rotated
+    q, k and v), the paged attention itself, then what follows it (`attention_output`: the output
+    projection, norms, the FFN): prefill CUDA graphs capture the two pieces apart, attention
+    running eagerly between them (`model/piecewise.py`)."""
+
+    self_attn: LlamaAttention
+
+    def attention_input(
+        self, h: torch.Tensor, residual: torch.Tensor | None, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, the residual stream including the last layer's output)."""
+        raise NotImplementedError
+
+    def attention_output(
+        self, out: torch.Tensor, residual: torch.Tensor, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added) from attention's
+        output [T, H, D]."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        step: StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.attention_input(h, residual, step)
+        attn = self.self_attn
+        out = paged_attention(step, q, k, v, kv_cache, attn.scale, attn.window)
+        return self.attention_output(out, residual, step)
 
     def native_weights(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor
@@ -197,17 +230,18 @@ class LlamaDecoderLayer(DecoderLayer):
         self.post_attention_norm = RMSNorm(arch.hidden_size)
         self.mlp = LlamaMLP(arch)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        step: StepContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output, the residual stream before it is added)."""
+    def attention_input(
+        self, h: torch.Tensor, residual: torch.Tensor | None, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ops = step.ops
         h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
-        h = self.self_attn(h, kv_cache, step)
+        return (*self.self_attn.project(h, step), residual)
+
+    def attention_output(
+        self, out: torch.Tensor, residual: torch.Tensor, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = step.ops
+        h = self.self_attn.output(out)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm.weight, self.eps)
         return self.mlp(h, ops), residual
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from deepinfer.model.arch import ModelArch
-from deepinfer.model.llama import Linear, RMSNorm, paged_attention
+from deepinfer.model.llama import Linear, RMSNorm
 from deepinfer.model.step_context import StepContext
 
 
@@ -58,13 +58,11 @@ class MLAAttention(nn.Module):
             q = self.q_proj(h)
         return q.view(h.shape[0], a.num_heads, a.head_dim)
 
-    def forward(
-        self,
-        h: torch.Tensor,  # [T, hidden]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        step: StepContext,
-    ) -> torch.Tensor:  # [T, hidden]
-        a, m, ops, batch = self.arch, self.mla, step.ops, step.batch
+    def project(
+        self, h: torch.Tensor, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, H, D] each
+        """Every head's query, key and (zero-padded) value, rotated."""
+        a, m, ops = self.arch, self.mla, step.ops
         t, heads, nope = h.shape[0], a.num_heads, m.qk_nope_head_dim
         q = self._queries(h, step)
         latent, k_rope = self.kv_a_proj(h).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -72,10 +70,13 @@ class MLAAttention(nn.Module):
         kv = self.kv_b_proj(latent).view(t, heads, nope + m.v_head_dim)
         q_rope = q[..., nope:].contiguous()  # [T, H, R]
         k_rope = k_rope.contiguous().view(t, 1, m.qk_rope_head_dim)  # [T, 1, R]: every head's
-        ops.apply_rotary(q_rope, k_rope, batch.positions, step.cos_sin)
+        ops.apply_rotary(q_rope, k_rope, step.batch.positions, step.cos_sin)
         q = torch.cat([q[..., :nope], q_rope], dim=-1)
         k = torch.cat([kv[..., :nope], k_rope.expand(t, heads, -1)], dim=-1)
         v = h.new_zeros(t, heads, a.head_dim)
         v[..., : m.v_head_dim] = kv[..., nope:]
-        out = paged_attention(step, q, k, v, kv_cache, self.scale, None)
-        return self.o_proj(out[..., : m.v_head_dim].reshape(t, heads * m.v_head_dim))
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
+        t, heads, width = out.shape[0], self.arch.num_heads, self.mla.v_head_dim
+        return self.o_proj(out[..., :width].reshape(t, heads * width))
