@@ -255,8 +255,9 @@ class RuntimeConfig:
     num_threads: int | None = None
     """Torch intra-op threads for forward passes on CPU; None: torch's default."""
     cuda_graphs: CudaGraphsMode = "auto"
-    """Replay decode steps from CUDA graphs: `auto` on CUDA with the Triton backend, `on` (an
-    error where it cannot), `off` (eager)."""
+    """Replay steps from CUDA graphs: decode steps whole (on CUDA with the Triton backend),
+    prefill steps piecewise by token bucket (on CUDA, Llama-family decoders): `auto` where they
+    can be, `on` (an error where they cannot), `off` (eager)."""
     seed: int = 0
     """Seed for requests that give none."""
 

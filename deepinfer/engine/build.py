@@ -25,19 +25,25 @@ from deepinfer.cache.host.tier import HostTier
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config, DiskCacheConfig, Retention
 from deepinfer.engine.build_experts import build_expert_parallel
-from deepinfer.engine.build_replicas import Replica, Replicas, build_replicas, capture_graphs
+from deepinfer.engine.build_replicas import (
+    Replica,
+    Replicas,
+    build_replicas,
+    capture_graphs,
+    capture_prefill,
+)
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
 from deepinfer.model.expert_parallel import ExpertParallel
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.model.loader import LoadedModel, model_fingerprint
-from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.device import resolve_device
 from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
 from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.step_graphs import StepGraphs
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, WorkerDrafter
 from deepinfer.sampling.constraints import ConstraintCompiler
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
@@ -68,6 +74,8 @@ class RuntimeInfo:
     """That kernel quantizes activations to int8 blocks (integer dot products)."""
     decode_graph_sizes: tuple[int, ...] = ()
     """Batch sizes whose decode steps replay from CUDA graphs (empty: eager)."""
+    prefill_graph_buckets: tuple[int, ...] = ()
+    """Token counts whose prefill steps replay from piecewise CUDA graphs (empty: eager)."""
     decode_device: torch.device | None = None
     """The decode worker's own device group, with its own model and KV pool (None: shared)."""
     decode_num_blocks: int = 0
@@ -130,7 +138,9 @@ def build_engine(config: Config) -> EngineParts:
         min(replicas.prefill.num_blocks, replicas.decode.num_blocks),
         config.model.max_model_len,
     )
-    graphs = capture_graphs(config, replicas.decode, max_len)
+    graphs = StepGraphs(
+        capture_graphs(config, replicas.decode, max_len), capture_prefill(config, replicas.prefill)
+    )
     info = runtime_info(config, path, replicas, max_len, graphs)
     host, disk = open_tiers(config, replicas.prefill, info.fingerprint)
     kv, decode_kv = build_block_managers(config, replicas, info.fingerprint, host, disk)
@@ -159,7 +169,7 @@ def build_engine(config: Config) -> EngineParts:
 
 
 def runtime_info(
-    config: Config, path: Path, replicas: Replicas, max_len: int, graphs: DecodeGraphs | None
+    config: Config, path: Path, replicas: Replicas, max_len: int, graphs: StepGraphs
 ) -> RuntimeInfo:
     loaded, prefill, decode = replicas.loaded, replicas.prefill, replicas.decode
     block_size = config.cache.block_size
@@ -177,7 +187,8 @@ def runtime_info(
         attention_backend=loaded.model.attention_backend.name,
         quantized_bytes=loaded.quantized_bytes,
         int8_activations=loaded.int8_activations,
-        decode_graph_sizes=graphs.sizes if graphs is not None else (),
+        decode_graph_sizes=graphs.decode.sizes if graphs.decode is not None else (),
+        prefill_graph_buckets=graphs.prefill.buckets if graphs.prefill is not None else (),
         decode_device=decode.device if replicas.split else None,
         decode_num_blocks=decode.num_blocks if replicas.split else 0,
         batch_invariant=loaded.batch_invariant,
@@ -270,11 +281,11 @@ def build_block_managers(
 def build_runners(
     config: Config,
     replicas: Replicas,
-    graphs: DecodeGraphs | None,
+    graphs: StepGraphs,
     constraints: ConstraintCompiler,
 ) -> tuple[ModelRunner, ModelRunner]:
-    """(prefill, decode) runners: one runner for both unless split; the decode graphs go to
-    whichever runs decode steps."""
+    """(prefill, decode) runners: one runner for both unless split; each replays the graphs
+    captured on its group's model (the decode graphs and the prefill pieces)."""
     block_size, seed = config.cache.block_size, config.runtime.seed
     prefill, decode = replicas.prefill, replicas.decode
     drafter = _worker_drafter(config, decode)
@@ -283,9 +294,12 @@ def build_runners(
             prefill.model, block_size, prefill.device, seed, graphs, constraints, drafter
         )
         return runner, runner
+    prefill_graphs, decode_graphs = StepGraphs(prefill=graphs.prefill), StepGraphs(graphs.decode)
     return (
-        ModelRunner(prefill.model, block_size, prefill.device, seed, None, constraints),
-        ModelRunner(decode.model, block_size, decode.device, seed, graphs, constraints, drafter),
+        ModelRunner(prefill.model, block_size, prefill.device, seed, prefill_graphs, constraints),
+        ModelRunner(
+            decode.model, block_size, decode.device, seed, decode_graphs, constraints, drafter
+        ),
     )
 
 

@@ -28,6 +28,7 @@ from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from deepinfer.runner.device import resolve_dtype
 from deepinfer.runner.device_groups import DeviceGroups
+from deepinfer.runner.prefill_graphs import PrefillGraphs, capture_prefill_graphs
 
 
 @dataclass(frozen=True)
@@ -193,4 +194,15 @@ def capture_graphs(config: Config, decode: Replica, max_len: int) -> DecodeGraph
         decode.device,
         config.scheduler.max_num_seqs,
         max_blocks,
+    )
+
+
+def capture_prefill(config: Config, prefill: Replica) -> PrefillGraphs | None:
+    """The prefill group's piecewise CUDA graphs per `--cuda-graphs`, one set per token bucket
+    up to a step's token budget (None: eager prefill)."""
+    return capture_prefill_graphs(
+        config.runtime.cuda_graphs,
+        prefill.model,
+        prefill.device,
+        config.scheduler.max_num_batched_tokens,
     )

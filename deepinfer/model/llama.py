@@ -387,11 +387,7 @@ class LlamaForCausalLM(nn.Module):
         first layers only (self-speculation's draft: they write their layers' KV alone)."""
         if self.kv_caches is None:
             raise RuntimeError("call bind_kv_caches() before running the model")
-        assert self.kv_caches is not None
-        step = step_context(
-            batch, self.attention_backend, self.arch, self.kv_caches, self.cos_sin,
-            self.cos_sin_local,
-        )  # fmt: skip
+        step = self.step_context(batch)
         plan, window_plan = step.plan, step.window_plan
         h = self.embed(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
@@ -405,6 +401,21 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in layers:
                 h, residual = layer(h, residual, kv_cache, step)
         assert residual is not None
+        return self.final_hidden(h, residual, batch)
+
+    def step_context(self, batch: ForwardBatch) -> StepContext:
+        """What every layer of `batch`'s forward shares (its attention plans, the RoPE tables)."""
+        assert self.kv_caches is not None
+        return step_context(
+            batch, self.attention_backend, self.arch, self.kv_caches, self.cos_sin,
+            self.cos_sin_local,
+        )  # fmt: skip
+
+    def final_hidden(
+        self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:  # [T, hidden] x 2 -> [B_sample, hidden]
+        """The last layer's output added to the residual stream and normed, for the
+        `logits_indices` rows."""
         h, residual = h[batch.logits_indices], residual[batch.logits_indices]  # [B_sample, hidden]
         if h.shape[0] == 0:  # nothing to sample this step (prefill chunks only)
             return h

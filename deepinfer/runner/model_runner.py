@@ -15,8 +15,8 @@ from deepinfer.model.protocol import CausalLM
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import schedule_to_batch
-from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.speculative import DrawnStreams, verify_drafts
+from deepinfer.runner.step_graphs import StepGraphs
 from deepinfer.runner.worker_draft import WorkerDrafter
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
@@ -40,7 +40,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int,
-        graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
         constraints: ConstraintCompiler | None = None,
         drafter: WorkerDrafter | None = None,
     ) -> None:
@@ -49,7 +49,8 @@ class ModelRunner:
         self.device = device
         self.default_seed = seed
         self.graphs = graphs
-        """Captured decode forwards (CUDA), replayed for the decode-only steps that fit them."""
+        """Captured CUDA graphs (decode forwards, prefill pieces), replayed for the steps that fit
+        them."""
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
         self._decode_rows: dict[str, SamplingRow] = {}

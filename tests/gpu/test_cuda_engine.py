@@ -79,9 +79,46 @@ def test_triton_and_torch_attention_agree_with_the_cpu() -> None:
 def test_decode_graphs_replay_the_eager_tokens() -> None:
     graphed, core = _greedy_core(_config("cuda", "triton", graphs="on"))
     assert core.info.decode_graph_sizes == (1, 2, 4, 8)
-    assert core.runner.graphs is not None and core.runner.graphs.num_replays >= 20
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.decode is not None and graphs.decode.num_replays >= 20
+    assert graphs.prefill is not None and graphs.prefill.num_replays >= 1
     eager, core = _greedy_core(_config("cuda", "triton", graphs="off"))
-    assert core.runner.graphs is None and core.info.decode_graph_sizes == ()
+    assert core.runner.graphs is not None and core.runner.graphs.num_replays == 0
+    assert core.info.decode_graph_sizes == () and core.info.prefill_graph_buckets == ()
+    assert graphed == eager
+
+
+def test_prefill_graphs_replay_the_eager_tokens() -> None:
+    """Prompts of ~900 tokens prefilled in steps of at most 256 (full buckets, then a padded
+    last chunk beside short prompts), and again from the prefix cache: the eager tokens."""
+    long_prompts = [PROMPTS[0] * 12, PROMPTS[1] * 12]
+
+    def run(graphs: str) -> tuple[list[list[int]], EngineCore]:
+        config = _config("cuda", "triton", graphs=graphs)
+        config = config.replace(
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
+        )
+        core = EngineCore(config)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        texts = [*long_prompts, *PROMPTS, long_prompts[0] + " and then"]
+        outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(texts))}
+        for i, text in enumerate(texts):
+            core.add_request(Request(f"r{i}", core.tokenizer.encode_with_specials(text), params))
+            if i == len(texts) - 2:  # the last one after the others: a cached prefix
+                while core.has_work:
+                    for delta in core.step():
+                        outputs[delta.request_id].extend(delta.token_ids)
+        while core.has_work:
+            for delta in core.step():
+                outputs[delta.request_id].extend(delta.token_ids)
+            core.check_integrity()
+        return [outputs[f"r{i}"] for i in range(len(texts))], core
+
+    graphed, core = run("on")
+    assert core.info.prefill_graph_buckets == (16, 32, 64, 128, 256)
+    prefill = core.runner.graphs.prefill if core.runner.graphs is not None else None
+    assert prefill is not None and prefill.num_replays >= 8
+    eager, _ = run("off")
     assert graphed == eager
 
 
@@ -93,6 +130,7 @@ async def test_bfloat16_default_answers_and_workers_use_their_own_streams() -> N
         assert engine.info.device.type == "cuda"
         assert engine.info.attention_backend == "triton"
         assert engine.info.decode_graph_sizes[-1] == engine.config.scheduler.max_num_seqs
+        assert engine.info.prefill_graph_buckets[-1] == 2048  # the step's token budget
         streams = [w._stream for w in engine._workers]
         assert len(streams) == 2 and None not in streams
         assert streams[0] != streams[1]
@@ -116,5 +154,6 @@ def test_split_device_groups_give_the_one_device_tokens() -> None:
     )
     tokens, core = _greedy_core(split)
     assert core.info.decode_device == torch.device("cuda", 1)
-    assert core.decode_runner.graphs is not None and core.decode_runner.graphs.num_replays > 0
+    graphs = core.decode_runner.graphs
+    assert graphs is not None and graphs.decode is not None and graphs.decode.num_replays > 0
     assert tokens == one

@@ -17,6 +17,8 @@ from model_test_utils import (
 )
 
 from deepinfer.model import BatchChunk, build_forward_batch, load_model, model_fingerprint
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.model.piecewise import PiecewiseForward
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,6 +114,47 @@ def test_logits_match_transformers(tiny: Any, mode: str) -> None:
     directory, hf_model = tiny
     model = load_model(directory, torch.float32, "cpu").model
     bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
+    _check_logits(model, hf_model, mode)
+
+
+class _Piecewise:
+    """`model(batch)` made of the model's pieces (`PiecewiseForward`), each run where a prefill
+    CUDA graph would replay it, at a bucket of the next multiple of 16 tokens (padding rows)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.arch, self.embed_tokens = model, model.arch, model.embed_tokens
+        self.pieces = PiecewiseForward(model, 80, torch.device("cpu"))
+        self.padding_rows = 0
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        tokens = -(-batch.num_tokens // 16) * 16
+        self.padding_rows += tokens - batch.num_tokens
+        return self.pieces.forward(batch, tokens, lambda i: self.pieces.piece(i, tokens)())
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
+def test_piecewise_forward_matches_transformers(tiny: Any, mode: str) -> None:
+    """The forward cut at attention (padded pieces, attention eager between them) gives
+    transformers' logits and writes the KV of the whole forward, nothing for padding rows."""
+    directory, hf_model = tiny
+    model = load_model(directory, torch.float32, "cpu").model
+    bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
+    piecewise = _Piecewise(model)
+    _check_logits(piecewise, hf_model, mode)
+    assert piecewise.padding_rows > 0
+    pieced_caches = model.kv_caches
+    bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
+    _check_logits(model, hf_model, mode)
+    for (k, v), (k_eager, v_eager) in zip(pieced_caches, model.kv_caches, strict=True):
+        torch.testing.assert_close(k, k_eager, atol=1e-4, rtol=0)
+        torch.testing.assert_close(v, v_eager, atol=1e-4, rtol=0)
+        assert k[0].eq(0).all() and v[0].eq(0).all()  # the null block: no padding row wrote it
+    with pytest.raises(ValueError, match="do not fit"):
+        batch = build_forward_batch([BatchChunk(list(range(20)), 0, [1, 2, 3, 4, 5])], BLOCK_SIZE)
+        piecewise.pieces.forward(batch, 16, lambda i: None)
+
+
+def _check_logits(model: Any, hf_model: Any, mode: str) -> None:
     blocks = SequentialBlocks(BLOCK_SIZE)
     prompts = _prompts()
     if mode == "prefill":  # all prompts in one batch
