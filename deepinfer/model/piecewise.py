@@ -2,10 +2,11 @@
 buffers, attention runs eagerly between them on the step's own batch.
 
 This is what prefill CUDA graphs capture (`runner/prefill_graphs.py`, one set of pieces per
-token-count bucket): a prefill step is then L + 1 graph replays and L attention calls instead of
-~20 launches a layer, each of which drops and retakes the GIL. Attention stays out of the graphs
-because its work depends on the step's requests (their contexts, block tables and query
-starts), which a token count does not fix; everything else in a layer is row by row.
+token-count bucket): a prefill step is then L + 1 graph replays and L attention calls instead
+of a dozen or more launches a layer, each of which drops and retakes the GIL. Attention stays
+out of the graphs because its work depends on the step's requests (their contexts, block
+tables and query starts), which a token count does not fix; everything else in a layer is row
+by row.
 
 Piece 0 embeds the tokens and projects layer 0's q, k and v; piece i (1..L-1) finishes layer
 i - 1 from its attention output and projects layer i's; piece L finishes the last layer. A piece
@@ -61,6 +62,7 @@ class PiecewiseForward:
             raise ValueError(f"no piece {index} of {tokens} tokens")
         return lambda: self._run_piece(index, tokens)
 
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, tokens: int, replay: Replay) -> torch.Tensor:
         """The logits [B_sample, V] of `batch` (at most `tokens` tokens), its pieces run by
         `replay` at the `tokens` bucket and its attention eagerly."""
@@ -85,6 +87,7 @@ class PiecewiseForward:
         self.input_ids[n:tokens].zero_()
         self.positions[n:tokens].zero_()
 
+    @torch.inference_mode()  # as the model's forward: weights whose views are rotated in place
     def _run_piece(self, index: int, tokens: int) -> None:
         step = self._static_step(tokens)
         if index == 0:

@@ -1,11 +1,12 @@
 """Prefill steps replayed from CUDA graphs, piecewise: a graph per piece between two attention
 calls (`model/piecewise.py`), captured once per token-count bucket.
 
-An eager prefill step on a GPU is ~20 launches a layer, each dropping and retaking the GIL while
-the event loop streams answers: an 8000-token prompt waited 12.7 s for its first token beside 16
-streams (bench/RESULTS.md). Replayed, a step of T tokens pads to the next bucket and is L + 1
-graph launches with L attention calls between them, attention running eagerly on the step's own
-requests (their contexts and block tables are not a function of T, so they are not captured).
+An eager prefill step on a GPU is a dozen or more launches a layer, each dropping and retaking
+the GIL while the event loop streams answers: an 8000-token prompt waited 12.7 s for its first
+token beside 16 streams (bench/RESULTS.md). Replayed, a step of T tokens pads to the next bucket
+and is L + 1 graph launches with L attention calls between them, attention running eagerly on
+the step's own requests (their contexts and block tables are not a function of T, so they are
+not captured).
 
 The buckets are 16, 32, 64, 128, 256, 512, then every 256 up to the step's token budget
 (`--max-num-batched-tokens`): at most a third of a padded step is padding past 512 tokens. Every

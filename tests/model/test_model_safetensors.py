@@ -123,6 +123,7 @@ class _Piecewise:
 
     def __init__(self, model: Any) -> None:
         self.model, self.arch, self.embed_tokens = model, model.arch, model.embed_tokens
+        model.requires_grad_(True)  # as GGUF-loaded linears are: pieces must not build autograd
         self.pieces = PiecewiseForward(model, 80, torch.device("cpu"))
         self.padding_rows = 0
 
@@ -135,9 +136,10 @@ class _Piecewise:
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 def test_piecewise_forward_matches_transformers(tiny: Any, mode: str) -> None:
     """The forward cut at attention (padded pieces, attention eager between them) gives
-    transformers' logits and writes the KV of the whole forward, nothing for padding rows."""
+    transformers' logits and writes the KV of the whole forward, nothing for padding rows (on
+    the torch backend, whose RoPE rotates q and k in place, as CUDA's kernels do)."""
     directory, hf_model = tiny
-    model = load_model(directory, torch.float32, "cpu").model
+    model = load_model(directory, torch.float32, "cpu", attention_backend="torch").model
     bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
     piecewise = _Piecewise(model)
     _check_logits(piecewise, hf_model, mode)
