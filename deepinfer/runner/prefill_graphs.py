@@ -20,6 +20,8 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -30,6 +32,9 @@ from deepinfer.model.piecewise import PiecewiseForward
 from deepinfer.model.protocol import CausalLM
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as _PoolHandle
 
 
 def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -47,32 +52,74 @@ def bucket_for(batch: ForwardBatch, buckets: tuple[int, ...]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+class GraphCapture(Protocol):
+    """How pieces are captured and replays ordered: CUDA graphs (`CudaGraphCapture`), or in
+    tests on CPU the pieces themselves, run where their graphs would replay."""
+
+    def capture(self, piece: Callable[[], None]) -> Callable[[], None]:
+        """Capture `piece` (already warmed up); returns what replays it."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+    def before_replay(self) -> None:
+        """On this thread's stream, wait until the previous step (any stream) is done with the
+        static buffers."""
+        ...
+
+    def after_replay(self) -> None: ...
+
+
+class CudaGraphCapture:
+    """CUDA graphs sharing one memory pool (the first capture's), and an event marking where the
+    last replayed step ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: _PoolHandle | None = None
+        self._done = torch.cuda.Event()
+
+    def capture(self, piece: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            piece()
+        self._pool = graph.pool()
+        return graph.replay
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def before_replay(self) -> None:
+        torch.cuda.current_stream().wait_event(self._done)
+
+    def after_replay(self) -> None:
+        self._done.record(torch.cuda.current_stream())
+
+
 class PrefillGraphs:
     """Every bucket's pieces captured; `run` replays a step's (serialized: one set of buffers)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        max_tokens: int,
+        device: torch.device,
+        capture: GraphCapture | None = None,
+    ) -> None:
         self.buckets = prefill_buckets(max_tokens)
+        self._capture = capture if capture is not None else CudaGraphCapture(device)
         start = time.perf_counter()
         self.pieces = PiecewiseForward(model, self.buckets[-1], device)  # warms the largest up
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._replays: dict[int, list[Callable[[], None]]] = {}
         self._lock = threading.Lock()
-        self._done = torch.cuda.Event()
         self.num_replays = 0
-        pool = None
         for tokens in reversed(self.buckets):  # largest first: the others reuse its memory
             pieces = [self.pieces.piece(i, tokens) for i in range(self.pieces.num_pieces)]
             for piece in pieces:  # warm-up: compiles this bucket's kernels
                 piece()
-            torch.cuda.synchronize(device)
-            graphs = []
-            for piece in pieces:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    piece()
-                pool = graph.pool()
-                graphs.append(graph)
-            self._graphs[tokens] = graphs
-        torch.cuda.synchronize(device)
+            self._capture.synchronize()
+            self._replays[tokens] = [self._capture.capture(piece) for piece in pieces]
+        self._capture.synchronize()
         log.info(
             "captured prefill CUDA graphs: %d pieces x %d token buckets (%s) in %.1f s",
             self.pieces.num_pieces, len(self.buckets), ",".join(map(str, self.buckets)),
@@ -85,12 +132,11 @@ class PrefillGraphs:
         tokens = bucket_for(batch, self.buckets)
         if tokens is None:
             return None
-        graphs = self._graphs[tokens]
+        replays = self._replays[tokens]
         with self._lock:
-            stream = torch.cuda.current_stream()
-            stream.wait_event(self._done)
-            logits = self.pieces.forward(batch, tokens, lambda i: graphs[i].replay())
-            self._done.record(stream)
+            self._capture.before_replay()
+            logits = self.pieces.forward(batch, tokens, lambda i: replays[i]())
+            self._capture.after_replay()
             self.num_replays += 1
         return logits
 

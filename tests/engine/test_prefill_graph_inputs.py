@@ -16,7 +16,13 @@ import torch
 from deepinfer.errors import ConfigError
 from deepinfer.model import load_model
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
-from deepinfer.runner.prefill_graphs import bucket_for, capture_prefill_graphs, prefill_buckets
+from deepinfer.model.kv_layout import allocate_kv_caches
+from deepinfer.runner.prefill_graphs import (
+    PrefillGraphs,
+    bucket_for,
+    capture_prefill_graphs,
+    prefill_buckets,
+)
 from deepinfer.runner.step_graphs import StepGraphs
 
 
@@ -74,3 +80,60 @@ def test_steps_go_to_the_decode_graphs_then_the_prefill_pieces() -> None:
     assert StepGraphs(prefill=graphs("prefill", None)).run(batch) is None
     assert StepGraphs().run(batch) is None and StepGraphs().num_replays == 0
     assert both.num_replays == 6
+
+
+class _EagerCapture:
+    """`GraphCapture` on CPU: a captured piece replays by running again; the replays are logged."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+        self.events: list[str] = []
+
+    def capture(self, piece: Any) -> Any:
+        self.captured += 1
+        return piece
+
+    def synchronize(self) -> None:
+        self.events.append("sync")
+
+    def before_replay(self) -> None:
+        self.events.append("before")
+
+    def after_replay(self) -> None:
+        self.events.append("after")
+
+
+def test_prefill_graphs_replay_the_eager_logits(tiny_llama_dir: Path) -> None:
+    """`PrefillGraphs` with its captures replayed by running the pieces: every bucket's pieces
+    captured, a step's logits and KV those of the eager forward at any padding, a step past the
+    largest bucket left to the eager path."""
+    model = load_model(tiny_llama_dir, torch.float32, "cpu", attention_backend="torch").model
+    caches = allocate_kv_caches(model.arch, 32, 16, torch.float32, "cpu")
+    model.bind_kv_caches(caches)
+    capture = _EagerCapture()
+    graphs = PrefillGraphs(model, 100, torch.device("cpu"), capture)
+    assert graphs.buckets == (16, 32, 64, 100)
+    assert capture.captured == 4 * graphs.pieces.num_pieces
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40000, (90,), generator=g).tolist()
+    steps = [  # (chunks): a prompt in two chunks, then it decoding beside a new prompt
+        [BatchChunk(prompt[:50], 0, [1, 2, 3, 4], sample=False)],
+        [BatchChunk(prompt[50:], 50, [1, 2, 3, 4, 5, 6])],
+        [BatchChunk([7], 90, [1, 2, 3, 4, 5, 6]), BatchChunk(prompt[:20], 0, [7, 8])],
+    ]
+    replayed, eager = [], []
+    for run, out in ((graphs.run, replayed), (model, eager)):
+        for k, v in caches:
+            k.zero_(), v.zero_()
+        out.extend(run(build_forward_batch(chunks, 16)) for chunks in steps)
+        out.append([(k.clone(), v.clone()) for k, v in caches])
+    for got, want in zip(replayed[:-1], eager[:-1], strict=True):
+        assert got is not None and got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for (k, v), (k_eager, v_eager) in zip(replayed[-1], eager[-1], strict=True):
+        torch.testing.assert_close(k, k_eager, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, v_eager, atol=1e-5, rtol=0)
+    assert graphs.num_replays == 3
+    assert capture.events[-6:] == ["before", "after"] * 3
+    too_long = build_forward_batch([BatchChunk(prompt + prompt[:11], 0, list(range(1, 8)))], 16)
+    assert graphs.run(too_long) is None and graphs.num_replays == 3
