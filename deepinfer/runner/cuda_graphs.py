@@ -18,7 +18,9 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +29,8 @@ from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.protocol import CausalLM
 
 log = logging.getLogger(__name__)
+
+G = TypeVar("G")
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -166,16 +170,27 @@ def capture_decode_graphs(
         if backend != "triton"
         else None
     )
+    return capture_in_mode(
+        mode, why_not, device, "decode", lambda: DecodeGraphs(model, max_batch, max_blocks, device)
+    )
+
+
+def capture_in_mode(
+    mode: str, why_not: str | None, device: torch.device, what: str, capture: Callable[[], G]
+) -> G | None:
+    """`capture()` on `device` per `--cuda-graphs` `mode`, where `why_not` (None: graphs can be
+    captured here) allows: None under `off`, or under `auto` where they cannot be or the capture
+    fails (logged: `what` steps run eagerly); under `on`, ConfigError or the capture's error."""
     if mode == "off" or (mode == "auto" and why_not is not None):
         return None
     if why_not is not None:
         raise ConfigError(f"--cuda-graphs on: {why_not}")
     try:
         with torch.cuda.device(device):  # capture on the model's device (e.g. the decode group's)
-            return DecodeGraphs(model, max_batch, max_blocks, device)
+            return capture()
     except (RuntimeError, ValueError) as exc:
         if mode == "on":
             raise
-        log.warning("decode CUDA graphs could not be captured (%s): decode runs eagerly", exc)
+        log.warning("%s CUDA graphs could not be captured (%s): %s runs eagerly", what, exc, what)
         torch.cuda.synchronize(device)
         return None

@@ -21,15 +21,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from deepinfer.errors import ConfigError
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.piecewise import PiecewiseForward
 from deepinfer.model.protocol import CausalLM
+from deepinfer.runner.cuda_graphs import capture_in_mode
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +159,10 @@ def capture_prefill_graphs(
         if model.arch.moe is not None
         else None
     )
-    if mode == "off" or (mode == "auto" and why_not is not None):
-        return None
-    if why_not is not None:
-        raise ConfigError(f"--cuda-graphs on: {why_not}")
-    assert isinstance(model, LlamaForCausalLM)
-    try:
-        with torch.cuda.device(device):
-            return PrefillGraphs(model, max_tokens, device)
-    except (RuntimeError, ValueError) as exc:
-        if mode == "on":
-            raise
-        log.warning("prefill CUDA graphs could not be captured (%s): prefill runs eagerly", exc)
-        torch.cuda.synchronize(device)
-        return None
+    return capture_in_mode(
+        mode,
+        why_not,
+        device,
+        "prefill",
+        lambda: PrefillGraphs(cast(LlamaForCausalLM, model), max_tokens, device),
+    )
