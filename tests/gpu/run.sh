@@ -37,14 +37,14 @@ CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
   tests/engine/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}
 # shellcheck disable=SC2086  # a list of paths
 step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS
-step decode_step 120 python3 -m bench.decode_step --device cuda --dtype bfloat16 \
-  --batch 1 8 32 64 --steps 20 --warmup 3
-step kernels_bench 120 python3 -m bench.kernels
 step interference 240 python3 bench/interference.py --modes disagg,colocated \
   --baseline-s "${BASELINE_S:-10}" \
   "--deepinfer-args=--device cuda"
 step serve 180 python3 bench/serve.py --skip-llama --levels 32,64,128,256 \
   "--deepinfer-args=--device cuda --max-num-seqs 256"
 step serving_path 120 python3 bench/serving_path.py --clients 32 128 256
+step decode_step 120 python3 -m bench.decode_step --device cuda --dtype bfloat16 \
+  --batch 1 8 32 64 --steps 20 --warmup 3
+step kernels_bench 120 python3 -m bench.kernels
 mkdir -p bench/out && cp "$OUT/summary.txt" "$LOGS/" && cp -r bench/out "$LOGS/bench_out"
 tar czf "$OUT/gpu_run.tgz" -C "$LOGS" .
