@@ -129,6 +129,7 @@ def time_calls(core: EngineCore) -> collections.Counter[str]:
     import dataclasses
 
     import deepinfer.model.llama as llama
+    import deepinfer.model.llama_layers as layers
 
     spent: collections.Counter[str] = collections.Counter()
 
@@ -142,7 +143,8 @@ def time_calls(core: EngineCore) -> collections.Counter[str]:
 
         return wrapper
 
-    llama.block_linear = timed("block_linear", llama.block_linear)  # type: ignore[assignment]
+    for module in (llama, layers):  # the LM head's, and every other quantized matmul's
+        module.block_linear = timed("block_linear", module.block_linear)  # type: ignore[assignment]
     model = core.runner.model
     ops = model.attention_backend
     names = ("paged_decode_attention", "store_kv", "apply_rotary", "fused_add_rms_norm")

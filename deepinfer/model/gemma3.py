@@ -21,10 +21,10 @@ import torch
 from deepinfer.kernels.llama_layers_cpu import Activation, LayerWeights
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
-from deepinfer.model.llama import (
+from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.model.llama_layers import (
     DecoderLayer,
     LlamaAttention,
-    LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
     native_layer_weights,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from deepinfer.model.arch import ModelArch
-from deepinfer.model.llama import Linear, RMSNorm
+from deepinfer.model.llama_layers import Linear, RMSNorm
 from deepinfer.model.step_context import StepContext
 
 

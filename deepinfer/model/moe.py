@@ -34,7 +34,8 @@ from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.expert_parallel import ExpertParallel
 from deepinfer.model.forward_batch import ForwardBatch
-from deepinfer.model.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.model.llama_layers import Linear, LlamaDecoderLayer, LlamaMLP
 from deepinfer.model.mla import MLAAttention
 
 

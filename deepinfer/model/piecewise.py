@@ -25,7 +25,8 @@ from typing import cast
 import torch
 
 from deepinfer.model.forward_batch import ForwardBatch
-from deepinfer.model.llama import DecoderLayer, LlamaForCausalLM, paged_attention
+from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.model.llama_layers import DecoderLayer, paged_attention
 from deepinfer.model.step_context import StepContext
 
 Replay = Callable[[int], None]

@@ -23,7 +23,7 @@ from deepinfer.kernels.fixed_sum import FixedSumWeight
 from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, NativeWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
-from deepinfer.model.llama import Linear
+from deepinfer.model.llama_layers import Linear
 from deepinfer.model.mla import MLAAttention
 from deepinfer.model.moe import MoEBlock
 from deepinfer.model.weights import deinterleave_rows, linear_sources, shared_expert_sources
