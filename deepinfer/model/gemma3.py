@@ -48,13 +48,6 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.mlp = Gemma3MLP(arch)
         self.post_ffn_norm = RMSNorm(arch.hidden_size)
 
-    def attention_input(
-        self, h: torch.Tensor, residual: torch.Tensor | None, step: StepContext
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        ops = step.ops
-        h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
-        return (*self.self_attn.project(h, step), residual)
-
     def attention_output(
         self, out: torch.Tensor, residual: torch.Tensor, step: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,12 +159,17 @@ class DecoderLayer(nn.Module):
     running eagerly between them (`model/piecewise.py`)."""
 
     self_attn: LlamaAttention
+    input_norm: RMSNorm
+    eps: float
 
     def attention_input(
         self, h: torch.Tensor, residual: torch.Tensor | None, step: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v, the residual stream including the last layer's output)."""
-        raise NotImplementedError
+        """(q, k, v, the residual stream including the last layer's output): the input norm
+        (added to the residual stream), then attention's projections."""
+        ops = step.ops
+        h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
+        return (*self.self_attn.project(h, step), residual)
 
     def attention_output(
         self, out: torch.Tensor, residual: torch.Tensor, step: StepContext
@@ -214,13 +219,6 @@ class LlamaDecoderLayer(DecoderLayer):
         self.self_attn = LlamaAttention(arch, layer)
         self.post_attention_norm = RMSNorm(arch.hidden_size)
         self.mlp = LlamaMLP(arch)
-
-    def attention_input(
-        self, h: torch.Tensor, residual: torch.Tensor | None, step: StepContext
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        ops = step.ops
-        h, residual = self.add_and_norm_input(ops, h, residual, self.input_norm.weight, self.eps)
-        return (*self.self_attn.project(h, step), residual)
 
     def attention_output(
         self, out: torch.Tensor, residual: torch.Tensor, step: StepContext
