@@ -23,8 +23,7 @@ from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.llama_layers import (
-    DecoderLayer,
-    LlamaAttention,
+    LlamaDecoderLayer,
     LlamaMLP,
     RMSNorm,
     native_layer_weights,
@@ -37,13 +36,11 @@ class Gemma3MLP(LlamaMLP):
         return self.down_proj(ops.gelu_tanh_mul(self.gate_up_proj(h)))  # [T, 2I] -> [T, D]
 
 
-class Gemma3DecoderLayer(DecoderLayer):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with norms of the attention and FFN outputs and a gelu_tanh FFN."""
+
     def __init__(self, arch: ModelArch, layer: int) -> None:
-        super().__init__()
-        self.eps = arch.rms_norm_eps
-        self.input_norm = RMSNorm(arch.hidden_size)
-        self.self_attn = LlamaAttention(arch, layer)
-        self.post_attention_norm = RMSNorm(arch.hidden_size)
+        super().__init__(arch, layer)
         self.pre_ffn_norm = RMSNorm(arch.hidden_size)
         self.mlp = Gemma3MLP(arch)
         self.post_ffn_norm = RMSNorm(arch.hidden_size)
