@@ -179,7 +179,10 @@ def _tables(tables: Sequence[Sequence[int]], device: torch.device | str) -> torc
     the rows' int32 bytes (a `BlockIds` carries its own)."""
     width = max(map(len, tables))
     pad = bytes(4 * width)
-    rows = [int32_row(t) for t in tables]
+    try:  # a decode step's tables are all `BlockIds`: their bytes without a call a row
+        rows = [t.int32 for t in tables]  # type: ignore[attr-defined]
+    except AttributeError:
+        rows = [int32_row(t) for t in tables]
     flat = bytearray().join([r + pad[len(r) :] for r in rows])
     data = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
     table = data.view(len(tables), width)

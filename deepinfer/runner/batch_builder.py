@@ -10,6 +10,7 @@ from deepinfer.model.forward_batch import (
     build_decode_batch,
     build_forward_batch,
 )
+from deepinfer.request import Request
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 
 
@@ -18,8 +19,11 @@ def schedule_to_batch(
 ) -> tuple[ForwardBatch, list[str]]:
     """The model input for one step, and the request of each row of logits that comes back, in
     order (a request verifying drafts has one row per drafted position and its last token's)."""
-    if all(map(_plain_decode, so.chunks)):
-        return _decode_batch(so.chunks, block_size, device)
+    if so.plain_decodes or all(map(_plain_decode, so.chunks)):
+        requests = [c.request for c in so.chunks]
+        return decode_batch(so.chunks, requests, block_size, device), [
+            r.request_id for r in requests
+        ]
     chunks = [part for c in so.chunks for part in _batch_chunks(c)]
     sampled_ids = [c.request_id for c in so.chunks if c.sample for _ in range(c.num_logits)]
     return build_forward_batch(chunks, block_size, device), sampled_ids
@@ -36,14 +40,18 @@ def _plain_decode(chunk: ScheduledChunk) -> bool:
     )
 
 
-def _decode_batch(
-    chunks: tuple[ScheduledChunk, ...], block_size: int, device: torch.device
-) -> tuple[ForwardBatch, list[str]]:
+def decode_batch(
+    chunks: tuple[ScheduledChunk, ...],
+    requests: list[Request],
+    block_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """The batch of plain decodes (`requests[i]` is `chunks[i].request`): a sampled one-token
+    chunk reaches its request's last token, so that is each row's input."""
     positions = [c.start_position for c in chunks]
-    tokens = [c.request.token_at(p) for c, p in zip(chunks, positions, strict=True)]
+    tokens = [o[-1] if (o := r.output_token_ids) else r.prompt_token_ids[-1] for r in requests]
     tables = [c.block_ids for c in chunks]
-    batch = build_decode_batch(tokens, positions, tables, block_size, device)
-    return batch, [c.request.request_id for c in chunks]
+    return build_decode_batch(tokens, positions, tables, block_size, device)
 
 
 def _batch_chunks(chunk: ScheduledChunk) -> list[BatchChunk]:

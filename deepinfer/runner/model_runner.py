@@ -7,6 +7,7 @@ are ready (`deepinfer/sampling/mask_fill.py` holds the design and its invariants
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 
@@ -14,7 +15,7 @@ from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.protocol import CausalLM
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
-from deepinfer.runner.batch_builder import schedule_to_batch
+from deepinfer.runner.batch_builder import decode_batch, schedule_to_batch
 from deepinfer.runner.speculative import DrawnStreams, verify_drafts
 from deepinfer.runner.step_graphs import StepGraphs
 from deepinfer.runner.worker_draft import WorkerDrafter
@@ -55,7 +56,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._decode_rows: dict[str, SamplingRow] = {}
         """A request's row for a plain decode (no drafts, past `min_tokens`): the same every
-        step (it holds the request's own token lists), so made once."""
+        step (it holds the request's own token lists), so made once, and kept until the request
+        is released or its random stream moves (`take_generator`, `adopt_generator`)."""
         self.matchers = MatcherTable(constraints)
         """Grammar matchers of constrained requests, advanced by their steps' mask fills."""
         self.masks = MaskFiller(self.matchers, device)
@@ -72,6 +74,8 @@ class ModelRunner:
         drafted: dict[str, int] = {}
         if self.drafter is not None:
             so, drafted = self.drafter.fill(so)
+        if so.plain_decodes:
+            return self._decode_step(so, start)
         batch, sampled_ids = schedule_to_batch(so, self.block_size, self.device)
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] = {}
@@ -89,6 +93,25 @@ class ModelRunner:
             self._forward(batch)
         elapsed = time.perf_counter() - start
         return RunnerOutput(so.step, sampled, elapsed, accepted, drafted)
+
+    def _decode_step(self, so: ScheduleOutput, start: float) -> RunnerOutput:
+        """A step of plain decodes (`ScheduleOutput.plain_decodes`), the common one under load:
+        list work over its requests, no call per chunk where the request's last step made its
+        sampling row already."""
+        requests = [c.request for c in so.chunks]
+        ids = [r.request_id for r in requests]
+        known = [self._decode_rows.get(rid) for rid in ids]
+        rows = (
+            [row for c in so.chunks for row in self._rows(c)]
+            if None in known
+            else cast(list[SamplingRow], known)
+        )
+        batch = decode_batch(so.chunks, requests, self.block_size, self.device)
+        with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
+            logits = self._forward(batch)
+            tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
+        sampled = dict(zip(ids, tokens, strict=True))
+        return RunnerOutput(so.step, sampled, time.perf_counter() - start)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
@@ -157,6 +180,7 @@ class ModelRunner:
     def adopt_generator(self, request_id: str, generator: torch.Generator | None) -> None:
         """Continue a request's random stream here, moved to this runner's device if needed
         (the state carries over: the draws go on as if one runner had made them all)."""
+        self._decode_rows.pop(request_id, None)
         if generator is None:
             return
         here, there = self.device, generator.device

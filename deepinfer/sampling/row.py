@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,14 @@ class SamplingRow:
     """Token ids that may not be sampled this step (e.g. end-of-turn before min_tokens).
     Ids outside the vocabulary are ignored: they cannot be sampled anyway. When every token of
     the row is suppressed, the sampler ignores suppression for that row (see `Sampler`)."""
+    plain_greedy: bool = field(init=False, repr=False)
+    """Greedy, with no bias, suppression or penalty to apply and no logprobs to report: the
+    row's pick is the argmax of its raw logits (set once here, read for every row every step)."""
+
+    def __post_init__(self) -> None:
+        p = self.params
+        plain = p.greedy and not (p.logit_bias or p.needs_penalties or self.suppress_token_ids)
+        object.__setattr__(self, "plain_greedy", plain and p.logprobs is None)
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,7 @@ The repaired logits are the row's processed logits for logprobs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import torch
 
@@ -53,6 +54,10 @@ from deepinfer.sampling.penalties import apply_penalties, apply_suppression
 from deepinfer.sampling.row import SamplingRow
 
 __all__ = ["Sampler", "SamplingRow"]
+
+_PLAIN = attrgetter("plain_greedy")
+_WIDENS_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
+"""Logits whose argmax is that of their float32 copy (the one the full pipeline takes)."""
 
 
 class Sampler:
@@ -74,10 +79,14 @@ class Sampler:
         """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified).
         `token_mask` (packed int32 `[B, W]` or additive float32 `[B, V]`, see `masking.py`):
         the tokens each row may take; None allows every token."""
+        if token_mask is None and logits.dtype in _WIDENS_EXACTLY and all(map(_PLAIN, rows)):
+            ids: list[int] = greedy_ids(logits).tolist()  # the common step: argmax alone
+            if not ids or min(ids) >= 0:
+                return _plain_tokens(ids, self._plain)
         base = bias_and_mask(logits, rows, token_mask)  # [B, V] float32
         processed = self.process_logits(base, rows)  # [B, V]
         token_ids = self.choose(processed, rows)  # [B], -1 where unsound
-        ids: list[int] = token_ids.tolist()  # checked on the list: no more ops (GIL retakes)
+        ids = token_ids.tolist()  # checked on the list: no more ops (GIL retakes)
         if ids and min(ids) < 0:
             processed, token_ids = self._repair(base, processed, token_ids, rows)
             ids = token_ids.tolist()
@@ -147,6 +156,11 @@ def repair_logits(processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     return out.masked_fill((out == ninf).all(dim=1, keepdim=True), 0.0)
 
 
+def _plain_tokens(ids: list[int], plain: dict[int, SampledToken]) -> list[SampledToken]:
+    """`SampledToken`s without log-probabilities, each made once per id."""
+    return [plain.get(t) or plain.setdefault(t, SampledToken(t)) for t in ids]
+
+
 def _package(
     processed: torch.Tensor,
     token_ids: torch.Tensor,
@@ -156,7 +170,7 @@ def _package(
 ) -> list[SampledToken]:
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return [plain.get(t) or plain.setdefault(t, SampledToken(t)) for t in ids]
+        return _plain_tokens(ids, plain)
     index = torch.tensor(wanted, device=processed.device)
     logprobs = torch.log_softmax(processed[index], dim=1)  # [L, V]
     chosen: list[float] = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()

@@ -27,6 +27,7 @@ never freed under a running forward pass.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
@@ -43,6 +44,8 @@ from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
 from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.scheduler.token_delta import token_delta
+
+_NEW_TOKENS = attrgetter("num_new_tokens")
 
 
 class DisaggScheduler:
@@ -258,9 +261,15 @@ class DisaggScheduler:
             chunks=tuple(chunks),
             preempted_ids=tuple(preempted),
             kind=StepKind.DECODE,
+            plain_decodes=self._plain(chunks),
         )
         self._in_flight[StepKind.DECODE] = (so, None)
         return so
+
+    def _plain(self, chunks: list[ScheduledChunk]) -> bool:
+        """`ScheduleOutput.plain_decodes`: one pool, and no chunk with drafts (one C loop over
+        the chunks, not a call each)."""
+        return self.decode_kv.window is None and max(map(_NEW_TOKENS, chunks), default=1) == 1
 
     def update_decode(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         self._pop_in_flight(StepKind.DECODE, so)

@@ -90,6 +90,10 @@ class ScheduleOutput:
     kind: StepKind = StepKind.MIXED
     predicted_s: float | None = None
     """The prefill cost model's prediction for this step (prefill steps only)."""
+    plain_decodes: bool = False
+    """Every chunk is a plain decode: one token, the request's last, sampled; no drafts, one
+    KV pool, nothing cached ahead (the decode lane's common step: the runner builds it from
+    its requests alone, without asking each chunk)."""
 
     @property
     def num_batched_tokens(self) -> int:

@@ -35,6 +35,42 @@ def test_greedy_batch_is_argmax() -> None:
     assert all(t.logprob is None and t.top_logprobs == () for t in tokens)
 
 
+def test_plain_greedy_rows_are_known_once() -> None:
+    """A row is plain greedy (its pick the argmax of its raw logits) only with nothing to apply
+    and nothing to report."""
+    assert SamplingRow(GREEDY).plain_greedy
+    assert SamplingRow(GREEDY, [1, 2], [3]).plain_greedy  # tokens seen matter to penalties only
+    not_plain = [
+        SamplingRow(SamplingParams(temperature=0.5)),
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=0)),
+        SamplingRow(SamplingParams(temperature=0.0, logit_bias=((1, 1.0),))),
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.2)),
+        SamplingRow(SamplingParams(temperature=0.0, presence_penalty=0.1)),
+        SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=0.1)),
+        SamplingRow(GREEDY, suppress_token_ids=frozenset({2})),
+    ]
+    assert not any(row.plain_greedy for row in not_plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_plain_greedy_rows_pick_what_the_full_pipeline_picks(dtype: torch.dtype) -> None:
+    """The argmax-only path against the full one (a zero bias takes a row through it): ties
+    to the first, half precision, and rows the guards repair (NaN, +inf, all -inf)."""
+    logits = _logits(12, seed=21).to(dtype)
+    logits[1, 5] = logits[1, 9] = 100.0  # a tie
+    logits[2, 7] = float("nan")
+    logits[3, 4] = float("inf")
+    logits[4] = float("-inf")
+    plain = [SamplingRow(GREEDY) for _ in range(12)]
+    full = [SamplingRow(SamplingParams(temperature=0.0, logit_bias=((0, 0.0),)))] * 12
+    assert all(row.plain_greedy for row in plain) and not full[0].plain_greedy
+    got = Sampler().sample(logits, plain)
+    assert got == Sampler().sample(logits, full)
+    assert got[1].token_id == 5 and got[3].token_id == 4
+    clean = logits[5:]  # no repair: the lean path alone
+    assert Sampler().sample(clean, plain[5:]) == Sampler().sample(clean, full[5:])
+
+
 class _CallCounter(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()

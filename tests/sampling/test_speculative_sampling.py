@@ -49,10 +49,15 @@ Drafter = Callable[[Request], tuple[int, ...]]
 
 
 def _run(
-    runner: ModelRunner, params: Sequence[SamplingParams], drafter: Drafter | None, steps: int
+    runner: ModelRunner,
+    params: Sequence[SamplingParams],
+    drafter: Drafter | None,
+    steps: int,
+    plain_flag: bool = False,
 ) -> list[list[int]]:
     """Each request's outputs after a prefill step and `steps` decode steps (all requests in
-    each step), with the drafts `drafter` proposes (None: plain decoding)."""
+    each step), with the drafts `drafter` proposes (None: plain decoding); with `plain_flag`,
+    steps without drafts say so (`ScheduleOutput.plain_decodes`)."""
     requests = [Request(f"r{i}", [i % VOCAB, 0], p) for i, p in enumerate(params)]
     blocks = tuple(range(8))
     for step in range(steps + 1):
@@ -63,7 +68,9 @@ def _run(
             chunks.append(
                 ScheduledChunk(r, start, r.num_tokens - start + len(drafts), blocks, True, drafts)
             )
-        out = runner.execute(ScheduleOutput(step, tuple(chunks), kind=StepKind.DECODE))
+        plain = plain_flag and step > 0 and drafter is None
+        so = ScheduleOutput(step, tuple(chunks), kind=StepKind.DECODE, plain_decodes=plain)
+        out = runner.execute(so)
         for r in requests:
             new = [out.sampled[r.request_id], *out.accepted.get(r.request_id, ())]
             r.output_token_ids.extend(t.token_id for t in new)
@@ -114,6 +121,24 @@ def test_seeded_requests_keep_their_plain_tokens(which: str) -> None:
     for want, got in zip(plain, drafted, strict=True):
         assert got[: len(want)] == want
     assert sum(len(g) for g in drafted) > sum(len(w) for w in plain)  # drafts were accepted
+
+
+def test_plain_decode_steps_match_the_general_path() -> None:
+    """The runner's lean path for steps of plain decodes (rows made once per request, the
+    sampler's argmax-only path for plain greedy rows) picks what the general path picks, for
+    every kind of request, from the first decode step on (rows under `min_tokens` included)."""
+    greedy = [
+        SamplingParams(max_tokens=64, temperature=0.0),
+        SamplingParams(max_tokens=64, temperature=0.0, logprobs=1),
+        SamplingParams(max_tokens=64, temperature=0.0, min_tokens=5),
+        SamplingParams(max_tokens=64, temperature=0.0, logit_bias=((3, 2.5),)),
+    ]
+    params = [dataclasses.replace(p, seed=(p.seed or 0) + s) for s in range(3) for p in PARAMS]
+    params += greedy * 3
+    general = _run(_runner(), params, None, steps=20)
+    lean = _run(_runner(), params, None, steps=20, plain_flag=True)
+    assert lean == general
+    assert len({tuple(o) for o in lean}) > len(params) // 3  # the requests differ
 
 
 def test_tokens_follow_the_target_distribution() -> None:

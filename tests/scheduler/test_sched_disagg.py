@@ -181,6 +181,7 @@ def run_trial(
         if so is None:
             so = lane.schedule()
             sched.check_integrity()
+            assert so.plain_decodes == (lane.kind is StepKind.DECODE and _all_plain(so))
             runner.start(so)
             in_flight[lane.kind] = so
             continue
@@ -202,6 +203,20 @@ def run_trial(
         for r in requests
         if r.request_id not in aborted
     }, sched
+
+
+def _all_plain(so: ScheduleOutput) -> bool:
+    """Every chunk a one-token sampled decode of its request's last token, no drafts (the
+    runner's lean path takes it on the flag's word)."""
+    return all(
+        c.num_new_tokens == 1
+        and c.sample
+        and not c.num_drafts
+        and not c.window_block_ids
+        and not c.cached_until
+        and c.start_position == c.request.num_tokens - 1
+        for c in so.chunks
+    )
 
 
 CONFIGS = [(4, 17, 8), (1, 61, 4), (2, 31, 16), (8, 9, 3), (16, 5, 4), (4, 40, 2), (4, 11, 16)]
