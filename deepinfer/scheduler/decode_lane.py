@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.outputs import RunnerOutput, SampledToken
+from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.output import ScheduledChunk
 from deepinfer.scheduler.stop import check_finished
-from deepinfer.scheduler.token_delta import take_tokens
+from deepinfer.scheduler.token_delta import take_tokens, token_delta
 
 NO_DRAFT = Draft()
 
@@ -53,9 +53,16 @@ def plan_decodes(
     drafted = drafter.plan(decoding, max_request_tokens) if drafter is not None else {}
     chunks: list[ScheduledChunk] = []
     preempted: list[str] = []
+    plain = not drafted and kv.window is None
+    allocate, block_ids = kv.allocate_slots, kv.block_ids
     i = 0
     while i < len(decoding):
         request = decoding[i]
+        if plain and allocate(request, 1):  # most decoders: one token, its block table
+            start = request.num_computed_tokens
+            chunks.append(ScheduledChunk(request, start, 1, block_ids(request.request_id), True))
+            i += 1
+            continue
         if (
             drafter is not None
             and (draft := drafted.get(request.request_id)) is not None
@@ -64,7 +71,7 @@ def plan_decodes(
             chunks.append(decode_chunk(request, kv, draft))
             i += 1
             continue
-        while not kv.allocate_slots(request, 1):
+        while not allocate(request, 1):
             victim = decoding.pop()
             preempt(victim)
             preempted.append(victim.request_id)
@@ -103,3 +110,27 @@ def apply_sampling(
     request.num_computed_tokens = end - num_drafts + len(taken) - 1
     kv.cache_blocks(request)
     return taken, reason
+
+
+def apply_decodes(
+    chunks: Sequence[ScheduledChunk], out: RunnerOutput, kv: KVCacheManager, max_model_len: int
+) -> tuple[list[TokenDelta], list[tuple[Request, FinishReason]]]:
+    """`apply_sampling` of a step of plain decodes (`ScheduleOutput.plain_decodes`), in one
+    loop: each request's token appended, its prefix advanced and its full blocks cached; every
+    request's delta, and the requests to finish with their reasons (the caller finishes them,
+    after the loop)."""
+    sampled = out.sampled
+    cache_blocks = kv.cache_blocks
+    deltas: list[TokenDelta] = []
+    finished: list[tuple[Request, FinishReason]] = []
+    for chunk in chunks:
+        request = chunk.request
+        token = sampled[request.request_id]
+        request.output_token_ids.append(token.token_id)
+        request.num_computed_tokens = chunk.start_position + 1
+        cache_blocks(request)
+        reason = check_finished(request, max_model_len)
+        if reason is not None:
+            finished.append((request, reason))
+        deltas.append(token_delta(request, (token,), reason))
+    return deltas, finished

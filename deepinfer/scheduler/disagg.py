@@ -35,7 +35,7 @@ from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
-from deepinfer.scheduler.decode_lane import apply_sampling, plan_decodes
+from deepinfer.scheduler.decode_lane import apply_decodes, apply_sampling, plan_decodes
 from deepinfer.scheduler.disagg_integrity import check_disagg_integrity
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
@@ -276,11 +276,16 @@ class DisaggScheduler:
         if self.drafter is not None:
             self.drafter.observe_step(so, out)
         aborts, kv = self._deferred_aborts, self.decode_kv
-        deltas = [
-            self._sampled(chunk, out, kv)
-            for chunk in so.chunks
-            if not aborts or chunk.request.request_id not in aborts
-        ]
+        if so.plain_decodes and not aborts:
+            deltas, finished = apply_decodes(so.chunks, out, kv, self.max_model_len)
+            for request, reason in finished:
+                self._finish(request, reason)
+        else:
+            deltas = [
+                self._sampled(chunk, out, kv)
+                for chunk in so.chunks
+                if not aborts or chunk.request.request_id not in aborts
+            ]
         if any(r.is_finished for r in self.decoding):
             self.decoding = [r for r in self.decoding if not r.is_finished]
         self._apply_deferred_aborts(so)

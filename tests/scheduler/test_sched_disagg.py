@@ -334,3 +334,27 @@ def test_abort_of_an_in_flight_request_waits_for_its_step() -> None:
     assert prefill.update(so, runner.finish(so)) == []
     assert kv.num_used_blocks == 0 and sched.get_request("a") is None
     sched.check_integrity()
+
+
+def test_plain_decode_steps_cache_the_blocks_they_fill() -> None:
+    """Decode steps of plain decodes (`apply_decodes`) register every block they fill: the
+    next turn, whose prompt is the first's prompt and output, hits all of them."""
+    kv = KVCacheManager(64, 4, "m", True)
+    sched = DisaggScheduler(SchedulerConfig(), planner_config(4, 64), kv, max_model_len=100)
+    prefill, decode = sched.lanes()
+    runner = ConcurrentFakeRunner(4)
+    first = _lone("a", 6, max_tokens=13)
+    sched.add_request(first)
+    while not first.is_finished:
+        lane = decode if sched.decoding else prefill
+        so = lane.schedule()
+        assert so.plain_decodes == (lane is decode)
+        runner.start(so)
+        lane.update(so, runner.finish(so))
+    assert first.num_tokens == 19
+    second = _lone("b", 0, max_tokens=2)
+    second.prompt_token_ids = [*first.prompt_token_ids, *first.output_token_ids]
+    sched.add_request(second)
+    prefill.schedule()
+    assert second.num_cached_tokens == 16  # 4 full blocks of 19 tokens, 3 of them decoded
+    sched.check_integrity()
