@@ -1,7 +1,7 @@
 """The sampler's greedy pick: each row's first largest logit, -1 where that value is not finite
 (a NaN in the row, +inf, or no value above -inf; the sampler repairs those rows).
 
-On CPU the native kernel (`cpu/sampling.c`) does it in two passes over each row; elsewhere, and
+On CPU the native kernel (`cpu/sampling.c`) does it in one pass over each row; elsewhere, and
 where the native library is missing, torch's argmax and a check of the picked value.
 """
 
@@ -25,7 +25,11 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         rows, vocab = logits.shape
         ids = torch.empty(rows, dtype=torch.int64)
         stride = logits.stride(0) if rows > 1 else vocab
-        threads = torch.get_num_threads()  # the calling worker's share of cores
+        # The calling worker's share of cores but one: the scan is bound by memory bandwidth
+        # (256 rows of 49,152 logits: 2.0 ms on one thread, 1.4 ms on two), and the core left
+        # over is the event loop's, streaming the previous step meanwhile (1.1x tokens/s to 256
+        # streams on two cores, bench/RESULTS.md).
+        threads = max(1, torch.get_num_threads() - 1)
         native_library().argmax_rows(
             logits.data_ptr(), stride, rows, vocab, ids.data_ptr(), threads
         )

@@ -1,6 +1,6 @@
-/* The sampler's greedy pick, float32 on x86-64 with AVX2: each row's first largest logit, in two
-   passes over a row that stays in L2 (the largest value, then its first index), where torch
-   takes several ops and a tenth of a millisecond for one 49k-token row.
+/* The sampler's greedy pick, float32 on x86-64 with AVX2: each row's first largest logit, in one
+   pass over the row, where torch takes several ops and a tenth of a millisecond for one
+   49k-token row.
 
    A row whose largest value is not finite gets -1 (a NaN anywhere, +inf, or nothing above -inf):
    the sampler repairs those rows (sampling/sampler.py), as it does after torch's argmax.

@@ -64,7 +64,8 @@ def test_what_the_kernel_cannot_take_goes_to_torch() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_big_batch_over_several_threads_matches_torch(threads: int) -> None:
-    """A decode step of many rows over a large vocabulary is split over the caller's threads."""
+    """A decode step of many rows over a large vocabulary is split over the caller's threads
+    but one (3 threads: two share the rows)."""
     logits = torch.randn(97, 49152, generator=torch.Generator().manual_seed(threads))
     logits[5, 100:200] = logits[5].max() + 1  # a tie inside a row
     logits[40, 7] = NAN
