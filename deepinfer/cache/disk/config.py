@@ -41,7 +41,7 @@ class DiskTierConfig:
     cache_dir: Path | None = None
     """Cache root (`--cache-dir`); None: `default_cache_root()`."""
     max_bytes: int = 32 << 30
-    """Byte budget for segment files on disk; least recently used blocks are evicted beyond it."""
+    """Byte budget for segment files; LRU eviction beyond it (lowered while the disk is full)."""
     segment_bytes: int = 64 << 20
     """A segment file is closed and a new one started once it reaches this size."""
     retention_s: tuple[tuple[str, float], ...] = (

@@ -10,7 +10,9 @@ Damaged entries never raise: a `blocks` entry that fails to decode reads as `COR
 a write transaction that meets one deletes it, reporting it to `on_corrupt`); any disagreement
 noticed between the tables sets `dirty`, and `rebuild` (index_repair.py) then derives every
 other table from `blocks` again. Payloads are verified against their checksums on every read, so
-a stale or damaged entry costs a miss, never a wrong block.
+a stale or damaged entry costs a miss, never a wrong block. Every transaction starts with a check
+of the files LMDB maps (index_files.py): one truncated or replaced under the mapping raises
+`IndexFileChangedError` instead of faulting the process.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import msgspec
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk import index_repair
+from deepinfer.cache.disk.index_files import MappedFiles
 from deepinfer.cache.disk.records import (
     NEXT_SEGMENT,
     BlockRecord,
@@ -79,22 +82,39 @@ class BlockIndex:
         """Set when tables were seen to disagree (or a damaged entry was dropped, leaving its
         derived entries behind): `rebuild` restores the invariants."""
         try:
-            opened = {name: self.env.open_db(name, create=not readonly) for name in _TABLES}
+            self.files = MappedFiles(path, self.env, readonly)
         except BaseException:
             self.env.close()
+            raise
+        try:
+            opened = {name: self.env.open_db(name, create=not readonly) for name in _TABLES}
+        except BaseException:
+            self.close()
             raise
         self.blocks, self.lru, self.expiry = opened[b"blocks"], opened[b"lru"], opened[b"expiry"]
         self.segments_db, self.by_segment = opened[b"segments"], opened[b"by_segment"]
         self.meta = opened[b"meta"]
 
     def close(self) -> None:
-        self.env.close()
+        self.files.restore()
+        try:
+            self.env.close()
+        finally:
+            self.files.close()
+
+    def begin(
+        self, write: bool = False, db: lmdb._Database | None = None
+    ) -> lmdb.Transaction[bytes]:
+        """A transaction, once the mapped files are checked (`IndexFileChangedError` if one
+        was truncated or replaced: nothing is read from the mapping then)."""
+        self.files.check()
+        return self.env.begin(db=db, write=write)
 
     # reads
 
     def read_many(self, hashes: Sequence[BlockHash]) -> list[BlockRecord | Corrupt | None]:
         """Records, None where absent, `CORRUPT` where the entry fails to decode."""
-        with self.env.begin(db=self.blocks) as txn:
+        with self.begin(db=self.blocks) as txn:
             raw = [txn.get(h) for h in hashes]
         out: list[BlockRecord | Corrupt | None] = []
         for block_hash, value in zip(hashes, raw, strict=True):
@@ -109,7 +129,7 @@ class BlockIndex:
     def contains_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes have an entry (presence only: a read may still fail)."""
         n = 0
-        with self.env.begin(db=self.blocks) as txn:
+        with self.begin(db=self.blocks) as txn:
             for h in hashes:
                 if txn.get(h) is None:
                     break
@@ -121,7 +141,7 @@ class BlockIndex:
         first), stopping at keys >= `below`. Damaged keys are skipped (and mark the index dirty)."""
         db = self.lru if table == "lru" else self.expiry
         out: list[BlockHash] = []
-        with self.env.begin(db=db) as txn:
+        with self.begin(db=db) as txn:
             for key in txn.cursor().iternext(keys=True, values=False):
                 if len(out) >= limit or (below is not None and key >= below):
                     break
@@ -134,7 +154,7 @@ class BlockIndex:
 
     def segments(self) -> dict[int, SegmentInfo]:
         """Registered segments; damaged entries are left out (and mark the index dirty)."""
-        with self.env.begin(db=self.segments_db) as txn:
+        with self.begin(db=self.segments_db) as txn:
             items = list(txn.cursor().iternext())
         out = {}
         for key, value in items:
@@ -148,7 +168,7 @@ class BlockIndex:
     def hashes_in(self, segment: int) -> list[BlockHash]:
         prefix = segment_key(segment)
         out = []
-        with self.env.begin(db=self.by_segment) as txn:
+        with self.begin(db=self.by_segment) as txn:
             cursor = txn.cursor()
             if cursor.set_range(prefix):
                 for key in cursor.iternext(keys=True, values=False):
@@ -158,7 +178,7 @@ class BlockIndex:
         return out
 
     def num_blocks(self) -> int:
-        with self.env.begin() as txn:
+        with self.begin() as txn:
             return int(txn.stat(self.blocks)["entries"])
 
     # writes
@@ -167,7 +187,7 @@ class BlockIndex:
         """Register a new, empty segment (before its file is created, so it is never orphaned).
         Ids only grow (never reused, even after every segment was reclaimed), and are at least
         `at_least` (the caller passes one more than the largest id it saw on disk)."""
-        with self.env.begin(write=True) as txn:
+        with self.begin(write=True) as txn:
             raw = txn.get(NEXT_SEGMENT, db=self.meta)
             stored = None if raw is None else try_segment_of_key(raw)
             segment = max(at_least, 1 if stored is None else stored)
@@ -180,7 +200,7 @@ class BlockIndex:
     ) -> None:
         """Commit records (their bytes already durable) and the active segment's new size."""
         num_corrupt = 0
-        with self.env.begin(write=True) as txn:
+        with self.begin(write=True) as txn:
             for block_hash, record in entries:
                 old = self._record(txn, block_hash)
                 if isinstance(old, BlockRecord):
@@ -196,7 +216,7 @@ class BlockIndex:
     ) -> int:
         """A hit: last access = now, expiry = max(old, now + ttl). Returns entries updated."""
         n = num_corrupt = 0
-        with self.env.begin(write=True) as txn:
+        with self.begin(write=True) as txn:
             for block_hash in hashes:
                 old = self._record(txn, block_hash)
                 num_corrupt += old is CORRUPT
@@ -219,7 +239,7 @@ class BlockIndex:
         """Drop entries (absent ones are skipped, damaged ones deleted and reported); returns
         the records removed."""
         removed, num_corrupt = [], 0
-        with self.env.begin(write=True) as txn:
+        with self.begin(write=True) as txn:
             for block_hash in hashes:
                 record = self._record(txn, block_hash)
                 num_corrupt += record is CORRUPT
@@ -232,7 +252,7 @@ class BlockIndex:
     def drop_corrupt(self, hashes: Iterable[BlockHash]) -> int:
         """Delete the entries among `hashes` that (still) fail to decode. Returns how many."""
         num_corrupt = 0
-        with self.env.begin(write=True) as txn:
+        with self.begin(write=True) as txn:
             for block_hash in hashes:
                 num_corrupt += self._record(txn, block_hash) is CORRUPT
         self._report(num_corrupt)
@@ -241,7 +261,7 @@ class BlockIndex:
     def remove_segment(self, segment: int) -> None:
         """Forget a segment whose entries are all gone (its file is deleted next). Accounting
         that says otherwise means the tables disagree: the index is marked dirty."""
-        with self.env.begin(write=True, db=self.segments_db) as txn:
+        with self.begin(write=True, db=self.segments_db) as txn:
             info = self._segment(txn, segment)
             if info.num_live or info.live_bytes:
                 self.dirty = True

@@ -33,7 +33,7 @@ def rebuild(index: BlockIndex) -> int:
     """Drop `blocks` entries that fail to decode and derive the other tables from the rest.
     Segment sizes are kept where they decode (`DiskStore.recover` corrects them from the files).
     Returns entries dropped."""
-    with index.env.begin(write=True) as txn:
+    with index.begin(write=True) as txn:
         sizes = _segment_sizes(index, txn)
         for db in (index.lru, index.expiry, index.by_segment, index.segments_db):
             txn.drop(db, delete=False)
@@ -77,7 +77,7 @@ def _repair_next_segment(index: BlockIndex, txn: lmdb.Transaction, max_segment: 
 def check_integrity(index: BlockIndex) -> None:
     """The tables mirror each other and the segment accounting adds up (O(entries))."""
     live: dict[int, list[int]] = {}
-    with index.env.begin() as txn:
+    with index.begin() as txn:
         for key, raw in txn.cursor(db=index.blocks).iternext():
             r = try_decode_record(key, raw)
             require(r is not None, f"entry {key.hex()[:12]} does not decode")

@@ -16,6 +16,7 @@ from pathlib import Path
 import lmdb
 
 from deepinfer.cache.disk.config import DiskTierConfig
+from deepinfer.cache.disk.index_files import IndexFileChangedError
 from deepinfer.cache.disk.store import DiskStore
 
 logger = logging.getLogger(__name__)
@@ -28,9 +29,11 @@ BROKEN_INDEX_ERRORS = (
     lmdb.IncompatibleError,
     lmdb.BadValsizeError,
     lmdb.MemoryError,
+    IndexFileChangedError,
 )
 """LMDB's ways of saying the file itself is unusable (reopening it would fail again); ENOMEM
-is among them: a damaged header asks for a map no address space holds."""
+is among them: a damaged header asks for a map no address space holds. So is a mapped file
+truncated or replaced under the running index."""
 
 
 def open_store(

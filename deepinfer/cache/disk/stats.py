@@ -28,6 +28,8 @@ class DiskTierStats:
     """Times the index was rebuilt from its block table, or set aside and started empty."""
     num_io_errors: int
     """Failures that degraded the tier (I/O errors, and any other error inside it)."""
+    num_no_space: int
+    """Writes that found the filesystem full (each lowered the budget and evicted)."""
     num_blocks: int
     live_bytes: int
     """Bytes of indexed records (headers included)."""
@@ -37,6 +39,8 @@ class DiskTierStats:
     """Bytes waiting in the write-behind queue."""
     degraded: bool
     readonly: bool
+    budget_bytes: int
+    """The byte budget now: `max_bytes`, or less while the filesystem is short of space."""
 
 
 def make_stats(
@@ -47,6 +51,7 @@ def make_stats(
     pending_bytes: int,
     degraded: bool,
     readonly: bool,
+    budget_bytes: int,
 ) -> DiskTierStats:
     """The stats from the tier's counters (`Counters.snapshot`) and current sizes."""
     return DiskTierStats(
@@ -54,8 +59,9 @@ def make_stats(
         num_writes_dropped=counts["dropped"], num_evictions=counts["evictions"],
         num_expirations=counts["expirations"], num_checksum_failures=counts["checksum"],
         num_corrupt_records=counts["corrupt"], num_index_repairs=counts["repairs"],
-        num_io_errors=counts["io"], num_blocks=num_blocks, live_bytes=live_bytes,
-        disk_bytes=disk_bytes, pending_bytes=pending_bytes, degraded=degraded, readonly=readonly,
+        num_io_errors=counts["io"], num_no_space=counts["no_space"], num_blocks=num_blocks,
+        live_bytes=live_bytes, disk_bytes=disk_bytes, pending_bytes=pending_bytes,
+        degraded=degraded, readonly=readonly, budget_bytes=budget_bytes,
     )  # fmt: skip
 
 
@@ -64,7 +70,7 @@ class Counters:
 
     NAMES = (
         "lookups", "hits", "writes", "dropped", "evictions", "expirations", "checksum", "corrupt",
-        "repairs", "io",
+        "repairs", "io", "no_space",
     )  # fmt: skip
 
     def __init__(self) -> None:

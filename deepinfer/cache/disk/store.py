@@ -4,7 +4,9 @@ Write order: a segment is registered in the index before its file exists; payloa
 and fsynced before the index transaction naming them commits; an entry is removed from the index
 before its segment file is deleted. So after a crash at any point, every index entry points at
 durable bytes, and the only leftovers are unindexed bytes (reclaimed with their segment) or files
-the index does not know (deleted at open).
+the index does not know (deleted at open). One exception: on a full filesystem `shed` deletes a
+file before its entries (an index commit needs free space); a crash in between leaves entries
+whose file is missing, which `recover` drops at open.
 
 Damage (a record that fails to decode or to verify, tables that disagree) is a miss, never an
 error or a wrong payload: `load` drops what fails, and `heal` rebuilds the index when it is dirty.
@@ -19,9 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import lmdb
 import msgspec
 
 from deepinfer.cache.block_hash import BlockHash
+from deepinfer.cache.disk.budget import is_no_space
 from deepinfer.cache.disk.config import DiskTierConfig
 from deepinfer.cache.disk.index import CORRUPT, BlockIndex
 from deepinfer.cache.disk.records import BlockRecord, time_key
@@ -47,6 +51,11 @@ class SweepResult:
     num_expired: int
     num_evicted: int
     num_segments_reclaimed: int
+
+    @property
+    def num_freed(self) -> int:
+        """Entries and segment files dropped: nonzero when the sweep gave disk space back."""
+        return self.num_expired + self.num_evicted + self.num_segments_reclaimed
 
 
 @dataclass(frozen=True)
@@ -207,14 +216,15 @@ class DiskStore:
         ids = set(self.index.segments()) | set(self.segments.list_segments())
         self.segments.start(self.index.new_segment(max(ids, default=0) + 1))
 
-    def sweep(self, now_s: float) -> SweepResult:
-        """Drop expired entries, evict least recently used ones beyond the byte budget, and
+    def sweep(self, now_s: float, budget_bytes: int | None = None) -> SweepResult:
+        """Drop expired entries, evict least recently used ones beyond the byte budget
+        (`budget_bytes`, default `max_bytes`: segment files, the active one counted as full), and
         reclaim closed segments whose live fraction fell below the threshold."""
         expired = 0
         while batch := self.index.first_keys("expiry", SWEEP_BATCH, below=time_key(now_s, b"")):
             expired += len(self.index.remove_many(batch))
         evicted, reclaimed = self._reclaim()
-        budget = self.config.max_bytes - self.config.segment_bytes
+        budget = (budget_bytes or self.config.max_bytes) - self.config.segment_bytes
         while (excess := self.closed_bytes() - budget) > 0:
             num = self._evict_lru(excess)
             if num == 0:
@@ -239,7 +249,9 @@ class DiskStore:
         return len(self.index.remove_many(chosen))
 
     def _reclaim(self) -> tuple[int, int]:
-        """(entries dropped, segments deleted) for closed segments below the live threshold."""
+        """(entries dropped, segments deleted) for closed segments below the live threshold.
+        A segment whose live records find no room to move to (the filesystem is full) is
+        dropped with them: deleting it is what gives the space back."""
         dropped = segments = 0
         for segment, info in self.index.segments().items():
             if segment == self.segments.active:
@@ -247,10 +259,35 @@ class DiskStore:
             if info.live_bytes < self.config.reclaim_live_fraction * info.size_bytes or (
                 info.num_live == 0
             ):
-                dropped += self._relocate(segment)
+                try:
+                    dropped += self._relocate(segment)
+                except (OSError, lmdb.Error) as exc:
+                    if not is_no_space(exc, self.segments.directory):
+                        raise
                 dropped += self._drop_segment(segment)
                 segments += 1
         return dropped, segments
+
+    def shed(self, budget_bytes: int) -> SweepResult:
+        """Bring the segment files within `budget_bytes` (the active one counted as full) on a
+        full filesystem: whole closed segments, oldest first, each file deleted before its index
+        entries, since removing them takes an index commit and that takes free space. An entry
+        a commit still fails to remove names a missing file: a miss, dropped by the next read,
+        sweep or open."""
+        infos = self.index.segments()
+        closed = sorted(s for s in infos if s != self.segments.active)
+        excess = sum(infos[s].size_bytes for s in closed) - (
+            budget_bytes - self.config.segment_bytes
+        )
+        evicted = segments = 0
+        for segment in closed:
+            if excess <= 0:
+                break
+            self.segments.delete(segment)
+            excess -= infos[segment].size_bytes
+            evicted += self._drop_segment(segment)
+            segments += 1
+        return SweepResult(0, evicted, segments)
 
     def _relocate(self, segment: int) -> int:
         """Copy a segment's live records to the active segment, keeping their metadata (so the

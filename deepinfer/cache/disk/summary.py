@@ -57,7 +57,7 @@ def summarize(
     """Blocks, tokens, bytes and expiry range per retention class (`retention_s`: the
     configured classes and their lifetimes)."""
     tallies: dict[str, _Tally] = {name: _Tally() for name, _ in retention_s}
-    with index.env.begin(db=index.blocks) as txn:
+    with index.begin(db=index.blocks) as txn:
         for key, value in txn.cursor().iternext():
             record = try_decode_record(key, value)
             if record is not None:

@@ -12,8 +12,10 @@ Failures never escape: any exception inside the tier (an unwritable directory, a
 damaged index, a bug) puts it in degraded mode (one warning, a counter, `stats().degraded`):
 offers are dropped, and a lookup the store cannot answer misses. It tries again after
 `retry_degraded_s`, the wait doubling after each failed retry up to `retry_max_s`: after a plain
-I/O error (a full disk) the writer just writes again; after anything else (a failed open, an
-index error) it reopens the store (keeper.py). A file where one of the tier's folders should
+I/O error the writer just writes again; after anything else (a failed open, an index error) it
+reopens the store (keeper.py). A full filesystem is not waited out: the writer lowers the byte
+budget below what the tier holds, evicts down to it and writes the batch again, and the budget
+follows the free space back up to `max_bytes` (budget.py). A file where one of the tier's folders should
 be is left alone: the tier stays degraded, retrying, until it is gone. Only bad arguments raise (`InvalidRequestError`: unknown retention).
 
 Damage is healed, never served: a record that fails to decode (`num_corrupt_records`) or to
@@ -22,7 +24,8 @@ from the block table by the writer (`num_index_repairs`), which also checks the 
 time it opens it; an index LMDB cannot open is moved aside and rebuilt empty (opener.py).
 LMDB keeps no checksums of its own pages: damage inside its page structure (not in our records)
 can still stop the process inside LMDB's C code; records, segments and payloads are ours to
-verify, and are.
+verify, and are. A file LMDB maps, truncated or replaced under the running tier, is caught before
+the next transaction reads it (index_files.py) and the index is set aside like any damaged one.
 A second process on the same directory opens it read-only (it serves hits; the first process
 keeps writing).
 """
@@ -36,9 +39,11 @@ from collections.abc import Callable, Sequence
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.disk.async_reads import load_records
+from deepinfer.cache.disk.budget import ByteBudget, free_bytes, is_no_space
 from deepinfer.cache.disk.config import DiskTierConfig, fingerprint_dir
 from deepinfer.cache.disk.keeper import StoreKeeper
 from deepinfer.cache.disk.records import check_hash
+from deepinfer.cache.disk.segments import record_bytes
 from deepinfer.cache.disk.stats import Counters, DiskTierStats, make_stats
 from deepinfer.cache.disk.store import DiskStore, LoadResult, PendingWrite, SweepResult
 from deepinfer.cache.disk.summary import ClassSummary, DiskSummary, summarize
@@ -71,6 +76,8 @@ class DiskTier:
         self._keeper = StoreKeeper(
             self.directory, fingerprint, self.config, clock, monotonic, self._counts, self._queue
         )
+        self._budget = ByteBudget(self.config.max_bytes, self.config.segment_bytes)
+        """Lowered while the filesystem is full (budget.py); the writer's alone to change."""
         self._write_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -231,32 +238,72 @@ class DiskTier:
         if store is None or not self._writable():
             self._counts.add(dropped=len(writes))
             return
-        try:
-            for p in touches:
-                store.index.touch_many(p.block_hashes, p.now_s, p.ttl_s, p.retention)
-            if writes:
-                self._counts.add(writes=store.write(writes, self.clock()))
-        except Exception as exc:
-            self._counts.add(dropped=len(writes))
-            self._keeper.fail("disk cache write failed; writes are dropped for now", exc)
-            return
+        if self._budget.lowered:  # keep out of the headroom: room first, then the batch
+            incoming = sum(record_bytes(len(w.payload)) for w in writes)
+            if store.disk_bytes() + incoming > self._budget.bytes:
+                self._sweep_locked(reserve_bytes=incoming)
+        for attempt in range(2):
+            try:
+                self._apply(store, touches, writes)
+                break
+            except Exception as exc:
+                if attempt == 0 and is_no_space(exc, self.directory) and self._make_room(store):
+                    continue  # evicted down to a lowered budget: the batch may fit now
+                self._counts.add(dropped=len(writes))
+                self._keeper.fail("disk cache write failed; writes are dropped for now", exc)
+                return
         self._keeper.succeeded()
+
+    def _apply(
+        self, store: DiskStore, touches: list[PendingTouch], writes: list[PendingWrite]
+    ) -> None:
+        for p in touches:
+            store.index.touch_many(p.block_hashes, p.now_s, p.ttl_s, p.retention)
+        if writes:
+            self._counts.add(writes=store.write(writes, self.clock()))
+
+    def _make_room(self, store: DiskStore) -> bool:
+        """A write found the filesystem full: lower the budget below what is held, shed whole
+        segments down to it, then sweep within it (budget.py). Returns whether anything was
+        freed (then the write is worth retrying)."""
+        self._counts.add(no_space=1)
+        try:
+            before = self._budget.bytes
+            after = self._budget.lower(store.disk_bytes(), free_bytes(self.directory))
+            if after < before:
+                logger.warning(
+                    "disk cache filesystem is full (%s): budget lowered from %d to %d bytes",
+                    self.directory, before, after,
+                )  # fmt: skip
+            shed = store.shed(after)
+        except Exception as exc:
+            self._keeper.fail("disk cache could not make room on a full filesystem", exc)
+            return False
+        self._counts.add(evictions=shed.num_evicted)
+        swept = self._sweep_locked(follow=False)
+        return swept is not None and shed.num_freed + swept.num_freed > 0
 
     def _over_budget(self) -> bool:
         store = self._store
         try:
-            budget = self.config.max_bytes - self.config.segment_bytes
+            budget = self._budget.bytes - self.config.segment_bytes
             return store is not None and store.closed_bytes() > budget
         except Exception:
             return False
 
-    def _sweep_locked(self) -> SweepResult | None:
+    def _sweep_locked(self, follow: bool = True, reserve_bytes: int = 0) -> SweepResult | None:
+        """Heal if needed, then sweep within the budget less `reserve_bytes` (room for a batch
+        about to be written); `follow`: first set a lowered budget again from the space the
+        filesystem has now."""
         store = self._store
         if store is None or store.readonly:
             return None
         try:
             healed = store.heal(full=False)
-            result = store.sweep(self.clock())
+            if follow and self._budget.lowered:
+                self._follow_space(store)
+            budget = max(self._budget.min_bytes, self._budget.bytes - reserve_bytes)
+            result = store.sweep(self.clock(), budget)
         except Exception as exc:
             self._keeper.fail("disk cache sweep failed", exc)
             return None
@@ -264,6 +311,14 @@ class DiskTier:
             evictions=result.num_evicted, expirations=result.num_expired, repairs=int(healed)
         )
         return result
+
+    def _follow_space(self, store: DiskStore) -> None:
+        before = self._budget.bytes
+        after = self._budget.follow(store.disk_bytes(), free_bytes(self.directory))
+        if after == self._budget.max_bytes and before < after:
+            logger.info(
+                "disk cache %s has room again: budget back to %d bytes", self.directory, after
+            )
 
     # checks and accounting
 
@@ -304,6 +359,7 @@ class DiskTier:
         return make_stats(
             self._counts.snapshot(), num_blocks, live, disk, self._queue.pending_bytes,
             self.degraded, readonly=store is not None and store.readonly,
+            budget_bytes=self._budget.bytes,
         )  # fmt: skip
 
     def summary(self) -> DiskSummary:
@@ -332,7 +388,9 @@ class DiskTier:
                 return 0
 
     def check_integrity(self) -> None:
-        """Index tables consistent with each other and with the segment accounting."""
+        """Index tables consistent with each other and with the segment accounting; the budget
+        within its bounds."""
         with self._write_lock:
+            self._budget.check_integrity()
             if self._store is not None:
                 self._store.check_integrity()
