@@ -106,13 +106,22 @@ settings (deepinfer/openmp_env.py): servers start with it, so a peer runs as its
 def running(cmd: list[str], port: int, log_path: Path) -> Iterator[str]:
     """Start a server process (with `USER_ENV`), wait for /health, yield its base URL, stop it
     on exit."""
+    with running_process(cmd, port, log_path) as (base, _proc):
+        yield base
+
+
+@contextlib.contextmanager
+def running_process(
+    cmd: list[str], port: int, log_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`running`, yielding the process too (to read its memory, say)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=USER_ENV)
         base = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(base, proc)
-            yield base
+            yield base, proc
         finally:
             proc.terminate()
             try:

@@ -8,6 +8,11 @@ Every other block is in exactly one of two states:
 - in use: `ref_count >= 1` (one per request holding it; shared prefix blocks have several);
 - free: `ref_count == 0`, in the LRU free queue. A free block keeps its content and hash and can
   still be hit; it is evicted (hash dropped) only when the head of the queue is reallocated.
+
+The queue's order also keeps resident memory near the working set where the KV tensors are
+reserved but untouched until written (CPU, see `kv_layout.reserve_zeros`): freed blocks without
+a hash are reused first, then never-used blocks in id order (low ids first, so the written part
+stays one compact range), and only then cached blocks, least recently freed first.
 """
 
 from __future__ import annotations
@@ -116,10 +121,16 @@ class BlockPool:
         return [b.block_id for b in self._free]
 
     def reset_prefix_cache(self) -> int:
-        """Drop the hashes of all free blocks (in-use blocks keep theirs). Returns how many."""
+        """Drop the hashes of all free blocks (in-use blocks keep theirs). Returns how many.
+
+        The dropped blocks move to the head of the queue, in their order, like any free block
+        without a hash: reusing them before never-used blocks keeps the pool's written (resident)
+        part as small as the load allows."""
         dropped = [b for b in self._free if b.block_hash is not None]
-        for block in dropped:
+        for block in reversed(dropped):
             self._evict(block)
+            self._free.remove(block)
+            self._free.append_left(block)
         return len(dropped)
 
     def check_integrity(self) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from deepinfer.model.arch import ModelArch
@@ -27,20 +30,31 @@ def allocate_kv_caches(
     device: torch.device | str,
     num_window_blocks: int = 0,
 ) -> KVCaches:
-    """Zero-filled caches for every layer (zeros: padded reads never see NaN garbage); with
+    """Caches for every layer that read as zeros (padded reads never see NaN garbage); with
     `num_window_blocks`, the sliding-window layers' caches hold that many blocks (a pool of
-    their own) and the full layers' `num_blocks`."""
+    their own) and the full layers' `num_blocks`. On CPU the caches are reserved, not touched
+    (see `reserve_zeros`): resident memory grows with the blocks written, not the pool's size."""
 
     def blocks(layer: int) -> int:
         return num_window_blocks if num_window_blocks and arch.window(layer) else num_blocks
 
-    return [
-        (
-            torch.zeros(blocks(i), block_size, *_head_shape(arch), dtype=dtype, device=device),
-            torch.zeros(blocks(i), block_size, *_head_shape(arch), dtype=dtype, device=device),
-        )
-        for i in range(arch.num_layers)
-    ]
+    def cache(layer: int) -> torch.Tensor:
+        shape = (blocks(layer), block_size, *_head_shape(arch))
+        return reserve_zeros(shape, dtype, torch.device(device))
+
+    return [(cache(i), cache(i)) for i in range(arch.num_layers)]
+
+
+def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On CPU it lives in a private anonymous mapping that nothing writes
+    here: the kernel maps its shared zero page on reads and gives a page memory on its first
+    write, so an unused region costs address space only. The tensor owns the mapping (unmapped
+    when the last view of it is freed). Elsewhere, `torch.zeros`."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 def _head_shape(arch: ModelArch) -> tuple[int, int]:

@@ -60,6 +60,28 @@ def test_freed_cached_block_hits_until_evicted() -> None:
     pool.check_integrity()
 
 
+def test_fresh_blocks_go_out_in_id_order_after_unhashed_ones() -> None:
+    """Where the KV tensors are reserved but untouched until written, this order keeps the
+    written part of the pool compact: reused blocks first, then never-used ones, lowest first."""
+    pool = BlockPool(10)
+    assert [b.block_id for b in pool.allocate(3)] == [1, 2, 3]
+    pool.free(pool.allocate(2))  # 4 and 5, unhashed: reused before 6
+    assert [b.block_id for b in pool.allocate(4)] == [4, 5, 6, 7]
+    pool.check_integrity()
+
+
+def test_reset_prefix_cache_moves_dropped_blocks_to_the_head() -> None:
+    pool = BlockPool(9)
+    a = pool.allocate(3)  # ids 1..3
+    for i, block in enumerate(a):
+        pool.cache_block(block, h(i))
+    pool.free(a)  # queue: 4..8, then 3, 2, 1
+    assert pool.reset_prefix_cache() == 3
+    pool.check_integrity()
+    assert pool.num_cached_blocks == 0
+    assert pool.free_block_ids() == [3, 2, 1, 4, 5, 6, 7, 8]
+
+
 def test_duplicate_content_keeps_first_block() -> None:
     pool = BlockPool(4)
     a, b = pool.allocate(2)
