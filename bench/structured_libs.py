@@ -29,7 +29,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.environment import default_model_path
-from deepinfer.sampling.constraints import llg_tokenizer
+from deepinfer.sampling.grammar import llg_tokenizer
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.text.tokenizer import Tokenizer
 

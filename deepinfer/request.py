@@ -61,6 +61,9 @@ class StructuredSpec:
     source: str = ""
     param: str = "structured"
     """The request field it came from, named by errors (e.g. `response_format`)."""
+    parts: tuple[StructuredSpec, ...] = ()
+    """Pieces of `source` checked on their own before it (each forced tool's schema), so that a
+    piece the grammar library refuses is reported under its own field."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.kind, StructuredKind), self.param, "has an unknown kind")

@@ -18,8 +18,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import llguidance as llg
-
 from deepinfer.api.tool_plan import ToolPlan, ToolSchema, invalid
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.text.tools import (
@@ -69,15 +67,10 @@ def call_grammar(fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | 
     return "\n".join(rules) + "\n"
 
 
-def check_schema(tool: ToolSchema) -> None:
-    """400 naming `tool.param` when the grammar library cannot compile its schema."""
-    try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(_schema(tool))
-        error = llg.LLMatcher.validate_grammar(grammar)
-    except ValueError as exc:
-        error = str(exc)
-    if error:
-        raise invalid(tool.param, f"the schema cannot be compiled: {error}")
+def schema_part(tool: ToolSchema) -> StructuredSpec:
+    """A tool's schema as a piece of its call grammar: the engine checks it (in the grammar
+    probe's child process, like every new grammar) and a refusal names `tool.param`."""
+    return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema(tool), tool.param)
 
 
 def forced_calls(params: SamplingParams, plan: ToolPlan, fmt: ToolFormat | None) -> SamplingParams:
@@ -90,10 +83,9 @@ def forced_calls(params: SamplingParams, plan: ToolPlan, fmt: ToolFormat | None)
             GRAMMAR_PARAM,
             f"a forced tool call conflicts with {params.structured.param}: set only one",
         )
-    for tool in plan.forced:
-        check_schema(tool)
     grammar = call_grammar(fmt or ToolFormat(), plan.forced, plan.max_calls)
-    spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, GRAMMAR_PARAM)
+    parts = tuple(schema_part(tool) for tool in plan.forced)
+    spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, GRAMMAR_PARAM, parts)
     return dataclasses.replace(params, structured=spec)
 
 

@@ -23,7 +23,7 @@ from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
 from deepinfer.cache.disk.tier import DiskTier
 from deepinfer.cache.host.tier import HostTier
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.config import Config, DiskCacheConfig, Retention
+from deepinfer.config import Config, DiskCacheConfig, GrammarConfig, Retention
 from deepinfer.engine.build_experts import build_expert_parallel
 from deepinfer.engine.build_replicas import (
     Replica,
@@ -45,7 +45,7 @@ from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.runner.step_graphs import StepGraphs
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, WorkerDrafter
-from deepinfer.sampling.constraints import ConstraintCompiler
+from deepinfer.sampling.constraints import CompilerLimits, ConstraintCompiler
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.scheduler.disagg import DisaggScheduler
 from deepinfer.scheduler.scheduler import Scheduler
@@ -144,7 +144,9 @@ def build_engine(config: Config) -> EngineParts:
     info = runtime_info(config, path, replicas, max_len, graphs)
     host, disk = open_tiers(config, replicas.prefill, info.fingerprint)
     kv, decode_kv = build_block_managers(config, replicas, info.fingerprint, host, disk)
-    constraints = ConstraintCompiler(lambda: grammar_vocabulary(tokenizer, recipe))
+    constraints = ConstraintCompiler(
+        lambda: grammar_vocabulary(tokenizer, recipe), compiler_limits(config.grammar)
+    )
     runner, decode_runner = build_runners(config, replicas, graphs, constraints)
     parts = EngineParts(
         info=info,
@@ -208,6 +210,13 @@ def _gguf_tokenizer(reader: Any) -> Tokenizer:
     same file in this process (the loader reuses the file's parsed reader) skips the rebuild
     (Gemma 3's 262k-token vocabulary: about 4 s). Tokenizers are never mutated once built."""
     return Tokenizer.from_gguf(reader)
+
+
+def compiler_limits(config: GrammarConfig) -> CompilerLimits:
+    return CompilerLimits(
+        max_cached_bytes=config.grammar_cache_mb << 20,
+        compile_timeout_s=config.grammar_compile_timeout_s,
+    )
 
 
 def grammar_vocabulary(tokenizer: Tokenizer, recipe: ChatRecipe) -> GrammarVocabulary:

@@ -149,6 +149,7 @@ class EngineCore:
             self.disk.close()
         if self.experts is not None:
             self.experts.close()
+        self.constraints.close()
 
     def prefill_stats(self) -> PlannerStats | None:
         """The prefill planner's queues and cost model (disaggregated mode only)."""

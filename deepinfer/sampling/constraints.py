@@ -1,9 +1,13 @@
 """Grammar constraints on sampling (structured output), on llguidance.
 
 - `ConstraintCompiler`: one per engine. Turns a `StructuredSpec` into a checked grammar and keeps
-  it in an LRU cache keyed by the spec's kind and text; the engine compiles at submit (off the
-  event loop), so a grammar the library refuses is a 400 before any work. The compiled grammar
-  is a matcher in its start state; each request gets a deep copy.
+  it in an LRU cache keyed by the spec's kind and text, bounded in entries and in bytes. The
+  engine compiles at submit, off the event loop: a new grammar is built first in the probe's
+  child process (`grammar_probe.py`: a crash, the time budget or the library's refusal there is
+  a 400, remembered so a repeat costs nothing), then here on a compile thread with a larger
+  stack. Its first mask is computed there too (`grammar.build_start`), so no serving step pays
+  for building a lexer. The compiled grammar is a matcher in its start state; each request gets
+  a deep copy.
 - `ConstraintMatcher`: one per request, owned by the model runner beside its random stream.
   `fill` writes the row of allowed tokens into a packed int32 bitmask (bit t of word t // 32);
   `accept` advances by a sampled token, once per token, on the worker thread.
@@ -16,55 +20,26 @@ allowed also allows only the stop tokens: the request ends instead of leaving th
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import llguidance as llg
 import numpy as np
 
 from deepinfer.errors import InvalidRequestError
-from deepinfer.request import StructuredKind, StructuredSpec
+from deepinfer.request import StructuredSpec
+from deepinfer.sampling.grammar import (
+    ENGINE_STACK_BYTES,
+    GrammarError,
+    build_start,
+    llg_tokenizer,
+    run_on_stack,
+)
+from deepinfer.sampling.grammar_probe import GrammarProbe
 from deepinfer.sampling.vocabulary import GrammarVocabulary
-
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
-
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-"""Compact JSON (`{"a":1}`): the shortest output, and no unbounded runs of whitespace."""
-
-
-class _Vocab:
-    """`llguidance.TokenizerWrapper`'s view of a `GrammarVocabulary`."""
-
-    def __init__(self, vocab: GrammarVocabulary) -> None:
-        self.eos_token_id = vocab.eos_token_id
-        self.bos_token_id = None
-        self.tokens = list(vocab.token_bytes)
-        self.special_token_ids = sorted(vocab.special_token_ids)
-        self._encode = vocab.encode
-
-    def __call__(self, text: str) -> list[int]:
-        return list(self._encode(text))
-
-
-def llg_tokenizer(vocab: GrammarVocabulary) -> llg.LLTokenizer:
-    """llguidance's tokenizer for `vocab` (~0.2 s for 49k tokens: build it once)."""
-    return llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(vocab)))
-
-
-def grammar_text(spec: StructuredSpec) -> str:
-    """The llguidance grammar of `spec`; raises ValueError for text that is no grammar."""
-    if spec.kind is StructuredKind.JSON_SCHEMA:
-        return llg.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
-    if spec.kind is StructuredKind.JSON_OBJECT:
-        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
-    if spec.kind is StructuredKind.REGEX:
-        return llg.LLMatcher.grammar_from_regex(spec.source)
-    if spec.kind is StructuredKind.CHOICE:
-        return llg.grammar_from("choice", spec.source)
-    return llg.LLMatcher.grammar_from_lark(spec.source)
 
 
 class ConstraintMatcher:
@@ -122,29 +97,89 @@ class ConstraintMatcher:
         return bool(self._matcher.is_accepting())
 
 
-class ConstraintCompiler:
-    """Compiles specs once (LRU by kind and text) and makes per-request matchers. Thread-safe:
-    submit compiles on executor threads, workers make matchers on theirs. The tokenizer for the
-    library is built on first use, so engines that never constrain pay nothing."""
+@dataclass(frozen=True)
+class CompilerLimits:
+    """What the compiler may spend on grammars."""
 
-    def __init__(self, vocabulary: Callable[[], GrammarVocabulary], max_cached: int = 512) -> None:
+    max_cached: int = 512
+    """Compiled grammars kept (LRU)."""
+    max_cached_bytes: int = 512 << 20
+    """Bytes the kept grammars may hold together (as the probe measured each)."""
+    max_failures: int = 4096
+    """Refused grammars remembered (by digest), so a repeat is refused at once."""
+    compile_timeout_s: float = 10.0
+    """Seconds a new grammar may take to build in the probe."""
+    probe: bool = True
+    """Build each new grammar in the probe's child process first."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Compiled:
+    start: llg.LLMatcher
+    num_bytes: int
+
+
+class ConstraintCompiler:
+    """Compiles specs once (LRU by kind and text, bounded in bytes) and makes per-request
+    matchers. Thread-safe: submit compiles on executor threads, workers make matchers on theirs.
+    The tokenizer for the library and the probe are made on first use, so engines that never
+    constrain pay nothing."""
+
+    def __init__(
+        self, vocabulary: Callable[[], GrammarVocabulary], limits: CompilerLimits | None = None
+    ) -> None:
         self._vocabulary = vocabulary
-        self.max_cached = max_cached
+        self.limits = limits or CompilerLimits()
         self._vocab: GrammarVocabulary | None = None
         self._tokenizer: llg.LLTokenizer | None = None
-        self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
+        self._probe: GrammarProbe | None = None
+        self._cache: OrderedDict[bytes, _Compiled] = OrderedDict()
+        self._failures: OrderedDict[bytes, str] = OrderedDict()
+        self.cached_bytes = 0
+        """Bytes the kept grammars hold together."""
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredSpec) -> None:
-        """Check and cache `spec`'s grammar; `InvalidRequestError` naming what the library
-        refused (the spec's `param`) when it cannot be compiled."""
-        self._start(spec)
+        """Check and cache `spec`'s grammar; `InvalidRequestError` naming what was refused (the
+        spec's `param`, or a part's) when it cannot be compiled. Blocks: call it off the loop."""
+        key = _key(spec)
+        with self._lock:
+            if self._lookup(key, spec) is not None:
+                return
+        for part in spec.parts:
+            self._check_part(part)
+        self._start(spec, probe=self.limits.probe)
+
+    def _check_part(self, part: StructuredSpec) -> None:
+        """Probe a piece on its own (not kept: its whole grammar is); refusals are remembered."""
+        key = _key(part)
+        with self._lock:
+            if self._lookup(key, part) is not None:
+                return
+        if self.limits.probe:
+            result = self.probe.check(part.kind, part.source)
+            if result.error is not None:
+                self._refuse(key, part, result.error)
 
     def matcher(self, spec: StructuredSpec) -> ConstraintMatcher:
-        """A new matcher at the start of `spec`'s grammar (compiled now if evicted meanwhile)."""
-        start = self._start(spec)
+        """A new matcher at the start of `spec`'s grammar (compiled again if evicted since its
+        request's submit: probed then, so it is known to build)."""
+        start = self._start(spec, probe=False)
         vocab = self.vocab
         return ConstraintMatcher(start, vocab.size, vocab.eos_token_id)
+
+    def close(self) -> None:
+        """Stop the probe's child (a later compile starts another)."""
+        probe = self._probe
+        if probe is not None:
+            probe.close()
+
+    @property
+    def probe(self) -> GrammarProbe:
+        with self._lock:
+            if self._probe is None:
+                self._probe = GrammarProbe(self._vocab_locked(), self.limits.compile_timeout_s)
+            return self._probe
 
     @property
     def vocab(self) -> GrammarVocabulary:
@@ -156,39 +191,81 @@ class ConstraintCompiler:
             self._vocab = self._vocabulary()
         return self._vocab
 
-    def _start(self, spec: StructuredSpec) -> llg.LLMatcher:
-        key = (spec.kind.value, spec.source)
+    def _start(self, spec: StructuredSpec, probe: bool) -> llg.LLMatcher:
+        key = _key(spec)
         with self._lock:
-            start = self._cache.get(key)
-            if start is not None:
-                self._cache.move_to_end(key)
-                return start
+            if (compiled := self._lookup(key, spec)) is not None:
+                return compiled.start
+        num_bytes = len(spec.source)
+        if probe:
+            result = self.probe.check(spec.kind, spec.source)
+            if result.error is not None:
+                self._refuse(key, spec, result.error)
+            num_bytes = result.num_bytes
+        with self._lock:
             tokenizer = self._llg_tokenizer()
-        start = _compile(spec, tokenizer)
+        try:
+            start = run_on_stack(
+                lambda: build_start(spec.kind, spec.source, tokenizer), ENGINE_STACK_BYTES
+            )
+        except GrammarError as exc:
+            self._refuse(key, spec, str(exc))
         with self._lock:
-            self._cache[key] = start
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+            self._keep(key, _Compiled(start, num_bytes))
         return start
+
+    def _lookup(self, key: bytes, spec: StructuredSpec) -> _Compiled | None:
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        reason = self._failures.get(key)
+        if reason is not None:
+            self._failures.move_to_end(key)
+            raise _refusal(spec, reason)
+        return None
+
+    def _refuse(self, key: bytes, spec: StructuredSpec, reason: str) -> None:
+        with self._lock:
+            self._failures[key] = reason
+            self._failures.move_to_end(key)
+            while len(self._failures) > self.limits.max_failures:
+                self._failures.popitem(last=False)
+        raise _refusal(spec, reason)
+
+    def _keep(self, key: bytes, compiled: _Compiled) -> None:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self.cached_bytes -= old.num_bytes
+        self._cache[key] = compiled
+        self.cached_bytes += compiled.num_bytes
+        limits = self.limits
+        while len(self._cache) > 1 and (
+            len(self._cache) > limits.max_cached or self.cached_bytes > limits.max_cached_bytes
+        ):
+            _, evicted = self._cache.popitem(last=False)
+            self.cached_bytes -= evicted.num_bytes
 
     def _llg_tokenizer(self) -> llg.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llg_tokenizer(self._vocab_locked())
         return self._tokenizer
 
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert self.cached_bytes == sum(c.num_bytes for c in self._cache.values())
+            assert len(self._cache) <= max(self.limits.max_cached, 1)
+            assert len(self._failures) <= self.limits.max_failures
 
-def _compile(spec: StructuredSpec, tokenizer: llg.LLTokenizer) -> llg.LLMatcher:
-    try:
-        grammar = grammar_text(spec)
-    except ValueError as exc:
-        raise InvalidRequestError(f"{spec.param}: {exc}", param=spec.param) from None
-    start = llg.LLMatcher(tokenizer, grammar, log_level=0)
-    if start.is_error():
-        reason = start.get_error()
-        raise InvalidRequestError(
-            f"{spec.param}: the {spec.kind.value} cannot be compiled: {reason}", param=spec.param
-        )
-    return start
+
+def _key(spec: StructuredSpec) -> bytes:
+    """The cache key: the kind and a digest of the text (the text itself may be 256 KiB)."""
+    digest = hashlib.sha256(spec.source.encode("utf-8", "surrogatepass")).digest()
+    return spec.kind.value.encode() + b":" + digest
+
+
+def _refusal(spec: StructuredSpec, reason: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{spec.param}: the {spec.kind.value} {reason}", param=spec.param)
 
 
 def _test_bit(words: np.ndarray, token_id: int) -> bool:

@@ -236,3 +236,75 @@ def test_logit_bias_forces_a_token(oai: openai.OpenAI, real_server: LiveServer) 
         model="m", prompt="Hello", max_tokens=3, temperature=0.0, logit_bias={"42": 100}
     )
     assert r.choices[0].text == tokenizer.decode([42, 42, 42])
+
+
+def _chain(depth: int) -> dict[str, Any]:
+    """A schema whose definitions chain `depth` deep through `anyOf` (~66 bytes a link)."""
+    defs: dict[str, Any] = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "null"}]} for i in range(depth)
+    }
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+@pytest.mark.slow
+def test_every_grammar_field_survives_a_compiler_crasher(real_server: LiveServer) -> None:
+    """Each of the ten fields that compile a grammar, carrying a schema (or a lark rule chain)
+    that overflows the grammar library's compiler: a 400 in the API's own envelope (for forced
+    tools, whose schemas the prompt carries, the context's limit may refuse it first), and the
+    server goes on serving."""
+    deep = _chain(2500)
+    lark = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(12000)) + '\nr12000: "x"'
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    forced = {"type": "function", "function": {"name": "f"}}
+    user = [{"role": "user", "content": "hi"}]
+    chat = {"messages": user, "max_tokens": 4}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", chat | {"response_format": rf}),
+        ("/v1/chat/completions", chat | {"guided_json": deep}),
+        ("/v1/chat/completions", chat | {"structured_outputs": {"json": deep}}),
+        ("/v1/chat/completions", chat | {"structured_outputs": {"grammar": lark}}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_json": deep}),
+        ("/v1/chat/completions", chat | {"tools": [tool], "tool_choice": forced}),
+        (
+            "/v1/messages",
+            chat | {"output_format": {"type": "json_schema", "schema": deep}},
+        ),
+        (
+            "/v1/messages",
+            chat
+            | {
+                "tools": [{"name": "f", "input_schema": deep}],
+                "tool_choice": {"type": "tool", "name": "f"},
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "hi",
+                "max_output_tokens": 4,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}},
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "hi",
+                "max_output_tokens": 4,
+                "tools": [{"type": "function", "name": "f", "parameters": deep}],
+                "tool_choice": {"type": "function", "name": "f"},
+            },
+        ),
+    ]
+    with httpx.Client(base_url=real_server.url, timeout=120) as client:
+        for path, body in cases:
+            assert len(json.dumps(body)) < 256 << 10
+            r = client.post(path, json=body)
+            assert r.status_code == 400, (path, list(body), r.text[:500])
+            error = r.json()["error"]
+            # a tool's schema is rendered into the prompt too: past the context, that comes first
+            refused = "tools" in body and "context" in error["message"]
+            assert refused or "grammar compiler" in error["message"], (path, error)
+            ok = client.post("/v1/chat/completions", json=chat)
+            assert ok.status_code == 200, ok.text

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from deepinfer.api.errors import ApiError
-from deepinfer.api.tool_grammar import call_grammar, check_schema, forced_calls
+from deepinfer.api.tool_grammar import call_grammar, forced_calls
 from deepinfer.api.tool_plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
+from deepinfer.errors import InvalidRequestError
 from deepinfer.model.gguf_loader import open_gguf
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
@@ -110,10 +111,14 @@ def test_markers_held_as_tokens_are_spelled_as_those_tokens() -> None:
     assert "<[7]>" in grammar and "<[8]>" in grammar and '"<tool_call>"' not in grammar
 
 
-def test_schema_the_library_refuses_names_its_field() -> None:
+def test_schema_the_library_refuses_names_its_field(compiler: ConstraintCompiler) -> None:
+    """Each forced tool's schema is a part of the call grammar, probed on its own first."""
     bad = ToolSchema("f", json.dumps({"type": "frobnicate"}), "tools[3].function.parameters")
-    with pytest.raises(ApiError) as info:
-        check_schema(bad)
+    spec = forced_calls(SamplingParams(), ToolPlan(forced=(TOOLS[0], bad)), None).structured
+    assert spec is not None
+    assert [part.param for part in spec.parts] == [TOOLS[0].param, bad.param]
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(spec)
     assert info.value.param == "tools[3].function.parameters" and "frobnicate" in str(info.value)
 
 
