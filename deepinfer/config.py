@@ -81,7 +81,8 @@ class CacheConfig:
     kv_memory_bytes: int | None = None
     """Memory budget for the device KV pool; the number of blocks follows from it. None: on CPU
     a quarter of the machine's memory, at most 4 GiB (the pool lives in RAM beside everything
-    else); on CUDA 80% of the device memory free once the weights are loaded."""
+    else; it is reserved, not touched: resident memory grows with the blocks written, up to the
+    budget); on CUDA 80% of the device memory free once the weights are loaded."""
     num_blocks: int | None = None
     """Exact number of KV blocks (overrides the byte budget; tests use it)."""
     enable_prefix_caching: bool = True
@@ -104,7 +105,7 @@ class DiskCacheConfig:
     cache_dir: Path | None = None
     """Cache root; None: `$XDG_CACHE_HOME/deepinfer` or `~/.cache/deepinfer`."""
     max_bytes: int = 32 << 30
-    """Byte budget on disk; least recently used blocks are evicted beyond it."""
+    """Byte budget on disk; LRU eviction beyond it (lowered while the filesystem is full)."""
     default_retention: Retention = Retention.CHAT
     """Retention class of requests that name none: `agent` (3 days), `chat` (7 days), `none`."""
     agent_days: float = 3.0
@@ -139,6 +140,18 @@ class SchedulerConfig:
     ceil(streams / this) tokens (fewer, larger deltas; the same text). 0: every token."""
     stream_max_delay_ms: float = 50.0
     """Longest a token waits for its stream's reader when tokens are gathered into frames."""
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Structured output's grammars: each new one is built first in a child process."""
+
+    grammar_compile_timeout_s: float = 10.0
+    """Seconds a new grammar may take to build; past it (or when building crashes the child
+    process that tries it first) the request gets a 400, and a repeat is refused at once."""
+    grammar_cache_mb: int = 512
+    """MiB the compiled grammars kept for reuse may hold together (each measured as it is
+    first built); the least recently used go first."""
 
 
 @dataclass(frozen=True)
@@ -269,6 +282,7 @@ class Config:
     disk_cache: DiskCacheConfig = field(default_factory=DiskCacheConfig)
     host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
@@ -285,6 +299,11 @@ class Config:
 
 def _validate(config: Config) -> None:
     _validate_workers(config.workers)
+    g = config.grammar
+    if g.grammar_compile_timeout_s <= 0 or g.grammar_cache_mb < 0:
+        raise ConfigError(
+            "grammar_compile_timeout_s must be positive and grammar_cache_mb not negative"
+        )
     _validate_speculative(config.speculative)
     _validate_experts(config.experts)
     c, s = config.cache, config.scheduler
@@ -294,6 +313,8 @@ def _validate(config: Config) -> None:
         raise ConfigError(f"cache.num_blocks must be at least 2, got {c.num_blocks}")
     if s.max_num_seqs < 1 or s.max_num_batched_tokens < 1:
         raise ConfigError("scheduler.max_num_seqs and max_num_batched_tokens must be positive")
+    if s.max_waiting < 1:  # else every request is refused as overload, forever
+        raise ConfigError(f"scheduler.max_waiting must be at least 1, got {s.max_waiting}")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         raise ConfigError("model.max_model_len must be positive")
     if config.model.matmul_activations not in ("auto", "float32", "int8"):

@@ -32,6 +32,28 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class StoredResponseLimits:
+    """Bounds on the Responses API's stored conversations (`previous_response_id`). A tenant
+    (the API key's identity and `cache_salt`, as for the prefix cache) past its own bound loses
+    its own least recently used responses; past the global bound, the least recently used of all
+    go."""
+
+    max_stored_responses: int = 4096
+    """Responses kept for `previous_response_id`, all tenants together."""
+    max_stored_chars: int = 64 << 20
+    """Characters of conversation text the stored responses hold, all tenants together."""
+    max_stored_responses_per_tenant: int = 512
+    """Responses one tenant keeps stored; its next one drops its own least recently used."""
+    max_stored_chars_per_tenant: int = 8 << 20
+    """Characters of conversation text one tenant's stored responses hold."""
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if value < 1:
+                raise ConfigError(f"server.stored_responses.{name} must be at least 1, got {value}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     """Address the HTTP server listens on."""
@@ -45,6 +67,8 @@ class ServerConfig:
     """Name reported by /v1/models; None: the model file's stem."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Bounds on one request's size and work."""
+    stored_responses: StoredResponseLimits = field(default_factory=StoredResponseLimits)
+    """Bounds on the Responses API's stored conversations, overall and per tenant."""
     web: bool = True
     """Serve the web pages: a chat playground at `/` and a live dashboard at `/dashboard`
     (static files; they call the API with the key the user types)."""
@@ -53,18 +77,33 @@ class ServerConfig:
     its previous response) is closed; bytes trickling in do not extend it."""
     body_timeout_s: float = 30.0
     """A request whose body stalls this long between two reads is answered 408 and closed."""
+    body_grace_s: float = 20.0
+    """A request body may take this long at any pace; after it, one that has arrived slower on
+    average than `min_body_rate_bytes_per_s` is answered 408 and closed."""
+    min_body_rate_bytes_per_s: float = 500.0
+    """Slowest average pace of a request body past `body_grace_s`: each byte received extends
+    the body's deadline by 1 / this seconds."""
     keep_alive_timeout_s: float = 5.0
     """An idle keep-alive connection is closed this long after its last response."""
     max_connections: int = 1024
     """Open connections served at once. Connections beyond it are still accepted, but while more
     are open (or more requests in flight) every request, on any connection, is answered 503 and
-    its connection closed. Stalled connections count until the deadlines above close them."""
+    its connection closed. Stalled connections count until the deadlines above close them; when
+    one more opens, stalled connections of the addresses holding over an equal share (the cap
+    over the addresses holding any) are closed, oldest first, to make room. A lone address keeps
+    the whole cap."""
 
     def __post_init__(self) -> None:
         for name, value in dataclasses.asdict(self.limits).items():
             if value < 1:
                 raise ConfigError(f"server.limits.{name} must be at least 1, got {value}")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        for name in (
+            "header_timeout_s",
+            "body_timeout_s",
+            "body_grace_s",
+            "min_body_rate_bytes_per_s",
+            "keep_alive_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"server.{name} must be positive, got {getattr(self, name)}")
         if self.max_connections < 1 or self.max_body_bytes < 1:

@@ -19,14 +19,14 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from deepinfer.api.access_log import AccessLogMiddleware
 from deepinfer.api.anthropic_routes import anthropic_routes
 from deepinfer.api.auth import ApiKeyMiddleware, route_path
-from deepinfer.api.body_timeout import BodyTimeoutMiddleware
+from deepinfer.api.body_timeout import BodyDeadlines, BodyTimeoutMiddleware
 from deepinfer.api.context import ApiContext
 from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
 from deepinfer.api.metrics import ApiMetrics
@@ -95,7 +95,7 @@ def create_app(
 
     middleware = [
         Middleware(AccessLogMiddleware, metrics=metrics),
-        Middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s),
+        Middleware(BodyTimeoutMiddleware, deadlines=_body_deadlines(config)),
     ]
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key, pages=config.web))
@@ -105,13 +105,18 @@ def create_app(
             Route("/metrics", prometheus, methods=["GET"]),
             *openai_routes(ctx),
             *anthropic_routes(ctx),
-            *responses_routes(ctx, disk_cache or DiskCacheConfig()),
+            *responses_routes(ctx, disk_cache or DiskCacheConfig(), config.stored_responses),
             *token_routes(ctx),
             *stats_routes(ctx, closing),
             *(page_routes() if config.web else ()),
         ],
         middleware=middleware,
-        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers={
+            HTTPException: _http_error,
+            ApiError: _expected_error,
+            ClientDisconnect: _expected_error,
+            Exception: _internal_error,
+        },
         lifespan=lambda _app: engine_lifespan(engine),
     )
     # No 307 to the slash-less path (clients re-send bodies inconsistently across redirects):
@@ -121,6 +126,14 @@ def create_app(
     app.state.engine = engine
     app.state.closing = closing
     return app
+
+
+def _body_deadlines(config: ServerConfig) -> BodyDeadlines:
+    return BodyDeadlines(
+        stall_s=config.body_timeout_s,
+        grace_s=config.body_grace_s,
+        min_rate_bytes_per_s=config.min_body_rate_bytes_per_s,
+    )
 
 
 def _observe_steps(engine: EngineClient, metrics: ApiMetrics) -> None:
@@ -158,6 +171,12 @@ def _slash_hint(request: Request, path: str) -> str:
     if bare != path and any(isinstance(r, Route) and r.path == bare for r in routes):
         return f"; the route is {bare} (no trailing slash)"
     return ""
+
+
+async def _expected_error(request: Request, exc: Exception) -> Response:
+    """An `ApiError` (or a client gone mid-body) escaping a route: its own status in the
+    route's envelope, handled inside the app, so neither logged as a crash nor counted a 500."""
+    return error_response_for(route_path(request.scope), exc)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -5,7 +5,11 @@
   idle gap, and any byte cancels it), so `http_protocol` returns uvicorn's HTTP protocol with one
   added: a timer armed while the protocol waits for a head and disarmed when the head is whole.
 - Bodies: `body_timeout.BodyTimeoutMiddleware` (part of the app, so a mounted app has it too)
-  answers 408 and closes the connection when a request body stalls between two reads.
+  answers 408 and closes the connection when a request body stalls between two reads or arrives
+  slower than its minimum rate.
+- Shares: beyond the connection cap, one client address cannot hold every connection: each
+  protocol registers with the server's `connection_shares.ConnectionShares`, which names the
+  stalled connections of the addresses over their share to close (`connection_shares.py`).
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import cast
+from typing import Protocol, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from deepinfer.api.connection_shares import ConnectionShares
 
 log = logging.getLogger("deepinfer.api")
 
@@ -48,20 +54,63 @@ def _close_stalled(transport: asyncio.BaseTransport) -> None:
         transport.close()
 
 
+def _client_key(client: tuple[str, int] | None) -> str:
+    """The client's address without its port (a Unix socket's peers are one client)."""
+    return client[0] if client else ""
+
+
+class _Cycle(Protocol):
+    """The fields read of uvicorn's `RequestResponseCycle` (the same in h11 and httptools)."""
+
+    response_complete: bool
+    more_body: bool
+
+
+def _is_stalled(cycle: _Cycle | None) -> bool:
+    """True unless the connection's latest request is whole and its response unfinished: the
+    cycle is None before the first request, `response_complete` between requests, `more_body`
+    while the body is arriving."""
+    return cycle is None or cycle.response_complete or cycle.more_body
+
+
+def _evict(transport: asyncio.Transport, client_key: str, max_connections: int) -> None:
+    log.debug(
+        "closing a stalled connection of %s: beyond the cap of %d connections, it holds more "
+        "than its share",
+        client_key or "a local client",
+        max_connections,
+    )
+    transport.abort()  # it owes the server bytes; whatever it has not read is dropped too
+
+
 class H11HeadTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol with a head deadline, armed while the client's side is IDLE: h11
     returns there only when the connection opens and when a request and its response are both
     done, and leaves it as soon as a whole head is parsed."""
 
     header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
+    shares: ConnectionShares  # one per server, set by `http_protocol`
+
+    @property
+    def client_key(self) -> str:
+        return _client_key(self.client)
+
+    def is_stalled(self) -> bool:
+        return _is_stalled(self.cycle)
+
+    def evict(self) -> None:
+        _evict(self.transport, self.client_key, self.shares.max_connections)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
         super().connection_made(transport)
         self._sync_head_deadline()
+        for conn in self.shares.open(self):
+            conn.evict()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.head_deadline.disarm()
+        self.shares.close(self)
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
@@ -88,14 +137,28 @@ def httptools_protocol() -> type[asyncio.Protocol] | None:
 
     class HttpToolsHeadTimeoutProtocol(HttpToolsProtocol):
         header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
+        shares: ConnectionShares  # one per server, set by `http_protocol`
+
+        @property
+        def client_key(self) -> str:
+            return _client_key(self.client)
+
+        def is_stalled(self) -> bool:
+            return _is_stalled(self.cycle)
+
+        def evict(self) -> None:
+            _evict(self.transport, self.client_key, self.shares.max_connections)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
             super().connection_made(transport)
             self.head_deadline.arm(transport)
+            for conn in self.shares.open(self):
+                conn.evict()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.head_deadline.disarm()
+            self.shares.close(self)
             super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
@@ -110,10 +173,14 @@ def httptools_protocol() -> type[asyncio.Protocol] | None:
     return HttpToolsHeadTimeoutProtocol
 
 
-def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+def http_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
     """The HTTP protocol for uvicorn's `http=`: httptools (a dependency: C, where h11 is pure
     Python, on the event loop's path of every streamed token), else h11 where it is missing;
-    either with a head deadline of `header_timeout_s`."""
+    either with a head deadline of `header_timeout_s` and its own `ConnectionShares` of
+    `max_connections` (call once per server: the class holds that server's connections)."""
     base = httptools_protocol() or H11HeadTimeoutProtocol
-    namespace = {"header_timeout_s": header_timeout_s}
+    namespace = {
+        "header_timeout_s": header_timeout_s,
+        "shares": ConnectionShares(max_connections),
+    }
     return cast(type[asyncio.Protocol], type(base.__name__, (base,), namespace))

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from deepinfer.api.body import decode_json, read_body
 from deepinfer.api.cache_options import CacheOptions
 from deepinfer.api.errors import ApiError, ErrorKind
+from deepinfer.api.limits import check_sequences
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
@@ -90,9 +91,12 @@ class ApiContext:
         *,
         request_id: str,
         cache: CacheOptions | None = None,
+        param: str = "n",
     ) -> list[OutputStream]:
         """Submit one engine request per (prompt, params) pair, all or none: if one is refused,
-        those already queued are aborted and the error propagates (before any output)."""
+        those already queued are aborted and the error propagates (before any output). More
+        pairs than the engine ever queues is a 400 naming `param`, before any is submitted."""
+        check_sequences(len(prompts), param, self.engine.max_waiting)
         arrival_s = time.monotonic()
         streams: list[OutputStream] = []
         try:

@@ -10,6 +10,7 @@ import enum
 import logging
 
 import msgspec
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from deepinfer.errors import (
@@ -32,6 +33,7 @@ class ErrorKind(enum.Enum):
     OVERLOADED = "overloaded"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    CLIENT_GONE = "client_gone"
 
 
 # kind -> (OpenAI status, OpenAI type, Anthropic status, Anthropic type)
@@ -44,6 +46,8 @@ _WIRE: dict[ErrorKind, tuple[int, str, int, str]] = {
     ErrorKind.OVERLOADED: (429, "rate_limit_error", 529, "overloaded_error"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable", 503, "api_error"),
     ErrorKind.INTERNAL: (500, "internal_error", 500, "api_error"),
+    # The client left mid-request: answered to nobody, logged as 499 (nginx's "client closed").
+    ErrorKind.CLIENT_GONE: (499, "client_closed_request", 499, "client_closed_request"),
 }
 
 
@@ -111,6 +115,8 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(ErrorKind.UNAVAILABLE, f"the engine is not running: {exc}")
     if isinstance(exc, DeepInferError):
         return ApiError(ErrorKind.INTERNAL, str(exc))
+    if isinstance(exc, ClientDisconnect):  # logged where the body is read (`body_timeout.py`)
+        return ApiError(ErrorKind.CLIENT_GONE, "the client disconnected mid-request")
     log.error("internal error", exc_info=exc)
     return ApiError(ErrorKind.INTERNAL, "internal server error")
 

@@ -14,6 +14,7 @@ import msgspec
 from deepinfer.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.openai_schemas import ChatCompletionRequest, _SamplingFields
+from deepinfer.api.responses_schemas import ResponsesRequest
 from deepinfer.server_config import RequestLimits
 
 
@@ -35,6 +36,23 @@ def check_openai_sampling(req: _SamplingFields, limits: RequestLimits) -> None:
     )
     n = limits.max_logit_bias
     _check_count("logit_bias", req.logit_bias, n, f"{n} logit biases", "max_logit_bias")
+    _check_constraint_bytes(req, limits)
+
+
+def _check_constraint_bytes(req: _SamplingFields, limits: RequestLimits) -> None:
+    """vLLM's constraints: each one's text (a schema, a regex, a grammar, the choices) is sized
+    against `max_schema_bytes` like a response format's schema."""
+    _check_schema_bytes("guided_json", len(req.guided_json), limits)
+    _check_schema_bytes("structured_outputs", len(req.structured_outputs), limits)
+    if req.guided_regex is not None:
+        _check_schema_bytes("guided_regex", _utf8_bytes(req.guided_regex), limits)
+    if req.guided_choice is not None:
+        num_bytes = sum(_utf8_bytes(choice) + 3 for choice in req.guided_choice)
+        _check_schema_bytes("guided_choice", num_bytes, limits)
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def check_openai_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
@@ -50,6 +68,27 @@ def check_anthropic(req: CountTokensRequest, limits: RequestLimits) -> None:
     _check_tools(req.tools, limits)
     if isinstance(req, MessagesRequest):
         _check_stops("stop_sequences", req.stop_sequences, limits)
+        _check_schema_bytes("output_format", len(req.output_format), limits)
+
+
+def check_responses(req: ResponsesRequest, limits: RequestLimits) -> None:
+    """`input` items (as messages), `tools`, and the schema of a `text.format`. The other
+    bounded fields (stop strings, stop token ids, logit biases) have no Responses field."""
+    if isinstance(req.input, list):
+        n = limits.max_messages
+        _check_count("input", req.input, n, f"{n} items", "max_messages")
+    _check_tools(req.tools, limits)
+    fmt = None if req.text is None else req.text.format
+    if fmt is not None:
+        _check_schema_bytes("text.format.schema", len(fmt.schema_), limits)
+
+
+def check_sequences(num_sequences: int, param: str, max_waiting: int) -> None:
+    """A request of more sequences (prompts times `n`) than the engine ever queues can never
+    be admitted whole: a 400, not the 429 of a queue that is full for now."""
+    if num_sequences > max_waiting:
+        accepted = f"{max_waiting} sequences"
+        raise over_limit(param, accepted, "max_waiting", num_sequences)
 
 
 def _check_count(

@@ -205,7 +205,10 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             rid = new_id("cmpl-")
             all_prompts = [p for p in prompts for _ in range(n)]
             cache = cache_options(request, req.cache_salt, req.cache_retention)
-            streams = await ctx.submit_all(all_prompts, params, request_id=rid, cache=cache)
+            param = "prompt" if len(prompts) > 1 else "n"
+            streams = await ctx.submit_all(
+                all_prompts, params, request_id=rid, cache=cache, param=param
+            )
         except Exception as exc:
             return openai_error_response(exc)
         created = int(time.time())

@@ -89,6 +89,12 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def max_waiting(self) -> int:
+        """The most requests ever queued at once: a batch of more is refused whole (400), while
+        one that fits but finds the queue full now is `OverloadedError` (429)."""
+        ...
+
+    @property
     def system_fingerprint(self) -> str:
         """The model fingerprint and the arithmetic mode (`--batch-invariant` or not)."""
         ...

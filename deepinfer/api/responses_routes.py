@@ -14,7 +14,7 @@ from deepinfer.api.body import json_response
 from deepinfer.api.cache_options import cache_options
 from deepinfer.api.context import ApiContext, default_max_tokens, new_id
 from deepinfer.api.errors import ApiError, ErrorKind, openai_error_response
-from deepinfer.api.limits import over_limit
+from deepinfer.api.limits import check_responses
 from deepinfer.api.responses_convert import input_messages, invalid, prompt_messages, status_of
 from deepinfer.api.responses_fields import check_fields, reasoning_effort
 from deepinfer.api.responses_items import whole_answer
@@ -28,7 +28,7 @@ from deepinfer.api.tool_grammar import forced_calls, recipe_format
 from deepinfer.config import DiskCacheConfig, Retention
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import SamplingParams
-from deepinfer.server_config import RequestLimits
+from deepinfer.server_config import StoredResponseLimits
 from deepinfer.text.recipe import ChatMessage
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -37,18 +37,20 @@ CLIENT_CLOSED = 499
 DAY_S = 86_400.0
 
 
-def responses_routes(ctx: ApiContext, disk_cache: DiskCacheConfig) -> list[Route]:
-    store = new_store(disk_cache)
+def responses_routes(
+    ctx: ApiContext, disk_cache: DiskCacheConfig, stored: StoredResponseLimits
+) -> list[Route]:
+    store = new_store(disk_cache, stored)
     return [Route("/v1/responses", _create_handler(ctx, store), methods=["POST"])]
 
 
-def new_store(disk: DiskCacheConfig) -> ResponseStore:
+def new_store(disk: DiskCacheConfig, stored: StoredResponseLimits) -> ResponseStore:
     """A store whose retention lifetimes are the disk tier's retention classes."""
     lifetimes_s: dict[str, float] = {
         Retention.AGENT: disk.agent_days * DAY_S,
         Retention.CHAT: disk.chat_days * DAY_S,
     }
-    return ResponseStore(lifetimes_s, disk.default_retention)
+    return ResponseStore(lifetimes_s, disk.default_retention, limits=stored)
 
 
 def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
@@ -87,7 +89,7 @@ async def _prepare(
 ) -> Pending:
     """Check the fields, rebuild the conversation and encode the prompt."""
     check_fields(req)
-    _check_num_items(req, ctx.limits)
+    check_responses(req, ctx.limits)
     cache = cache_options(request, req.cache_salt, req.cache_retention)
     history = _history(store, req.previous_response_id, cache.salt)
     conversation = (*history, *input_messages(req.input))
@@ -121,12 +123,6 @@ def _history(
             code="previous_response_not_found",
         )
     return stored.messages
-
-
-def _check_num_items(req: ResponsesRequest, limits: RequestLimits) -> None:
-    n = limits.max_messages
-    if isinstance(req.input, list) and len(req.input) > n:
-        raise over_limit("input", f"{n} items", "max_messages", len(req.input))
 
 
 def _sampling_params(ctx: ApiContext, req: ResponsesRequest, num_prompt_ids: int) -> SamplingParams:

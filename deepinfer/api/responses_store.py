@@ -1,9 +1,11 @@
 """Stored responses, for `previous_response_id`: each response's whole conversation (its input,
 the history it continued, its reply), kept in memory for its retention class's lifetime.
 
-Bounded twice (LRU): by the number of responses and by the characters of text they hold. A
-response is visible only under the cache salt it was created with (tenant isolation: with
-`--api-key`, a key's responses are invisible to other keys). Retention `none` stores nothing.
+A response is visible only under the cache salt it was created with (tenant isolation: with
+`--api-key`, a key's responses are invisible to other keys), and the salt is its tenant. Bounded
+twice (LRU) by the number of responses and the characters of text they hold: per tenant, so that
+one tenant's long chains drop only its own responses, and over all tenants together. Retention
+`none` stores nothing.
 """
 
 from __future__ import annotations
@@ -11,12 +13,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from deepinfer.server_config import StoredResponseLimits
 from deepinfer.text.recipe import ChatMessage
-
-MAX_RESPONSES = 4096
-MAX_STORED_CHARS = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -34,27 +34,41 @@ class StoredResponse:
         return calls + sum(len(m.content) + len(m.name or "") for m in self.messages)
 
 
+@dataclass
+class _Tenant:
+    """One tenant's stored responses, least recently used first."""
+
+    response_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    num_chars: int = 0
+
+
 class ResponseStore:
-    """An LRU map response id -> `StoredResponse`, expired entries dropped on access."""
+    """An LRU map response id -> `StoredResponse`, with an LRU order per tenant (salt) too;
+    expired entries are dropped on access."""
 
     def __init__(
         self,
         lifetimes_s: Mapping[str, float],
         default_retention: str,
         *,
-        max_responses: int = MAX_RESPONSES,
-        max_chars: int = MAX_STORED_CHARS,
+        limits: StoredResponseLimits,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lifetimes_s = dict(lifetimes_s)
         self._default_retention = default_retention
-        self._max_responses, self._max_chars = max_responses, max_chars
+        self._limits = limits
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._tenants: dict[str | None, _Tenant] = {}
         self._num_chars = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def num_stored(self, salt: str | None) -> int:
+        """Responses the tenant `salt` has stored."""
+        tenant = self._tenants.get(salt)
+        return 0 if tenant is None else len(tenant.response_ids)
 
     def lifetime_s(self, retention: str | None) -> float | None:
         """How long a response of this retention class is kept; None: not kept (`none`)."""
@@ -69,17 +83,27 @@ class ResponseStore:
         retention: str | None,
     ) -> bool:
         """Keep `messages` under `response_id`; False when the retention class keeps nothing or
-        the conversation alone exceeds the store's character budget."""
+        the conversation alone exceeds a tenant's character budget. Drops the tenant's own least
+        recently used responses past its bounds, then anyone's past the global bounds."""
         lifetime_s = self.lifetime_s(retention)
         if lifetime_s is None:
             return False
+        limits = self._limits
         entry = StoredResponse(messages, salt, self._clock() + lifetime_s)
-        if entry.num_chars > self._max_chars:
+        if entry.num_chars > min(limits.max_stored_chars, limits.max_stored_chars_per_tenant):
             return False
         self._drop(response_id)
-        self._entries[response_id] = entry
-        self._num_chars += entry.num_chars
-        while len(self._entries) > self._max_responses or self._num_chars > self._max_chars:
+        self._add(response_id, entry)
+        tenant = self._tenants[salt]
+        while (
+            len(tenant.response_ids) > limits.max_stored_responses_per_tenant
+            or tenant.num_chars > limits.max_stored_chars_per_tenant
+        ):
+            self._drop(next(iter(tenant.response_ids)))
+        while (
+            len(self._entries) > limits.max_stored_responses
+            or self._num_chars > limits.max_stored_chars
+        ):
             self._drop(next(iter(self._entries)))
         return True
 
@@ -92,14 +116,37 @@ class ResponseStore:
             self._drop(response_id)
             return None
         self._entries.move_to_end(response_id)
+        self._tenants[salt].response_ids.move_to_end(response_id)
         return entry
+
+    def _add(self, response_id: str, entry: StoredResponse) -> None:
+        self._entries[response_id] = entry
+        self._num_chars += entry.num_chars
+        tenant = self._tenants.setdefault(entry.salt, _Tenant())
+        tenant.response_ids[response_id] = None
+        tenant.num_chars += entry.num_chars
 
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._num_chars -= entry.num_chars
+        if entry is None:
+            return
+        self._num_chars -= entry.num_chars
+        tenant = self._tenants[entry.salt]
+        del tenant.response_ids[response_id]
+        tenant.num_chars -= entry.num_chars
+        if not tenant.response_ids:
+            del self._tenants[entry.salt]
 
     def check_integrity(self) -> None:
-        assert len(self._entries) <= self._max_responses
+        limits = self._limits
+        assert len(self._entries) <= limits.max_stored_responses
         assert self._num_chars == sum(e.num_chars for e in self._entries.values())
-        assert self._num_chars <= self._max_chars
+        assert self._num_chars <= limits.max_stored_chars
+        assert sum(len(t.response_ids) for t in self._tenants.values()) == len(self._entries)
+        for salt, tenant in self._tenants.items():
+            assert tenant.response_ids, "an empty tenant is kept"
+            entries = [self._entries[i] for i in tenant.response_ids]
+            assert all(e.salt == salt for e in entries)
+            assert tenant.num_chars == sum(e.num_chars for e in entries)
+            assert len(tenant.response_ids) <= limits.max_stored_responses_per_tenant
+            assert tenant.num_chars <= limits.max_stored_chars_per_tenant

@@ -55,14 +55,14 @@ class _Server(uvicorn.Server):
 def uvicorn_config(app: object, config: Config) -> uvicorn.Config:
     """uvicorn settings: our loop (loop="none"), our access log, lifespan on, and the connection
     limits of `config.server`: deadlines for request heads and idle keep-alive, and a cap on
-    connections (uvicorn counts the asking connection, hence the + 1). The body deadline is the
-    app's own (`create_app`)."""
+    connections (uvicorn counts the asking connection, hence the + 1) that the protocol shares
+    out among client addresses. The body deadlines are the app's own (`create_app`)."""
     s = config.server
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=s.host,
         port=s.port,
-        http=http_protocol(s.header_timeout_s),
+        http=http_protocol(s.header_timeout_s, s.max_connections),
         # annotated int, but only ever handed to loop.call_later: fractions work
         timeout_keep_alive=s.keep_alive_timeout_s,  # type: ignore[arg-type]
         limit_concurrency=s.max_connections + 1,

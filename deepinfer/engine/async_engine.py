@@ -155,6 +155,11 @@ class AsyncEngine:
         return self.core.info.max_model_len
 
     @property
+    def max_waiting(self) -> int:
+        """The most requests queued at once (`--max-waiting`)."""
+        return self.config.scheduler.max_waiting
+
+    @property
     def system_fingerprint(self) -> str:
         return self.core.info.system_fingerprint
 

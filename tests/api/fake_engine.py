@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance as llg
+
 from deepinfer.engine.types import EngineStats, GenerationOutput, Usage
 from deepinfer.errors import (
     ContextLengthError,
@@ -133,7 +135,7 @@ class FakeStream:
 class FakeEngine:
     def __init__(
         self, *, max_model_len: int = 2048, num_blocks: int = 4096, block_size: int = 4,
-        max_active: int = 256, step_s: float = 0.002,
+        max_active: int = 256, max_waiting: int = 1024, step_s: float = 0.002,
     ) -> None:  # fmt: skip
         self.tokenizer = FakeTokenizer()
         self.recipe = FakeRecipe(self.tokenizer)
@@ -142,6 +144,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_active, self.step_s = max_active, step_s
+        self.max_waiting = max_waiting
+        """The most requests it ever queues: more at once than this are always refused."""
         self.step_observers: list[Any] = []
         self.num_merges = 0
         self.num_aborted = 0
@@ -201,8 +205,9 @@ class FakeEngine:
         ids = list(prompt)
         if not ids or len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
-        if len(self._reqs) >= self.max_active:
+        if len(self._reqs) >= min(self.max_active, self.max_waiting):
             raise OverloadedError("too many requests", retry_after_s=2)
+        _check_parts(params)
         self._counter += 1
         self.last_params = params
         rid = request_id or f"fake-{self._counter}"
@@ -275,3 +280,16 @@ class FakeEngine:
             for k in range(1, len(r.prompt) // bs + 1):
                 self._seen_prefixes.add(tuple(r.prompt[: k * bs]))
             self._release(r)
+
+
+def _check_parts(params: SamplingParams) -> None:
+    """The real engine probes each part of a grammar (a forced tool's schema) in a child process;
+    the fake checks them in process (its tests' schemas are small)."""
+    spec = params.structured
+    for part in spec.parts if spec is not None else ():
+        grammar = llg.LLMatcher.grammar_from_json_schema(part.source)
+        error = llg.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise InvalidRequestError(
+                f"{part.param}: the schema cannot be compiled: {error}", part.param
+            )

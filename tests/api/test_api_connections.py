@@ -1,6 +1,7 @@
 """Connection hygiene on a live server built by the real `uvicorn_config`: stalled request heads
-and bodies are closed, idle keep-alive connections too, slow but steady clients are not, and the
-connection cap answers 503. Raw sockets, sub-second deadlines."""
+and bodies are closed, bodies slower than the minimum rate too, idle keep-alive connections too,
+slow but steady clients are not, the connection cap answers 503, and one client address cannot
+hold every connection. Raw sockets, sub-second deadlines; a second client binds 127.0.0.2."""
 
 from __future__ import annotations
 
@@ -21,13 +22,18 @@ from live_server import LiveServer
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from deepinfer import cli
 from deepinfer.api.app import create_app
+from deepinfer.api.connection_shares import SharedConnection
 from deepinfer.api.connections import H11HeadTimeoutProtocol, http_protocol, httptools_protocol
 from deepinfer.api.server import uvicorn_config
+from deepinfer.args import config_from_args
 from deepinfer.config import Config
+from deepinfer.errors import ConfigError
 from deepinfer.server_config import ServerConfig
 
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.2, 0.5, 0.4
+GRACE_S, MIN_RATE = 0.6, 10.0  # a body past 0.6 s must average 10 bytes/s
 SLACK_S = 1.5  # a loaded machine may fire a timer late, never early
 EARLY_S = 0.05  # timer and clock granularity
 CHAT = json.dumps(
@@ -43,7 +49,12 @@ def start_server(engine: FakeEngine, server: ServerConfig) -> LiveServer:
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[LiveServer]:
     server = ServerConfig(
-        port=0, header_timeout_s=HEADER_S, body_timeout_s=BODY_S, keep_alive_timeout_s=KEEP_ALIVE_S
+        port=0,
+        header_timeout_s=HEADER_S,
+        body_timeout_s=BODY_S,
+        body_grace_s=GRACE_S,
+        min_body_rate_bytes_per_s=MIN_RATE,
+        keep_alive_timeout_s=KEEP_ALIVE_S,
     )
     live = start_server(FakeEngine(step_s=0.02), server)
     try:
@@ -60,12 +71,19 @@ def close_sockets() -> Iterator[None]:
     """Close every socket a test opened with `connect` (the server closing its end does not
     close ours)."""
     yield
+    close_opened()
+
+
+def close_opened() -> None:
     while _opened:
         _opened.pop().close()
 
 
-def connect(server: LiveServer) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+def connect(server: LiveServer, client: str = "127.0.0.1") -> socket.socket:
+    """A connection from the loopback address `client` (each address is another client)."""
+    sock = socket.create_connection(
+        ("127.0.0.1", server.port), timeout=5, source_address=(client, 0)
+    )
     _opened.append(sock)
     return sock
 
@@ -167,6 +185,22 @@ def test_short_body_is_answered_408_and_closed(guarded: LiveServer, path: str) -
     assert "stalled for more than 0.5 s" in body["error"]["message"]
 
 
+def test_body_slower_than_the_minimum_rate_is_answered_408_after_its_grace(
+    guarded: LiveServer,
+) -> None:
+    start_s = time.monotonic()
+    sock = connect(guarded)
+    sock.sendall(head("POST", "/v1/chat/completions", content_length=100))
+    # 5 bytes/s: every gap is within the stall timeout, the average under the minimum rate
+    trickle(sock, b"x" * 100, interval_s=BODY_S * 0.4)
+    # due once t = GRACE_S + received / MIN_RATE, about GRACE_S + t / 2 here
+    data, elapsed_s = read_until_closed(sock, start_s, 2 * GRACE_S + SLACK_S)
+    assert elapsed_s >= GRACE_S - EARLY_S
+    status, body = status_and_json(data)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    assert "slower than 10 bytes/s after its first 0.6 s" in body["error"]["message"]
+
+
 def test_idle_keep_alive_is_closed_at_the_keep_alive_timeout(guarded: LiveServer) -> None:
     sock = connect(guarded)
     sock.sendall(head("GET", "/health"))
@@ -243,6 +277,74 @@ def test_connections_beyond_the_cap_get_503_until_others_close() -> None:
         live.stop()
 
 
+CAP = 6
+
+
+@pytest.fixture
+def capped() -> Iterator[LiveServer]:
+    live = start_server(FakeEngine(step_s=0.05), ServerConfig(port=0, max_connections=CAP))
+    try:
+        yield live
+    finally:
+        close_opened()  # else the shutdown waits for the bodies still due
+        live.stop()
+
+
+def wait_for_tasks(live: LiveServer, num_tasks: int) -> None:
+    """Until the server runs `num_tasks` requests (each head read, the app called)."""
+    deadline_s = time.monotonic() + SLACK_S
+    while live.call(lambda: len(live.server.server_state.tasks)) != num_tasks:
+        assert time.monotonic() < deadline_s, f"the server never ran {num_tasks} requests"
+        time.sleep(0.02)
+
+
+def open_stalled_body(live: LiveServer, client: str) -> socket.socket:
+    sock = connect(live, client)
+    sock.sendall(head("POST", "/v1/chat/completions", content_length=100) + b"{")
+    return sock
+
+
+def test_a_client_holding_every_connection_gives_its_oldest_stalled_ones_up(
+    capped: LiveServer,
+) -> None:
+    hostile = [open_stalled_body(capped, "127.0.0.2") for _ in range(CAP)]
+    wait_for_tasks(capped, CAP)  # every connection mid-body, the cap reached
+    other = connect(capped)
+    other.sendall(head("GET", "/health"))
+    assert read_response(other) == (200, b'{"status":"ok"}')
+    assert read_until_closed(hostile[0], time.monotonic(), SLACK_S)[0] == b""
+    for i in range(1, 4):  # each new connection of the holder costs it its oldest
+        hostile.append(open_stalled_body(capped, "127.0.0.2"))
+        assert read_until_closed(hostile[i], time.monotonic(), SLACK_S)[0] == b""
+        other.sendall(head("GET", "/health"))
+        assert read_response(other) == (200, b'{"status":"ok"}')
+    sock = connect(capped)  # a second connection of the other client's, still within its share
+    sock.sendall(head("POST", "/v1/chat/completions", content_length=len(CHAT)) + CHAT)
+    status, body = read_response(sock)
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == REPLY[:5]
+
+
+def test_connections_serving_whole_requests_are_never_closed_for_another(
+    capped: LiveServer,
+) -> None:
+    body = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+         "stream": True}
+    ).encode()  # fmt: skip
+    busy = [connect(capped, "127.0.0.2") for _ in range(CAP)]
+    request = head("POST", "/v1/chat/completions", content_length=len(body)) + body
+    for sock in busy:
+        sock.sendall(request.replace(b"Host: test", b"Host: test\r\nConnection: close"))
+    wait_for_tasks(capped, CAP)
+    other = connect(capped)
+    other.sendall(head("GET", "/health"))
+    data, _ = read_until_closed(other, time.monotonic(), SLACK_S)
+    assert data.startswith(b"HTTP/1.1 503 "), data  # as without shares: nothing stalled to close
+    for sock in busy:
+        text = read_until_closed(sock, time.monotonic(), 5 * SLACK_S)[0].decode()
+        assert text.startswith("HTTP/1.1 200 ") and "data: [DONE]" in text, text[-300:]
+
+
 def test_uvicorn_config_carries_the_connection_settings() -> None:
     server = ServerConfig(keep_alive_timeout_s=0.25, max_connections=7)
     config = uvicorn_config(create_app(FakeEngine(), server), Config(server=server))
@@ -252,6 +354,15 @@ def test_uvicorn_config_carries_the_connection_settings() -> None:
     expected = httptools_protocol() or H11Protocol
     assert issubclass(config.http, expected)
     assert config.http.header_timeout_s == ServerConfig().header_timeout_s  # type: ignore[attr-defined]
+    assert config.http.shares.max_connections == 7  # type: ignore[attr-defined]
+
+
+def test_body_rate_flags_reach_the_server_config() -> None:
+    argv = ["serve", "--body-grace-s", "3", "--min-body-rate-bytes-per-s", "64"]
+    server = config_from_args(cli.build_parser({}).parse_args(argv)).server
+    assert (server.body_grace_s, server.min_body_rate_bytes_per_s) == (3.0, 64.0)
+    with pytest.raises(ConfigError, match="min_body_rate_bytes_per_s must be positive"):
+        ServerConfig(min_body_rate_bytes_per_s=0)
 
 
 @pytest.fixture
@@ -269,8 +380,15 @@ def make_protocol(cls: type[asyncio.Protocol], loop: asyncio.AbstractEventLoop) 
 
 
 def assert_hooks_exist(ours: type, base: type) -> None:
-    """Every public method our protocol overrides is one uvicorn's protocol still has."""
-    hooks = [n for n, value in vars(ours).items() if callable(value) and not n.startswith("_")]
+    """Every public method our protocol overrides is one uvicorn's protocol still has (those of
+    `SharedConnection` are our own)."""
+    own = {"is_stalled", "evict"}
+    assert own <= set(dir(SharedConnection))
+    hooks = [
+        n
+        for n, value in vars(ours).items()
+        if callable(value) and not n.startswith("_") and n not in own
+    ]
     assert hooks, ours
     for name in hooks:
         assert callable(getattr(base, name, None)), f"uvicorn's {base.__name__} lost {name}"
@@ -288,7 +406,7 @@ def test_hooked_httptools_internals_exist(loop: asyncio.AbstractEventLoop) -> No
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     ours = httptools_protocol()
-    assert ours is not None and http_protocol(1.0).__mro__[1] is ours
+    assert ours is not None and http_protocol(1.0, 8).__mro__[1] is ours
     assert_hooks_exist(ours, HttpToolsProtocol)
     protocol = make_protocol(ours, loop)
     assert not protocol.pipeline and protocol.loop is loop

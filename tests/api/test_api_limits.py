@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,9 @@ from deepinfer.api.app import create_app
 from deepinfer.api.body import decode_json, json_depth
 from deepinfer.api.errors import ApiError
 from deepinfer.api.openai_schemas import ChatCompletionRequest
+from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.errors import ConfigError
 from deepinfer.server_config import RequestLimits, ServerConfig
 
 LIMITS = RequestLimits(
@@ -97,6 +101,23 @@ def messages(**fields: Any) -> tuple[str, Body]:
 
 def count_tokens(**fields: Any) -> tuple[str, Body]:
     return "/v1/messages/count_tokens", {"messages": user(), **fields}
+
+
+def responses(**fields: Any) -> tuple[str, Body]:
+    return "/v1/responses", {"input": "hi", "max_output_tokens": 3, **fields}
+
+
+def flat_tool(name: str, size: int = 0) -> Body:
+    """A Responses function tool."""
+    parameters = {"type": "object"}
+    return {"type": "function", "name": name, "description": "d" * size, "parameters": parameters}
+
+
+def text_format(size: int) -> Body:
+    """A Responses `text` whose json_schema format's schema is `size` bytes of JSON."""
+    schema = {"description": "x" * (size - schema_size({"description": ""}))}
+    assert schema_size(schema) == size
+    return {"format": {"type": "json_schema", "name": "s", "schema": schema}}
 
 
 def json_schema(size: int) -> Body:
@@ -216,6 +237,28 @@ CASES: list[tuple[Case, Body, Body, str, str]] = [
         "max_schema_bytes",
     ),
     (count_tokens, {"messages": user(4)}, {"messages": user(5)}, "messages", "max_messages"),
+    (responses, {"input": user(4)}, {"input": user(5)}, "input", "max_messages"),
+    (
+        responses,
+        {"tools": [flat_tool("a"), flat_tool("b")]},
+        {"tools": [flat_tool(c) for c in "abc"]},
+        "tools",
+        "max_tools",
+    ),
+    (
+        responses,
+        {"tools": fitting_tools(flat_tool)},
+        {"tools": [flat_tool("a"), flat_tool("bb", LIMITS.max_schema_bytes - 100)]},
+        "tools",
+        "max_schema_bytes",
+    ),
+    (
+        responses,
+        {"text": text_format(LIMITS.max_schema_bytes)},
+        {"text": text_format(LIMITS.max_schema_bytes + 1)},
+        "text.format.schema",
+        "max_schema_bytes",
+    ),
     (
         count_tokens,
         {"tools": fitting_tools()},
@@ -275,6 +318,54 @@ def test_the_message_states_the_limit_and_the_size(client: httpx.Client) -> None
     )
 
 
+def test_more_sequences_than_the_queue_ever_holds_is_a_400_not_a_429() -> None:
+    """More sequences (prompts times `n`) than the waiting queue holds can never be queued,
+    however long the client waits: a 400 naming the limit. At the limit, a full queue is a
+    429 with Retry-After, which clears."""
+    engine = FakeEngine(max_active=0, max_waiting=4)
+    server = LiveServer(create_app(engine)).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for (path, body), param in (
+                (chat(n=5), "n"),
+                (completion(n=5), "n"),
+                (completion(prompt=["a", "b", "c"], n=2), "prompt"),
+            ):
+                message = assert_refused(post(client, path, body), path, param, "max_waiting")
+                assert message.endswith("got 5" if param == "n" else "got 6")
+            for path, body in (chat(n=4), completion(prompt=["a", "b"], n=2), responses()):
+                busy = post(client, path, body)
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "2", busy.text
+            engine.max_active = 256
+            assert post(client, *chat(n=4)).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_queue_that_holds_nothing_is_a_config_error() -> None:
+    """`--max-waiting 0` would answer every request 429, forever."""
+    with pytest.raises(ConfigError, match="max_waiting must be at least 1, got 0"):
+        Config(scheduler=SchedulerConfig(max_waiting=0))
+
+
+def test_the_engine_refuses_more_sequences_than_its_queue_holds() -> None:
+    """The real engine (over the null model) states its queue bound to the API."""
+    config = Config(
+        model=ModelConfig(path=Path("null")),
+        cache=CacheConfig(kv_memory_bytes=64 << 20),
+        disk_cache=DiskCacheConfig(enabled=False),
+        scheduler=SchedulerConfig(max_waiting=2),
+    )
+    server = LiveServer(create_app(AsyncEngine(config), config.server)).start(timeout_s=120)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            path, body = completion(n=3)
+            assert_refused(post(client, path, body), path, "n", "max_waiting")
+            assert post(client, *completion(n=2)).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_a_megabyte_stop_string_is_refused_before_any_matcher_is_built(
     client: httpx.Client,
 ) -> None:
@@ -293,7 +384,7 @@ def nested(depth: int) -> Any:
     return value
 
 
-ROUTES: list[Case] = [chat, completion, messages, count_tokens]
+ROUTES: list[Case] = [chat, completion, messages, count_tokens, responses]
 
 
 @pytest.mark.parametrize("request_of", ROUTES, ids=[r.__name__ for r in ROUTES])

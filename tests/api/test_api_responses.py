@@ -12,7 +12,10 @@ import pytest
 from fake_engine import REPLY, FakeEngine
 from live_server import LiveServer
 
+from deepinfer.api.app import create_app
 from deepinfer.api.responses_store import ResponseStore
+from deepinfer.errors import ConfigError
+from deepinfer.server_config import ServerConfig, StoredResponseLimits
 from deepinfer.text.recipe import ChatMessage
 
 OPENING = [
@@ -210,9 +213,8 @@ def test_error_envelope_on_the_wire(fake_server: LiveServer) -> None:
 
 def test_store_is_bounded_lru_and_expires() -> None:
     now = [0.0]
-    store = ResponseStore(
-        {"chat": 10.0}, "chat", max_responses=2, max_chars=8, clock=lambda: now[0]
-    )
+    limits = StoredResponseLimits(max_stored_responses=2, max_stored_chars=8)
+    store = ResponseStore({"chat": 10.0}, "chat", limits=limits, clock=lambda: now[0])
     msg = (ChatMessage("user", "abc"),)
     assert store.put("a", msg, salt=None, retention=None)
     assert store.put("b", msg, salt=None, retention="chat")
@@ -226,6 +228,72 @@ def test_store_is_bounded_lru_and_expires() -> None:
     assert store.get("a", None) is None and store.get("c", None) is None
     store.check_integrity()
     assert len(store) == 0
+
+
+def test_a_tenant_past_its_quota_drops_only_its_own_responses() -> None:
+    limits = StoredResponseLimits(
+        max_stored_responses=6,
+        max_stored_chars=60,
+        max_stored_responses_per_tenant=3,
+        max_stored_chars_per_tenant=12,
+    )
+    store = ResponseStore({"chat": 10.0}, "chat", limits=limits)
+    msg = (ChatMessage("user", "abc"),)
+    assert store.put("v1", msg, salt="victim", retention=None)
+    assert store.put("v2", msg, salt=None, retention=None)
+    for i in range(50):
+        assert store.put(f"a{i}", msg, salt="attacker", retention=None)
+        store.check_integrity()
+    assert store.get("v1", "victim") is not None and store.get("v2", None) is not None
+    assert [i for i in range(50) if store.get(f"a{i}", "attacker")] == [47, 48, 49]
+    # 3 + 3 + 3 + 7 characters: its two least recently used go, to fit 12.
+    assert store.put("a-big", (ChatMessage("user", "x" * 7),), salt="attacker", retention=None)
+    assert store.num_stored("attacker") == 2 and store.get("a49", "attacker") is not None
+    assert not store.put(
+        "a-huge", (ChatMessage("user", "x" * 13),), salt="attacker", retention=None
+    )
+    store.check_integrity()
+    assert store.get("v1", "victim") is not None and store.num_stored("victim") == 1
+    for t in range(6):  # the global bound still holds, over all tenants (LRU)
+        assert store.put(f"t{t}", msg, salt=f"tenant-{t}", retention=None)
+        store.check_integrity()
+    assert len(store) == 6 and store.get("v1", "victim") is None
+
+
+def test_store_bounds_below_one_are_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="max_stored_responses_per_tenant must be at least 1"):
+        StoredResponseLimits(max_stored_responses_per_tenant=0)
+
+
+def test_a_long_chain_keeps_other_tenants_responses() -> None:
+    """With an API key, tenants are told apart by `cache_salt`: a chain of one past its quota
+    loses its own oldest responses, never another tenant's."""
+    stored = StoredResponseLimits(max_stored_responses=8, max_stored_responses_per_tenant=2)
+    config = ServerConfig(api_key="k", stored_responses=stored)
+    server = LiveServer(create_app(FakeEngine(), config)).start()
+    victim = {"cache_salt": "victim"}
+    chain = {"cache_salt": "chain"}
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0) as c:
+            kept = c.responses.create(model="m", input="mine", extra_body=victim)
+            ids: list[str] = []
+            for i in range(10):
+                previous = ids[-1] if ids else None
+                r = c.responses.create(
+                    model="m", input=f"turn {i}", previous_response_id=previous, extra_body=chain
+                )
+                ids.append(r.id)
+            again = c.responses.create(
+                model="m", input="again", previous_response_id=kept.id, extra_body=victim
+            )
+            assert again.status == "completed"
+            c.responses.create(model="m", input="x", previous_response_id=ids[-2], extra_body=chain)
+            with pytest.raises(openai.NotFoundError):
+                c.responses.create(
+                    model="m", input="x", previous_response_id=ids[-3], extra_body=chain
+                )
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
