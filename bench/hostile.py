@@ -6,7 +6,8 @@
 (from the repository root). One server on the default model, with its default flags (only
 `--no-disk-cache`, so runs do not feed each other). The victim is one streamed chat (greedy,
 `ignore_eos`, `--victim-tokens` tokens), re-issued `--rounds` times per phase: first alone, then
-beside each hostile class in turn, the attack running for the whole phase:
+beside each hostile class in turn, the attack running for the whole phase in a process of its
+own:
 
 - `grammar`: new grammars one after another, each unseen (a salt in the text): the regex that
   holds ~150 MB once built, a schema whose references chain 3,000 deep (crashes the library's
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import resource
 import sys
 import time
@@ -126,25 +128,32 @@ def flood_attack(port: int) -> Callable[[str, asyncio.Event], Awaitable[None]]:
     return lambda _base, stop: _connections(port, 1100, "127.0.0.3", stop, b"", trickle=False)
 
 
-async def phase(
-    base: str,
-    attack: Callable[[str, asyncio.Event], Awaitable[None]] | None,
-    rounds: int,
-    tokens: int,
-) -> list[float]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(attack(base, stop)) if attack else None
-    if task:
-        await asyncio.sleep(3.0)  # the attack under way before the victim starts
+def _attack_process(name: str, base: str, port: int) -> None:
+    """One attack, in a process of its own (its client work must not slow the victim's reader),
+    until it is terminated."""
+    attacks = {
+        "grammar": grammar_attack,
+        "tokenize": tokenize_attack,
+        "trickle": trickle_attack(port),
+        "flood": flood_attack(port),
+    }
+    asyncio.run(attacks[name](base, asyncio.Event()))
+
+
+def phase(base: str, port: int, attack: str | None, rounds: int, tokens: int) -> list[float]:
+    process = None
+    if attack is not None:
+        process = multiprocessing.Process(target=_attack_process, args=(attack, base, port))
+        process.start()
+        time.sleep(3.0)  # the attack under way before the victim starts
     gaps: list[float] = []
     try:
         for _ in range(rounds):
-            gaps += await victim(base, tokens)
+            gaps += asyncio.run(victim(base, tokens))
     finally:
-        stop.set()
-        if task:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 60)
+        if process is not None:
+            process.terminate()
+            process.join(30)
     return gaps
 
 
@@ -157,21 +166,14 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 8192), hard), hard))
     port = free_port()
-    attacks = {
-        "grammar": grammar_attack,
-        "tokenize": tokenize_attack,
-        "trickle": trickle_attack(port),
-        "flood": flood_attack(port),
-    }
     chosen = [c for c in args.classes.split(",") if c]
     cmd = deepinfer_cmd(port, ["--no-disk-cache"])
     rows: list[tuple[str, list[float]]] = []
     with running(cmd, port, ROOT / "bench" / "out" / "hostile_server.log") as base:
-        asyncio.run(phase(base, None, 1, 32))  # warm-up
-        rows.append(("alone", asyncio.run(phase(base, None, args.rounds, args.victim_tokens))))
+        phase(base, port, None, 1, 32)  # warm-up
+        rows.append(("alone", phase(base, port, None, args.rounds, args.victim_tokens)))
         for name in chosen:
-            gaps = asyncio.run(phase(base, attacks[name], args.rounds, args.victim_tokens))
-            rows.append((name, gaps))
+            rows.append((name, phase(base, port, name, args.rounds, args.victim_tokens)))
         health = httpx.get(base + "/health", timeout=10).status_code
     alone_max = max(rows[0][1])
     print(f"# {provenance()}")

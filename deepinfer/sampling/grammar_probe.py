@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -60,6 +61,7 @@ class GrammarProbe:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        self._pickled_vocab: bytes | None = None
         self._finalizer: (
             weakref.finalize[[subprocess.Popen[bytes], Connection], GrammarProbe] | None
         ) = None
@@ -105,12 +107,19 @@ class GrammarProbe:
         theirs.close()
         self._conn = conn = Connection(ours.detach())
         self._finalizer = weakref.finalize(self, _end_child, self._process, conn)
-        conn.send(self._vocab)
+        conn.send_bytes(self._vocab_bytes())
         if not conn.poll(START_TIMEOUT_S):
             self._stop()
             raise RuntimeError(f"the grammar probe did not start within {START_TIMEOUT_S:g} s")
         conn.recv()  # "ready"
         return conn
+
+    def _vocab_bytes(self) -> bytes:
+        """The vocabulary pickled once (3 MB for SmolLM2, ~0.1 s holding the GIL): a child that
+        replaces a crashed one gets the same bytes, sent without the GIL."""
+        if self._pickled_vocab is None:
+            self._pickled_vocab = pickle.dumps(self._vocab, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._pickled_vocab
 
     def _stop(self) -> str:
         """Stop the child (if any); says how it ended."""
@@ -150,7 +159,7 @@ def child_main(conn: Connection) -> None:
     """Serve probes until the engine closes its end of the connection (the vocabulary first)."""
     with contextlib.suppress(OSError):
         os.nice(COMPILE_NICENESS)
-    vocab: GrammarVocabulary = conn.recv()
+    vocab: GrammarVocabulary = pickle.loads(conn.recv_bytes())
     tokenizer = llg_tokenizer(vocab)
     conn.send("ready")
     while True:

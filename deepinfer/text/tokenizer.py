@@ -68,6 +68,10 @@ def _field(reader: Any, key: str) -> Any:
 
 _PARALLEL_ENCODE_CHARS = 512
 """Texts shorter than this in all are encoded one by one (see `Tokenizer.encode_batch`)."""
+_GIL_FREE_ENCODE_CHARS = 16 << 10
+"""Texts this long are encoded through `tokenizers`' batch call, which releases the GIL while it
+works: its single-text `encode` holds it throughout (1.3 s for 3 MB of text, during which the
+event loop and the workers' steps cannot run). Shorter ones take the cheaper single call."""
 
 
 class Tokenizer:
@@ -184,7 +188,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as content: control tokens spelled in it stay plain text; no BOS/EOS."""
-        return list(self._content.encode(text, add_special_tokens=False).ids)
+        return _encode(self._content, text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` on each text: in parallel inside `tokenizers`, but for a short chat's few
@@ -197,7 +201,7 @@ class Tokenizer:
 
     def encode_with_specials(self, text: str) -> list[int]:
         """Ids of trusted text, parsing control tokens. Never use this on user input."""
-        return list(self._special.encode(text, add_special_tokens=False).ids)
+        return _encode(self._special, text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
@@ -238,6 +242,12 @@ class Tokenizer:
         """The vocabulary spelling of `token_id`; None when out of range."""
         token = self._special.id_to_token(token_id)
         return None if token is None else str(token)
+
+
+def _encode(hf: HFTokenizer, text: str) -> list[int]:
+    if len(text) < _GIL_FREE_ENCODE_CHARS:
+        return list(hf.encode(text, add_special_tokens=False).ids)
+    return list(hf.encode_batch([text], add_special_tokens=False)[0].ids)
 
 
 def _max_token_bytes(hf: HFTokenizer) -> int | None:

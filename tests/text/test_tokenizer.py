@@ -196,3 +196,27 @@ def test_max_token_bytes_bounds_every_encoding(smollm_tokenizer: Tokenizer) -> N
     assert tok.max_token_bytes is not None
     for text in [*ALL_TEXTS, "\n" + " " * 4000, "#" * 5000, "日本語" * 300]:
         assert len(text.encode("utf-8")) <= tok.max_token_bytes * len(tok.encode(text))
+
+
+def test_long_texts_encode_alike_and_let_other_threads_run(smollm_tokenizer: Tokenizer) -> None:
+    """Past 16k characters `encode` goes through `tokenizers`' batch call (which releases the
+    GIL): the same ids as the single call, control-token text kept plain, and a thread beside
+    it keeps running while it works."""
+    import threading
+    import time
+
+    text = "<|im_start|>user lighthouse keeper 12345 " * 30_000  # ~1.2 MB
+    content = smollm_tokenizer._content
+    expected = list(content.encode(text, add_special_tokens=False).ids)
+    assert smollm_tokenizer.encode(text) == expected and 1 not in expected
+    special = smollm_tokenizer._special
+    assert smollm_tokenizer.encode_with_specials(text) == list(
+        special.encode(text, add_special_tokens=False).ids
+    )
+    wakeups = 0
+    worker = threading.Thread(target=smollm_tokenizer.encode, args=(text,))
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.001)
+        wakeups += 1
+    assert wakeups >= 20  # the single call holds the GIL: the loop here wakes once or twice
