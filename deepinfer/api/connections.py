@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -83,12 +83,12 @@ def _evict(transport: asyncio.Transport, client_key: str, max_connections: int) 
     transport.abort()  # it owes the server bytes; whatever it has not read is dropped too
 
 
-class H11HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a head deadline, armed while the client's side is IDLE: h11
-    returns there only when the connection opens and when a request and its response are both
-    done, and leaves it as soon as a whole head is parsed."""
+class _SharedConnection:
+    """What `ConnectionShares` asks of a connection, for both of uvicorn's HTTP protocols."""
 
-    header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
+    client: tuple[str, int] | None
+    cycle: Any
+    transport: asyncio.Transport
     shares: ConnectionShares  # one per server, set by `http_protocol`
 
     @property
@@ -100,6 +100,14 @@ class H11HeadTimeoutProtocol(H11Protocol):
 
     def evict(self) -> None:
         _evict(self.transport, self.client_key, self.shares.max_connections)
+
+
+class H11HeadTimeoutProtocol(_SharedConnection, H11Protocol):
+    """uvicorn's h11 protocol with a head deadline, armed while the client's side is IDLE: h11
+    returns there only when the connection opens and when a request and its response are both
+    done, and leaves it as soon as a whole head is parsed."""
+
+    header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
@@ -135,19 +143,8 @@ def httptools_protocol() -> type[asyncio.Protocol] | None:
     except ImportError:
         return None
 
-    class HttpToolsHeadTimeoutProtocol(HttpToolsProtocol):
+    class HttpToolsHeadTimeoutProtocol(_SharedConnection, HttpToolsProtocol):
         header_timeout_s: float = _DEFAULT_HEADER_TIMEOUT_S
-        shares: ConnectionShares  # one per server, set by `http_protocol`
-
-        @property
-        def client_key(self) -> str:
-            return _client_key(self.client)
-
-        def is_stalled(self) -> bool:
-            return _is_stalled(self.cycle)
-
-        def evict(self) -> None:
-            _evict(self.transport, self.client_key, self.shares.max_connections)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
