@@ -63,10 +63,10 @@ def build_expert_parallel(
         groups = local_groups(config, model)
     else:
         ranks = start_ranks(config, path)
-        device = model.embed_tokens.weight.device
+        device = model.norm.weight.device
         here = _group(model, device)
         comm = device if e.expert_parallel_backend == "nccl" else torch.device("cpu")
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype
         groups = [here] + [
             RankGroup(rank, model.arch.hidden_size, dtype, comm, fallback=here)
             for rank in range(1, e.expert_parallel)
@@ -97,7 +97,7 @@ def build_expert_parallel(
 def _group(model: MoEForCausalLM, device: torch.device, fixed_order: bool = False) -> LocalGroup:
     """A group on `device` reading `model`'s experts (copies of them on another device, through
     the fixed-order matmul in the batch-invariant mode)."""
-    here = model.embed_tokens.weight.device
+    here = model.norm.weight.device
     return LocalGroup(
         device,
         model.layer_runners().__getitem__,
@@ -114,7 +114,7 @@ def _fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def local_groups(config: Config, model: MoEForCausalLM) -> list[ExpertGroup]:
     """One group per `--expert-devices` entry; by default one GPU each where there are enough,
     else every group on the model's device (CPU thread groups)."""
-    e, here = config.experts, model.embed_tokens.weight.device
+    e, here = config.experts, model.norm.weight.device
     if e.expert_devices:
         devices = [resolve_device(name) for name in e.expert_devices]
     elif here.type == "cuda" and torch.cuda.device_count() >= e.expert_parallel:

@@ -5,6 +5,9 @@ the worker's thread, apply the results on the loop and deliver the deltas. With 
 groups, one more task runs the KV copies from the prefill pool to the decode pool, one at a time
 on the transfer thread. Aborts are applied between steps.
 
+Once the engine is idle a while after working, one more task gives the heap's freed pages back to
+the OS (`engine/heap.py`).
+
 A step that raises (its forward pass or sampling, or its update) fails that step's requests only.
 What cannot be recovered (a lost device, a scheduler left inconsistent, a failed KV handoff) fails
 every open stream with `EngineDeadError` and stops every task; `dead_reason` says why.
@@ -20,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.heap import IdleHeapTrim
 from deepinfer.engine.stream_table import StreamTable
 from deepinfer.engine.tiers import write_behind
 from deepinfer.engine.types import HandoffStats
@@ -56,6 +60,8 @@ class EngineDriver:
         self._dead: BaseException | None = None
         self.handoffs = HandoffStats()
         self.num_failed_steps = 0
+        self.heap = IdleHeapTrim(lambda: not any(w.lane.has_work for w in workers))
+        """Freed heap given back once idle (see deepinfer.engine.heap)."""
 
     # -- lifecycle --
     def start(self) -> None:
@@ -65,6 +71,7 @@ class EngineDriver:
         ]
         if self._core.decode_kv is not None:
             self._tasks.append(asyncio.create_task(self._run_handoffs(), name="deepinfer-handoff"))
+        self._tasks.append(asyncio.create_task(self.heap.run(), name="deepinfer-heap-trim"))
 
     async def stop(self) -> None:
         """Cancel the tasks and wait for them, then for the copy in flight."""
@@ -161,6 +168,7 @@ class EngineDriver:
                 for observer in self._observers:
                     observer(so, out)
         self.wake()
+        self.heap.stepped()
         await write_behind(self._core, worker.executor)
 
     def apply_aborts(self) -> None:

@@ -14,6 +14,7 @@ still gives plausible text but far worse perplexity).
 from __future__ import annotations
 
 import functools
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,16 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
             f"{path} is truncated: tensor data ends at byte {end}, file has {size}"
         )
     return reader
+
+
+def release_mapped_pages(reader: gguf.GGUFReader) -> None:
+    """Drop this process's resident pages of the file's mapping once the model holds copies of
+    what it serves: read pages count in the server's RSS (the whole file, once loaded) until the
+    kernel reclaims them. The mapping is read-only, so nothing is lost: a later read (the
+    tokenizer's metadata) faults its pages back in from the file."""
+    mapped = getattr(reader.data, "_mmap", None)  # numpy's memmap keeps its mmap object there
+    if isinstance(mapped, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 @functools.lru_cache(maxsize=2)

@@ -52,7 +52,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         with torch.device("meta"):
-            self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
+            self.embed_tokens: nn.Module = Embedding(arch.vocab_size, arch.hidden_size)
+            """The token table (`QuantizedEmbedding` once served from GGUF blocks)."""
             self.layers = nn.ModuleList(self.decoder_layer(arch, i) for i in range(arch.num_layers))
             self.norm = RMSNorm(arch.hidden_size)
             self.lm_head = (
@@ -187,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B_sample, V] float32
         if self.lm_head_quantized is not None:
             return block_linear(hidden, self.lm_head_quantized).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = (self.embed_tokens if self.lm_head is None else self.lm_head).weight
+        assert isinstance(weight, torch.Tensor), "a head in blocks is `lm_head_quantized`"
         # Left transposed ([V, B] storage): a greedy argmax reads it as fast, and a copy of
         # B x 49k floats is not free; the sampler makes its own contiguous copy when it draws.
         return cpu_aware_linear(hidden, weight, contiguous=False).float()  # [B_sample, V]

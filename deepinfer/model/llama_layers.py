@@ -12,6 +12,7 @@ from torch import nn
 
 from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
 from deepinfer.kernels.llama_layers_cpu import LayerWeights
+from deepinfer.kernels.quant_matmul import QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.step_context import StepContext
@@ -66,6 +67,24 @@ class Embedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         pass
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding served from its GGUF blocks: a lookup gathers the ids' rows of blocks
+    and dequantizes those alone, giving the same fp32 rows as the dequantized table (the whole
+    table in fp32 is 4-8x the blocks: 108 MiB for SmolLM2's 49k x 576, 890 MiB for Qwen2.5's
+    152k x 1536). A tied LM head shares the blocks."""
+
+    def __init__(self, blocks: QuantizedWeight) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.num_embeddings, self.embedding_dim = blocks.out_features, blocks.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] fp32
+        b = self.blocks
+        rows = b.blocks.index_select(0, input_ids.reshape(-1))  # [T, row bytes], contiguous
+        out = dequantize(QuantizedWeight(b.fmt, rows, b.in_features))
+        return out.view(*input_ids.shape, b.in_features)
 
 
 class RMSNorm(nn.Module):

@@ -17,10 +17,12 @@ from deepinfer.model.gguf_loader import (
     GGUFTensorSource,
     gguf_arch,
     open_gguf,
+    release_mapped_pages,
 )
 from deepinfer.model.null_model import is_null_model, open_null_model
 from deepinfer.model.protocol import CausalLM
 from deepinfer.model.quantized import (
+    Served,
     float_matrices,
     int8_activations_wanted,
     quantize_linears,
@@ -92,19 +94,24 @@ def load_model(
         return LoadedModel(null, arch, path, dtype, device, digest, vocabulary)
     arch, source, weights_digest, reader = _open(path)
     model = get_model_class(arch.architecture)(arch, device=device, backend=backend)
-    state = build_state_dict(arch, source, dtype, device, desc=f"loading {path.name}")
+    wanted = isinstance(source, GGUFTensorSource) and quantized_matmul_wanted(
+        quantized_matmul, device, dtype
+    )
+    int8 = int8_activations_wanted(matmul_activations, wanted)
+    served = Served(0, frozenset())
+    if isinstance(source, GGUFTensorSource) and wanted:  # first: those are never dequantized
+        served = quantize_linears(model, source, arch.num_layers, int8)
+    state = build_state_dict(
+        arch, source, dtype, device, desc=f"loading {path.name}", served=served.sources
+    )
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:  # shape mismatches between metadata and tensors
         raise ModelLoadError(f"{path}: tensors do not match the model's metadata: {exc}") from exc
     model.eval()
-    wanted = isinstance(source, GGUFTensorSource) and quantized_matmul_wanted(
-        quantized_matmul, device, dtype
-    )
-    int8 = int8_activations_wanted(matmul_activations, wanted)
-    quantized = 0
-    if isinstance(source, GGUFTensorSource) and wanted:
-        quantized = quantize_linears(model, source, arch.num_layers, int8)
+    if reader is not None:
+        release_mapped_pages(reader)
+    quantized = served.nbytes
     if int8 and not quantized:
         raise ModelLoadError(
             f"--matmul-activations int8: {path} has no matrices in a format the quantized "

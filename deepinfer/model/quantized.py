@@ -1,9 +1,11 @@
 """Serve a GGUF model's block-quantized matrices as they are stored (CPU, native kernel).
 
-After the model is loaded (fp32 weights, exactly the file's values), `quantize_linears` gives each
-linear layer whose source tensors are all in one format the kernel takes (Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K; Q4_0 repacked as Q4_1, Q5_0 as Q8_0) its blocks instead, and the tied or separate LM head
-too, then drops the fp32 copies. The float kernel multiplies by the same fp32
+Before the model's weights are loaded (its modules still on the meta device), `quantize_linears`
+gives each linear layer whose source tensors are all in one format the kernel takes (Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K; Q4_0 repacked as Q4_1, Q5_0 as Q8_0) its blocks, and the tied or separate LM
+head and the token embedding too; the loader then dequantizes only the tensors left (norms, and
+matrices in other formats), so no fp32 copy of a served matrix is ever made (a 7B model's would
+be 28 GB). The float kernel multiplies by the same fp32
 values (dequantized on the fly), reading 4-7x fewer bytes per step; only the order of each dot
 product's sum differs from BLAS. With int8 activations the blocks are repacked for the integer
 kernel instead (deepinfer.kernels.int8_matmul). `quantized_matmul_wanted` and
@@ -13,6 +15,7 @@ kernel instead (deepinfer.kernels.int8_matmul). `quantized_matmul_wanted` and
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,7 +26,7 @@ from deepinfer.kernels.fixed_sum import FixedSumWeight
 from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, NativeWeight, pack_int8
 from deepinfer.kernels.quant_matmul import QuantizedWeight
 from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
-from deepinfer.model.llama_layers import Linear
+from deepinfer.model.llama_layers import Linear, QuantizedEmbedding
 from deepinfer.model.mla import MLAAttention
 from deepinfer.model.moe import MoEBlock
 from deepinfer.model.weights import deinterleave_rows, linear_sources, shared_expert_sources
@@ -68,13 +71,25 @@ def int8_activations_wanted(mode: str, quantized: bool) -> bool:
     return mode == "int8"
 
 
+@dataclass(frozen=True)
+class Served:
+    """What `quantize_linears` serves from blocks."""
+
+    nbytes: int
+    """Bytes of the blocks the kernel multiplies by."""
+    sources: frozenset[str]
+    """The checkpoint tensors (canonical names) served: the loader does not dequantize them."""
+
+
 def quantize_linears(
     model: nn.Module, source: GGUFTensorSource, num_layers: int, int8: bool = False
-) -> int:
-    """Swap in the blocks of every linear layer stored in a kernel format (repacked for the int8
-    kernel when `int8`); the bytes served."""
+) -> Served:
+    """Give every linear layer stored in a kernel format its blocks (repacked for the int8
+    kernel when `int8`), the LM head and the token embedding too: the modules may still be on
+    the meta device (their shapes are checked, their fp32 weights dropped)."""
     modules = dict(model.named_modules())
     total = 0
+    served: set[str] = set()
     others = source.other_formats()
     if others:
         listed = ", ".join(f"{n} in {kind}" for kind, n in sorted(others.items()))
@@ -84,23 +99,29 @@ def quantize_linears(
             listed,
         )
     for i in range(num_layers):
-        total += _quantize_modules(linear_sources(i), source, int8, modules)
+        total += _quantize_modules(linear_sources(i), source, int8, modules, served)
         attn = modules.get(f"layers.{i}.self_attn")
         if isinstance(attn, MLAAttention):
-            total += _quantize_mla(attn, source, i, int8)
+            total += _quantize_mla(attn, source, i, int8, served)
         block = modules.get(f"layers.{i}.mlp")
         if isinstance(block, MoEBlock):
-            total += _quantize_modules(shared_expert_sources(i), source, int8, modules)
-            total += _quantize_experts(block, source, i, int8)
+            total += _quantize_modules(shared_expert_sources(i), source, int8, modules, served)
+            total += _quantize_experts(block, source, i, int8, served)
     tied = getattr(model, "lm_head", None) is None
-    blocks = source.load_quantized("embed_tokens.weight" if tied else "lm_head.weight")
+    embedding = source.load_quantized("embed_tokens.weight")
+    blocks = embedding if tied else source.load_quantized("lm_head.weight")
     if blocks is not None:
         head = _served(blocks, int8)
         setattr(model, "lm_head_quantized", head)  # noqa: B010 (any model with the attribute)
-        if not tied:  # a separate head: its fp32 copy is no longer read
+        if not tied:  # a separate head: no fp32 copy
             setattr(model, "lm_head", None)  # noqa: B010
+            served.add("lm_head.weight")
         total += head.nbytes
-    return total
+    if embedding is not None and isinstance(model.get_submodule("embed_tokens"), nn.Embedding):
+        # looked up from its blocks (a tied head not repacked shares them), not a fp32 table
+        setattr(model, "embed_tokens", QuantizedEmbedding(embedding))  # noqa: B010
+        served.add("embed_tokens.weight")
+    return Served(total, frozenset(served))
 
 
 def serve_fixed_order(model: nn.Module) -> None:
@@ -160,21 +181,25 @@ def _quantize_modules(
     source: GGUFTensorSource,
     int8: bool,
     modules: dict[str, nn.Module],
+    served: set[str],
 ) -> int:
     """The linear modules of `sources` whose tensors are in a kernel format, in blocks; the
-    bytes served."""
+    bytes served (their tensors added to `served`)."""
     total = 0
     for name, parts in sources.items():
-        fused = _fused(source, parts)
         module = modules.get(name)
+        fused = _fused(source, parts) if isinstance(module, Linear) else None
         if fused is not None and isinstance(module, Linear):
             weight = _served(fused, int8)
             module.quantize(weight)
+            served.update(parts)
             total += weight.nbytes
     return total
 
 
-def _quantize_mla(attn: MLAAttention, source: GGUFTensorSource, layer: int, int8: bool) -> int:
+def _quantize_mla(
+    attn: MLAAttention, source: GGUFTensorSource, layer: int, int8: bool, served: set[str]
+) -> int:
     """A latent-attention layer's projections stored in a kernel format, in blocks (the rotary
     rows reordered as `weights._mla_state` reorders the float ones: whole rows of blocks
     move); the bytes served."""
@@ -198,27 +223,33 @@ def _quantize_mla(attn: MLAAttention, source: GGUFTensorSource, layer: int, int8
         linear = getattr(attn, ours)
         assert isinstance(linear, Linear)
         linear.quantize(weight)
+        served.add(theirs + name + ".weight")
         total += weight.nbytes
     return total
 
 
-def _quantize_experts(block: MoEBlock, source: GGUFTensorSource, layer: int, int8: bool) -> int:
+def _quantize_experts(
+    block: MoEBlock, source: GGUFTensorSource, layer: int, int8: bool, served: set[str]
+) -> int:
     """A sparse layer's experts in blocks, where every one is stored in a kernel format (else
     none); the bytes served."""
     total = 0
     gate_up: list[BlockWeight] = []
     down: list[BlockWeight] = []
+    names: list[str] = []
     for j in range(block.moe.num_experts):
         e = f"layers.{layer}.mlp.experts.{j}."
+        names += [e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"]
         gu = _fused(source, (e + "gate_proj.weight", e + "up_proj.weight"))
         dn = _fused(source, (e + "down_proj.weight",))
         if gu is None or dn is None:
             return total
-        served = _served(gu, int8), _served(dn, int8)
-        gate_up.append(served[0])
-        down.append(served[1])
-        total += served[0].nbytes + served[1].nbytes
+        pair = _served(gu, int8), _served(dn, int8)
+        gate_up.append(pair[0])
+        down.append(pair[1])
+        total += pair[0].nbytes + pair[1].nbytes
     block.quantize(gate_up, down)
+    served.update(names)
     return total
 
 

@@ -33,20 +33,34 @@ class TensorSource(Protocol):
         ...
 
 
+_SERVED = torch.empty(0, device="meta")
+"""What `_Taker` gives for tensors served elsewhere (from their blocks): left out of the state."""
+
+
 class _Taker:
     """Loads tensors from a source in the serving dtype, remembering which were used."""
 
-    def __init__(self, source: TensorSource, dtype: torch.dtype, device: torch.device) -> None:
-        self.source, self.dtype, self.device = source, dtype, device
+    def __init__(
+        self,
+        source: TensorSource,
+        dtype: torch.dtype,
+        device: torch.device,
+        served: frozenset[str] = frozenset(),
+    ) -> None:
+        self.source, self.dtype, self.device, self.served = source, dtype, device, served
         self.used: set[str] = set()
 
     def __call__(self, *names: str) -> torch.Tensor:
-        """One tensor, or several concatenated along dim 0 (fused projections)."""
+        """One tensor, or several concatenated along dim 0 (fused projections); `_SERVED` when
+        every one is served from blocks (not read)."""
         parts = []
         for name in names:
             if name not in self.source.names():
                 raise ModelLoadError(f"the checkpoint has no tensor {name!r}")
             self.used.add(name)
+        if self.served.issuperset(names):
+            return _SERVED
+        for name in names:
             parts.append(self.source.load(name))
         fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return fused.to(device=self.device, dtype=self.dtype)
@@ -131,7 +145,9 @@ def _mla_state(arch: ModelArch, mla: MLAArch, take: _Taker, i: int) -> StateDict
     rope, nope = mla.qk_rope_head_dim, mla.qk_nope_head_dim
 
     def rotary(weight: torch.Tensor, width: int, start: int) -> torch.Tensor:
-        return deinterleave_rows(weight, width, start, rope) if mla.interleaved_rope else weight
+        if weight is _SERVED or not mla.interleaved_rope:
+            return weight
+        return deinterleave_rows(weight, width, start, rope)
 
     q = ("q_b_proj", "q_b_proj") if mla.q_lora_rank else ("q_proj", "q_proj")
     state = {
@@ -155,10 +171,10 @@ def _expert_state(moe: MoEArch, take: _Taker, i: int) -> StateDict:
     experts = [f"{mlp}experts.{j}." for j in range(moe.num_experts)]
     state = {
         mlp + "router.weight": take(mlp + "gate.weight"),
-        mlp + "w_gate_up": torch.stack(
+        mlp + "w_gate_up": _stacked(
             [take(e + "gate_proj.weight", e + "up_proj.weight") for e in experts]
         ),
-        mlp + "w_down": torch.stack([take(e + "down_proj.weight") for e in experts]),
+        mlp + "w_down": _stacked([take(e + "down_proj.weight") for e in experts]),
     }
     if moe.score_bias:  # chooses experts, kept in float32 as DeepSeek's reference does
         state[mlp + "router_bias"] = take(mlp + "gate.e_score_correction_bias").float()
@@ -173,6 +189,10 @@ def _expert_state(moe: MoEArch, take: _Taker, i: int) -> StateDict:
     return state
 
 
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    return _SERVED if all(p is _SERVED for p in parts) else torch.stack(parts)
+
+
 def build_state_dict(
     arch: ModelArch,
     source: TensorSource,
@@ -180,13 +200,16 @@ def build_state_dict(
     device: torch.device,
     desc: str = "loading weights",
     ignored: frozenset[str] = frozenset(),
+    served: frozenset[str] = frozenset(),
 ) -> StateDict:
     """The model's state dict; every source tensor must be used (or listed in `ignored`).
 
     An unused tensor means a feature this implementation does not have (rope scaling factors,
-    output biases...): loading refuses rather than serve a subtly different model.
+    output biases...): loading refuses rather than serve a subtly different model. Tensors in
+    `served` (the model serves them from their blocks) count as used, are never read, and their
+    entries are left out.
     """
-    take = _Taker(source, dtype, device)
+    take = _Taker(source, dtype, device, served)
     state: StateDict = {"embed_tokens.weight": take("embed_tokens.weight")}
     for i in tqdm(range(arch.num_layers), desc=desc, unit="layer", leave=False):
         state.update(_layer_state(arch, take, i))
@@ -201,4 +224,4 @@ def build_state_dict(
             f"the checkpoint has tensors this implementation does not use "
             f"(unsupported feature?): {', '.join(sorted(unused)[:8])}"
         )
-    return state
+    return {name: tensor for name, tensor in state.items() if tensor is not _SERVED}

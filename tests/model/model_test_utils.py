@@ -29,12 +29,12 @@ class SequentialBlocks:
 
 
 def _device(model: Any) -> torch.device:
-    return model.embed_tokens.weight.device  # type: ignore[no-any-return]
+    return model.norm.weight.device  # type: ignore[no-any-return]
 
 
 def bind_fresh_caches(model: Any, num_blocks: int, block_size: int) -> None:
     """Fresh paged caches on the model's own device (CPU, or CUDA when a test puts it there)."""
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype
     caches = allocate_kv_caches(model.arch, num_blocks, block_size, dtype, _device(model))
     model.bind_kv_caches(caches)
 

@@ -30,6 +30,7 @@ from deepinfer.kernels.quant_matmul import (
 )
 from deepinfer.model import load_model, model_fingerprint
 from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
+from deepinfer.model.llama_layers import QuantizedEmbedding
 
 transformers = pytest.importorskip("transformers")
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
@@ -113,6 +114,31 @@ def _reference(hf_model: Any) -> tuple[list[int], torch.Tensor]:
     prompt = torch.randint(0, 67, (23,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         return prompt, hf_model(torch.tensor([prompt])).logits[0]
+
+
+@needs_native
+@pytest.mark.parametrize("int8", [False, True])
+def test_embedding_is_looked_up_from_its_blocks(quantized_gguf: Any, int8: bool) -> None:
+    """The token table stays in its GGUF blocks (no fp32 copy): every id's row is gguf-py's
+    dequantized row, in any shape of ids; a tied head not repacked shares the same blocks."""
+    path, _ = quantized_gguf
+    loaded = load_model(
+        path, torch.float32, "cpu", quantized_matmul="on",
+        matmul_activations="int8" if int8 else "float32",
+    )  # fmt: skip
+    model: Any = loaded.model
+    embed = model.embed_tokens
+    assert isinstance(embed, QuantizedEmbedding) and not list(embed.parameters())
+    reader = gguf.GGUFReader(path)
+    (tensor,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    table = torch.from_numpy(
+        gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+    )  # [V, hidden]
+    ids = torch.tensor([[5, 0, 66, 5], [1, 2, 3, 65]])
+    assert torch.equal(model.embed(ids), table[ids])
+    assert torch.equal(model.embed(ids[0, :0]), table[:0])
+    if loaded.arch.tie_word_embeddings and not int8:
+        assert model.lm_head_quantized is embed.blocks
 
 
 @needs_native

@@ -122,7 +122,7 @@ class _Piecewise:
     CUDA graph would replay it, at a bucket of the next multiple of 16 tokens (padding rows)."""
 
     def __init__(self, model: Any) -> None:
-        self.model, self.arch, self.embed_tokens = model, model.arch, model.embed_tokens
+        self.model, self.arch, self.norm = model, model.arch, model.norm
         model.requires_grad_(True)  # as GGUF-loaded linears are: pieces must not build autograd
         self.pieces = PiecewiseForward(model, 80, torch.device("cpu"))
         self.padding_rows = 0
