@@ -29,6 +29,7 @@ from deepinfer.kernels.quant_matmul import (
     dequantize_reference,
 )
 from deepinfer.model import load_model, model_fingerprint
+from deepinfer.model.gguf_loader import GGUFTensorSource
 from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 from deepinfer.model.llama_layers import QuantizedEmbedding
 
@@ -139,6 +140,28 @@ def test_embedding_is_looked_up_from_its_blocks(quantized_gguf: Any, int8: bool)
     assert torch.equal(model.embed(ids[0, :0]), table[:0])
     if loaded.arch.tie_word_embeddings and not int8:
         assert model.lm_head_quantized is embed.blocks
+
+
+@needs_native
+def test_served_matrices_are_never_dequantized(
+    quantized_gguf: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading dequantizes only what is served in float (the norms here): no fp32 copy of a
+    matrix served from its blocks is ever made, so loading peaks near the blocks' size."""
+    path, _ = quantized_gguf
+    loaded_names: list[str] = []
+    original = GGUFTensorSource.load
+
+    def spy(self: GGUFTensorSource, name: str) -> torch.Tensor:
+        loaded_names.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(GGUFTensorSource, "load", spy)
+    load_model(path, torch.float32, "cpu", quantized_matmul="on")
+    assert loaded_names and all(name.endswith("norm.weight") for name in loaded_names)
+    loaded_names.clear()
+    load_model(path, torch.float32, "cpu", quantized_matmul="off")
+    assert any(name.endswith("proj.weight") for name in loaded_names)
 
 
 @needs_native
