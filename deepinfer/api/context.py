@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,15 +17,12 @@ from deepinfer.api.limits import check_sequences
 from deepinfer.api.metrics import ApiMetrics
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
-from deepinfer.engine.prompts import check_prompt_fits
+from deepinfer.engine.prompts import check_prompt_fits, off_loop
 from deepinfer.request import SamplingParams
 from deepinfer.server_config import RequestLimits
 from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 T = TypeVar("T")
-
-_OFFLOAD_CHARS = 16_384
-"""Prompts longer than this are tokenized in a worker thread, off the event loop."""
 
 MAX_CHOICES = 16
 
@@ -57,7 +53,7 @@ class ApiContext:
         """Ids of a completion prompt; one that cannot fit the context is refused untokenized."""
         self._check_fits([text], "prompt")
         recipe = self.engine.recipe
-        return await _maybe_offload(len(text), lambda: recipe.encode_prompt(text))
+        return await off_loop(len(text), lambda: recipe.encode_prompt(text))
 
     async def encode_chat(
         self,
@@ -75,7 +71,7 @@ class ApiContext:
         if within_context:
             self._check_fits(texts, "messages")
         recipe = self.engine.recipe
-        return await _maybe_offload(
+        return await off_loop(
             sum(len(t) for t in texts),
             lambda: recipe.encode(messages, reasoning_effort=reasoning_effort, tools=tools),
         )
@@ -113,12 +109,6 @@ class ApiContext:
             await close_all(streams)
             raise
         return streams
-
-
-async def _maybe_offload(size: int, fn: Callable[[], list[int]]) -> list[int]:
-    if size > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(fn)
-    return fn()
 
 
 def new_id(prefix: str) -> str:

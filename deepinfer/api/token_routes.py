@@ -2,12 +2,11 @@
 recipe), POST /detokenize, and GET /v1/models/{id} (404 in OpenAI's envelope for another id).
 
 Counting is not generating: a prompt longer than the context is tokenized and counted all the
-same (the body size bounds the work); long texts are tokenized off the event loop.
+same (the body size bounds the work); long texts are tokenized on the long-text thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -25,13 +24,11 @@ from deepinfer.api.limits import over_limit
 from deepinfer.api.openai_convert import chat_messages
 from deepinfer.api.openai_schemas import ChatMessageIn, ModelCard
 from deepinfer.api.unsupported import is_set, refuse_set, unsupported
+from deepinfer.engine.prompts import off_loop
 from deepinfer.errors import InvalidRequestError
 
 Handler = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
-
-_OFFLOAD_ITEMS = 16_384
-"""Texts (characters) or id lists longer than this are handled in a worker thread."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -75,10 +72,6 @@ def token_routes(ctx: ApiContext) -> list[Route]:
     ]
 
 
-async def _offload(size: int, fn: Callable[[], T]) -> T:
-    return await asyncio.to_thread(fn) if size > _OFFLOAD_ITEMS else fn()
-
-
 def _tokenize_handler(ctx: ApiContext) -> Handler:
     async def tokenize(request: Request) -> Response:
         try:
@@ -87,7 +80,11 @@ def _tokenize_handler(ctx: ApiContext) -> Handler:
             _check_tokenize(req)
             ids = await _token_ids(ctx, req)
             tok = ctx.engine.tokenizer
-            strs = [tok.decode([t]) for t in ids] if req.return_token_strs else None
+            strs = (
+                await off_loop(len(ids), lambda: [tok.decode([t]) for t in ids])
+                if req.return_token_strs
+                else None
+            )
         except Exception as exc:
             return openai_error_response(exc)
         return json_response(TokenizeResponse(len(ids), ctx.engine.max_model_len, ids, strs))
@@ -121,7 +118,7 @@ async def _token_ids(ctx: ApiContext, req: TokenizeRequest) -> list[int]:
     if req.prompt is not None:
         text = req.prompt
         encode = recipe.encode_prompt if req.add_special_tokens is not False else tok.encode
-        return await _offload(len(text), lambda: encode(text))
+        return await off_loop(len(text), lambda: encode(text))
     assert req.messages is not None
     n = ctx.limits.max_messages
     if len(req.messages) > n:
@@ -129,7 +126,7 @@ async def _token_ids(ctx: ApiContext, req: TokenizeRequest) -> list[int]:
     messages = chat_messages(req.messages)
     size = sum(len(m.content) for m in messages)
     gen = req.add_generation_prompt
-    return await _offload(size, lambda: recipe.encode(messages, add_generation_prompt=gen))
+    return await off_loop(size, lambda: recipe.encode(messages, add_generation_prompt=gen))
 
 
 def _detokenize_handler(ctx: ApiContext) -> Handler:
@@ -154,7 +151,7 @@ async def _decode(ctx: ApiContext, ids: Sequence[int]) -> str:
             f"tokens[{bad}] is {ids[bad]}, outside the vocabulary [0, {vocab})",
             param=f"tokens[{bad}]",
         )
-    return await _offload(len(ids), lambda: tok.decode(ids))
+    return await off_loop(len(ids), lambda: tok.decode(ids))
 
 
 def _model_handler(ctx: ApiContext) -> Handler:

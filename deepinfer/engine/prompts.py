@@ -1,7 +1,7 @@
 """Prompts in any accepted form (text, chat messages, token ids) -> token ids.
 
 Nothing proportional to a prompt's size runs on the event loop: long texts and long
-conversations are tokenized on a worker thread. A prompt whose size alone proves it longer than
+conversations are tokenized on the long-text thread (`off_loop`, `text/long_texts.py`). A prompt whose size alone proves it longer than
 the context is refused before it is tokenized at all (`check_prompt_fits`).
 """
 
@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from deepinfer.errors import InvalidRequestError, PromptTooLongError
+from deepinfer.text import long_texts
 from deepinfer.text.recipe import ChatMessage, ChatRecipe, ReasoningEffort
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
-_LONG_TEXT_CHARS = 8192
-"""Prompts (or conversations) longer than this are tokenized on a worker thread, not on the loop."""
+T = TypeVar("T")
+
+
+async def off_loop(size: int, fn: Callable[[], T]) -> T:
+    """`fn()`, on the long-text thread when `size` (characters, or ids) is past
+    `LONG_TEXT_CHARS`, else here (handing a short text to a thread costs more than encoding it)."""
+    if size > long_texts.LONG_TEXT_CHARS:
+        return await asyncio.get_running_loop().run_in_executor(long_texts.executor(), fn)
+    return fn()
 
 
 def check_prompt_fits(
@@ -48,7 +57,7 @@ async def encode_prompt(
     if isinstance(prompt, str):
         if limit is not None:
             check_prompt_fits([prompt], max_token_bytes, limit, "prompt")
-        return await _run(len(prompt), lambda: recipe.encode_prompt(prompt))
+        return await off_loop(len(prompt), lambda: recipe.encode_prompt(prompt))
     items = list(prompt)
     if items and isinstance(items[0], ChatMessage):
         messages = [m for m in items if isinstance(m, ChatMessage)]
@@ -56,16 +65,12 @@ async def encode_prompt(
         if limit is not None:
             check_prompt_fits(texts, max_token_bytes, limit, "messages")
         size = sum(len(t) for t in texts)
-        return await _run(size, lambda: recipe.encode(messages, reasoning_effort=reasoning_effort))
+        return await off_loop(
+            size, lambda: recipe.encode(messages, reasoning_effort=reasoning_effort)
+        )
     if limit is not None and len(items) > limit:
         raise PromptTooLongError(len(items), limit, "prompt")
     return check_token_ids(items, recipe.tokenizer.vocab_size)
-
-
-async def _run(num_chars: int, encode: Callable[[], list[int]]) -> list[int]:
-    if num_chars > _LONG_TEXT_CHARS:
-        return await asyncio.to_thread(encode)
-    return encode()
 
 
 def check_token_ids(items: list[object], vocab_size: int) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,17 @@ def _field(reader: Any, key: str) -> Any:
     return field.contents()
 
 
-_PARALLEL_ENCODE_CHARS = 512
-"""Texts shorter than this in all are encoded one by one (see `Tokenizer.encode_batch`)."""
 _GIL_FREE_ENCODE_CHARS = 16 << 10
 """Texts this long are encoded through `tokenizers`' batch call, which releases the GIL while it
 works: its single-text `encode` holds it throughout (1.3 s for 3 MB of text, during which the
-event loop and the workers' steps cannot run). Shorter ones take the cheaper single call."""
+event loop and the workers' steps cannot run). Shorter ones take the cheaper single call. The
+fast variant, without character offsets: the ids of 3 MB come back in half the time, and the
+GIL is held while they become a list."""
+PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+"""Off by default (unless the environment sets it): `tokenizers` would hand a batch to its own
+thread pool at normal priority, beside the engine's steps, and its threads spin between batches;
+a long text is encoded on the calling thread instead, which is the low-priority long-text
+thread (`text/long_texts.py`). Read by `tokenizers` at each call."""
 
 
 class Tokenizer:
@@ -87,6 +93,7 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
     ) -> None:
+        os.environ.setdefault(PARALLELISM_ENV, "false")
         self._special = hf  # owned from here on: the constructors build it for this instance
         self._content = HFTokenizer.from_str(hf.to_str())
         self._content.encode_special_tokens = True
@@ -191,13 +198,8 @@ class Tokenizer:
         return _encode(self._content, text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """`encode` on each text: in parallel inside `tokenizers`, but for a short chat's few
-        hundred characters, where handing them to its thread pool costs more than encoding
-        them one by one (0.06 ms against 0.08 ms idle, and several times that under load)."""
-        if sum(map(len, texts)) < _PARALLEL_ENCODE_CHARS:
-            return [self.encode(text) for text in texts]
-        encodings = self._content.encode_batch(list(texts), add_special_tokens=False)
-        return [list(e.ids) for e in encodings]
+        """`encode` on each text (one by one, each long one without the GIL)."""
+        return [self.encode(text) for text in texts]
 
     def encode_with_specials(self, text: str) -> list[int]:
         """Ids of trusted text, parsing control tokens. Never use this on user input."""
@@ -247,7 +249,8 @@ class Tokenizer:
 def _encode(hf: HFTokenizer, text: str) -> list[int]:
     if len(text) < _GIL_FREE_ENCODE_CHARS:
         return list(hf.encode(text, add_special_tokens=False).ids)
-    return list(hf.encode_batch([text], add_special_tokens=False)[0].ids)
+    ids: list[int] = hf.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    return ids
 
 
 def _max_token_bytes(hf: HFTokenizer) -> int | None:
