@@ -47,9 +47,9 @@ from deepinfer.runner.step_graphs import StepGraphs
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, WorkerDrafter
 from deepinfer.sampling.constraints import CompilerLimits, ConstraintCompiler
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
-from deepinfer.scheduler.disagg import DisaggScheduler
-from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.scheduler.protocol import EngineScheduler
 from deepinfer.text.recipe import ChatRecipe
+from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer.engine")
@@ -108,7 +108,7 @@ class EngineParts:
     """The decode pool's blocks (separate device groups only; no prefix cache there)."""
     host: HostTier | None
     disk: DiskTier | None
-    scheduler: Scheduler | DisaggScheduler
+    scheduler: EngineScheduler
     constraints: ConstraintCompiler
     """Structured-output grammars: compiled at submit, shared by both runners."""
     runner: ModelRunner
@@ -131,7 +131,7 @@ def build_engine(config: Config) -> EngineParts:
     models = [replicas.prefill.model] + ([replicas.decode.model] if replicas.split else [])
     experts = build_expert_parallel(config, path, models)
     tokenizer = build_tokenizer(replicas.loaded, path)
-    recipe = ChatRecipe.for_tokenizer(tokenizer)
+    recipe = recipe_for(tokenizer)
     max_len = serving_max_len(
         config.cache.block_size,
         replicas.loaded.arch.max_position_embeddings,

@@ -17,6 +17,7 @@ from deepinfer.scheduler.disagg import DisaggScheduler
 from deepinfer.scheduler.draft_gate import DraftGate
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.prefill_types import PrefillPlannerConfig
+from deepinfer.scheduler.protocol import EngineScheduler
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.scheduler.speculative import build_proposer
 
@@ -30,7 +31,7 @@ def build_scheduler(
     max_len: int,
     device: torch.device,
     decode_kv: KVCacheManager | None,
-) -> Scheduler | DisaggScheduler:
+) -> EngineScheduler:
     """The colocated scheduler (`--colocated`), else the disaggregated one; `decode_kv` is the
     decode pool when it is separate (None: decode uses `kv`)."""
     if config.workers.colocated:

@@ -20,10 +20,9 @@ from deepinfer.engine.build import EngineParts, RuntimeInfo, build_engine
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
 from deepinfer.runner.kv_transfer import read_blocks, write_blocks
-from deepinfer.scheduler.disagg import DisaggScheduler
-from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PlannerStats
+from deepinfer.scheduler.protocol import StepLane
 
 __all__ = ["EngineCore", "RuntimeInfo"]
 
@@ -97,8 +96,6 @@ class EngineCore:
     # -- KV handoffs between the pools of separate device groups --
     def drain_handoffs(self) -> list[KVHandoff]:
         """Copies to run now (call on the loop, after any change): see `DisaggScheduler`."""
-        if self._copier is None or not isinstance(self.scheduler, DisaggScheduler):
-            return []
         return self.scheduler.drain_handoffs()
 
     def copy_kv(self, handoff: KVHandoff) -> None:
@@ -109,7 +106,6 @@ class EngineCore:
     def complete_handoff(self, handoff: KVHandoff) -> None:
         """After `copy_kv`: the request decodes on the decode device from now on (its random
         stream moves with it), unless it was aborted meanwhile."""
-        assert isinstance(self.scheduler, DisaggScheduler)
         rid = handoff.request_id
         self.decode_runner.adopt_generator(rid, self.runner.take_generator(rid))
         self.decode_runner.adopt_matcher(rid, self.runner.take_matcher(rid))
@@ -153,9 +149,7 @@ class EngineCore:
 
     def prefill_stats(self) -> PlannerStats | None:
         """The prefill planner's queues and cost model (disaggregated mode only)."""
-        if isinstance(self.scheduler, DisaggScheduler):
-            return self.scheduler.planner_stats()
-        return None
+        return self.scheduler.planner_stats()
 
     def expert_load(self) -> tuple[tuple[int, ...], ...]:
         """Tokens routed to each expert of each layer, over every model replica (empty for a

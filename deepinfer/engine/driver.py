@@ -30,8 +30,8 @@ from deepinfer.engine.types import HandoffStats
 from deepinfer.engine.workers import ThreadLending, Worker
 from deepinfer.errors import EngineDeadError, FatalEngineError
 from deepinfer.outputs import RunnerOutput
-from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.protocol import StepLane
 
 log = logging.getLogger("deepinfer.engine")
 

@@ -30,8 +30,8 @@ from deepinfer.engine.core import EngineCore
 from deepinfer.engine.types import WorkerStats
 from deepinfer.errors import FatalEngineError
 from deepinfer.outputs import RunnerOutput
-from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import ScheduleOutput
+from deepinfer.scheduler.protocol import StepLane
 
 _BUSY_WINDOW_S = 10.0
 

@@ -29,26 +29,27 @@ from __future__ import annotations
 from collections import deque
 from operator import attrgetter
 
+from deepinfer.cache.free_queue import require
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
+from deepinfer.scheduler.admission import WaitingQueue
 from deepinfer.scheduler.cost_model import StepCostModel
 from deepinfer.scheduler.decode_lane import apply_decodes, apply_sampling, plan_decodes
-from deepinfer.scheduler.disagg_integrity import check_disagg_integrity
 from deepinfer.scheduler.drafting import Drafter
-from deepinfer.scheduler.lanes import DecodeLane, PrefillLane, StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_planner import PrefillPlanner
 from deepinfer.scheduler.prefill_types import PlannerStats, PrefillPlan, PrefillPlannerConfig
-from deepinfer.scheduler.speculative import SpeculativeCounts
+from deepinfer.scheduler.protocol import RequestTable, StepLane
 from deepinfer.scheduler.token_delta import token_delta
 
 _NEW_TOKENS = attrgetter("num_new_tokens")
 
 
-class DisaggScheduler:
+class DisaggScheduler(RequestTable):
+    """Prefill and decode as two lanes (`EngineScheduler`)."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -91,18 +92,6 @@ class DisaggScheduler:
         return self.decode_kv is not self.kv
 
     @property
-    def waiting(self) -> deque[Request]:
-        return self.queue.queue
-
-    @property
-    def _requests(self) -> dict[str, Request]:
-        return self.queue.requests
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         handoffs = len(self.handoff_waiting) + len(self.handing_off)
         return len(self.prefilling) + handoffs + len(self.decoding)
@@ -112,26 +101,13 @@ class DisaggScheduler:
         handoffs = self.handoff_waiting or self.handing_off
         return bool(self.waiting or self.prefilling or handoffs or self.decoding)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     def lanes(self) -> tuple[StepLane, ...]:
         return (PrefillLane(self), DecodeLane(self))
 
-    def planner_stats(self) -> PlannerStats:
+    def planner_stats(self) -> PlannerStats | None:
         return self.planner.stats()
 
-    def prefill_counts(self) -> PrefillCounts:
-        return self.queue.counts()
-
-    def speculative_counts(self) -> SpeculativeCounts:
-        return self.drafter.counts() if self.drafter is not None else SpeculativeCounts()
-
     # -- requests --
-    def add_request(self, request: Request) -> None:
-        """Queue a new request (raises like `Scheduler.add_request`)."""
-        self.queue.add(request)
-
     def abort(self, request_id: str) -> bool:
         """Finish a request with ABORT and free its blocks: now, or at the end of the in-flight
         step that holds it. False if unknown (already finished or never added)."""
@@ -365,8 +341,49 @@ class DisaggScheduler:
     def check_integrity(self) -> None:
         """Queues partition the live requests; prefilling ones hold blocks for their whole
         prompt and match the planner; decoders have computed all but their last token; requests
-        between the pools hold the blocks their copy needs (`disagg_integrity.py`)."""
-        check_disagg_integrity(self)
+        between the pools hold the blocks their copy needs."""
+        self.kv.check_integrity()
+        if self.split_pools:
+            self.decode_kv.check_integrity()
+        self.planner.check_integrity()
+        decoding = [r.request_id for r in self.decoding]
+        ids = decoding + list(self.prefilling) + [r.request_id for r in self.waiting]
+        ids += [r.request_id for r in self.handoff_waiting] + list(self.handing_off)
+        require(len(ids) == len(set(ids)), "a request is queued twice")
+        require(set(ids) == set(self.queue.requests), "queues and the request table disagree")
+        require(self.num_running <= self.max_num_seqs, "more running requests than max_num_seqs")
+        planned = self.planner.queued_ids() | self.in_flight_prefill_ids()
+        require(set(self.prefilling) == planned, "prefilling requests and the planner disagree")
+        bs = self.kv.block_size
+        for r in self.prefilling.values():
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} prefills as {r.status}")
+            short = self.kv.num_blocks_of(r.request_id) < -(-r.num_tokens // bs)
+            require(not short, f"{r.request_id} holds too few blocks for its prompt")
+            self.kv.check_window(r)
+        for r in self.decoding:
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} decodes as {r.status}")
+            require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
+            stale = self.split_pools and self.kv.num_blocks_of(r.request_id) > 0
+            require(not stale, f"{r.request_id} decodes holding prefill blocks")
+            self.decode_kv.check_window(r)
+        self._check_handoffs()
+        self.queue.check_integrity()
+        for r in self.waiting:
+            require(self.decode_kv.num_blocks_of(r.request_id) == 0, "waiting with decode blocks")
+
+    def _check_handoffs(self) -> None:
+        """Requests between the pools hold their prompt's prefill blocks; those with a copy ordered
+        also hold exactly as many decode blocks."""
+        bs = self.kv.block_size
+        for r in [*self.handoff_waiting, *self.handing_off.values()]:
+            require(r.status is RequestStatus.RUNNING, f"{r.request_id} hands off as {r.status}")
+            require(r.num_computed_tokens == r.num_tokens - 1, f"{r.request_id} out of step")
+            num_blocks = -(-r.num_computed_tokens // bs)
+            require(self.kv.num_blocks_of(r.request_id) >= num_blocks, "handoff source freed")
+            ordered = r.request_id in self.handing_off
+            expected = num_blocks if ordered else 0
+            require(self.decode_kv.num_blocks_of(r.request_id) == expected, "handoff blocks")
+        require(self.ordered_handoff_ids <= set(self.handing_off), "a copy ordered for no handoff")
 
     @property
     def ordered_handoff_ids(self) -> set[str]:
@@ -381,3 +398,47 @@ class DisaggScheduler:
 
 def so_ids(so: ScheduleOutput) -> set[str]:
     return {c.request_id for c in so.chunks}
+
+
+class PrefillLane:
+    """The prefill worker's lane: admission and the planner's chunks."""
+
+    kind = StepKind.PREFILL
+
+    def __init__(self, scheduler: DisaggScheduler) -> None:
+        self._s = scheduler
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._s.waiting or self._s.planner.has_work)
+
+    def schedule(self) -> ScheduleOutput:
+        return self._s.schedule_prefill()
+
+    def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        return self._s.update_prefill(so, out)
+
+    def fail(self, so: ScheduleOutput) -> list[str]:
+        return self._s.fail_step(self.kind, so)
+
+
+class DecodeLane:
+    """The decode worker's lane: one token for every decoding request."""
+
+    kind = StepKind.DECODE
+
+    def __init__(self, scheduler: DisaggScheduler) -> None:
+        self._s = scheduler
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._s.decoding)
+
+    def schedule(self) -> ScheduleOutput:
+        return self._s.schedule_decode()
+
+    def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
+        return self._s.update_decode(so, out)
+
+    def fail(self, so: ScheduleOutput) -> list[str]:
+        return self._s.fail_step(self.kind, so)

@@ -21,24 +21,24 @@ oldest running request can always progress, and every request eventually finishe
 
 from __future__ import annotations
 
-from collections import deque
-
 from deepinfer.cache.free_queue import require
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import SchedulerConfig
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import FinishReason, Request, RequestStatus
-from deepinfer.scheduler.admission import PrefillCounts, WaitingQueue
+from deepinfer.scheduler.admission import WaitingQueue
 from deepinfer.scheduler.decode_lane import apply_sampling, decode_chunk
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.drafting import Drafter
-from deepinfer.scheduler.lanes import StepLane
-from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
-from deepinfer.scheduler.speculative import SpeculativeCounts
+from deepinfer.scheduler.output import KVHandoff, ScheduledChunk, ScheduleOutput, StepKind
+from deepinfer.scheduler.prefill_types import PlannerStats
+from deepinfer.scheduler.protocol import RequestTable, StepLane
 from deepinfer.scheduler.token_delta import token_delta
 
 
-class Scheduler:
+class Scheduler(RequestTable):
+    """The colocated scheduler: one lane (itself) runs every step (`EngineScheduler`)."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -60,18 +60,6 @@ class Scheduler:
         """Speculative decoding's drafts for the decodes of a step; None: off."""
 
     @property
-    def waiting(self) -> deque[Request]:
-        return self.queue.queue
-
-    @property
-    def _requests(self) -> dict[str, Request]:
-        return self.queue.requests
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -87,13 +75,14 @@ class Scheduler:
         """Colocated: one worker runs every step."""
         return (self,)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    def drain_handoffs(self) -> list[KVHandoff]:
+        return []  # one pool: nothing is ever copied
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises `InvalidRequestError` (empty prompt, duplicate id),
-        `ContextLengthError` (cannot fit), `OverloadedError` (queue full)."""
-        self.queue.add(request)
+    def complete_handoff(self, request_id: str) -> bool:
+        raise ValueError(f"{request_id}: a colocated scheduler orders no handoffs")
+
+    def planner_stats(self) -> PlannerStats | None:
+        return None
 
     def abort(self, request_id: str) -> bool:
         """Finish a waiting or running request with ABORT and free its blocks. False if unknown
@@ -185,12 +174,6 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.queue.preempt(self.kv, request)
         self.num_preemptions += 1
-
-    def prefill_counts(self) -> PrefillCounts:
-        return self.queue.counts()
-
-    def speculative_counts(self) -> SpeculativeCounts:
-        return self.drafter.counts() if self.drafter is not None else SpeculativeCounts()
 
     def update(self, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         """Apply a step's results: advance computed prefixes, register newly computed blocks in

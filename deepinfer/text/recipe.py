@@ -67,7 +67,7 @@ def find_default_system_prompt(template: str) -> str | None:
 
 
 class ChatRecipe:
-    """Encodes chat messages for one model. Pick the format with `for_tokenizer`."""
+    """Encodes chat messages for one model. `recipe_families.recipe_for` picks the format."""
 
     end_of_turn_ids: frozenset[int]
     """Ids that end an assistant turn (generation stops on them)."""
@@ -76,31 +76,6 @@ class ChatRecipe:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
         self.end_of_turn_ids = frozenset([] if eos is None else [eos])
-
-    @staticmethod
-    def for_tokenizer(tokenizer: Tokenizer) -> ChatRecipe:
-        """The recipe for the tokenizer's chat template, its family read from the markers the
-        template writes: ChatML, Llama 3, Gemma, Mistral (`recipe_families.py`), or plain text
-        when there is no template. Other templates raise `ModelLoadError` rather than being
-        guessed at."""
-        from deepinfer.text import recipe_families as families  # they build on this module
-
-        template = tokenizer.chat_template
-        if template is None or not template.strip():
-            return PlainRecipe(tokenizer)
-        if IM_START in template and IM_END in template:
-            return ChatMLRecipe(tokenizer)
-        if "<|start_header_id|>" in template and "<|eot_id|>" in template:
-            return families.Llama3Recipe(tokenizer)
-        if "<start_of_turn>" in template:
-            return families.GemmaRecipe(tokenizer)
-        if "[INST]" in template:
-            return families.MistralRecipe(tokenizer)
-        raise ModelLoadError(
-            "unsupported chat template: deepinfer's injection-safe encoder knows ChatML "
-            "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2), Llama 3 (<|start_header_id|>), "
-            "Gemma (<start_of_turn>), Mistral ([INST]) and models without a template"
-        )
 
     def encode(
         self,

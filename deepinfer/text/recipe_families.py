@@ -35,7 +35,14 @@ from collections.abc import Sequence
 
 from deepinfer.errors import InvalidRequestError, ModelLoadError
 from deepinfer.text.messages import ChatMessage, ToolSpec
-from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
+from deepinfer.text.recipe import (
+    IM_END,
+    IM_START,
+    ChatMLRecipe,
+    ChatRecipe,
+    PlainRecipe,
+    ReasoningEffort,
+)
 from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.text.tools import Piece, join_pieces
 
@@ -50,6 +57,28 @@ def _control_ids(tokenizer: Tokenizer, family: str, names: Sequence[str]) -> lis
             f"{family} chat template, but {', '.join(names)} are not all control tokens"
         )
     return [i for i in ids if i is not None]
+
+
+def recipe_for(tokenizer: Tokenizer) -> ChatRecipe:
+    """The recipe for the tokenizer's chat template, its family read from the markers the
+    template writes: ChatML (`recipe.py`), Llama 3, Gemma, Mistral, or plain text when there is
+    no template. Other templates raise `ModelLoadError` rather than being guessed at."""
+    template = tokenizer.chat_template
+    if template is None or not template.strip():
+        return PlainRecipe(tokenizer)
+    if IM_START in template and IM_END in template:
+        return ChatMLRecipe(tokenizer)
+    if "<|start_header_id|>" in template and "<|eot_id|>" in template:
+        return Llama3Recipe(tokenizer)
+    if "<start_of_turn>" in template:
+        return GemmaRecipe(tokenizer)
+    if "[INST]" in template:
+        return MistralRecipe(tokenizer)
+    raise ModelLoadError(
+        "unsupported chat template: deepinfer's injection-safe encoder knows ChatML "
+        "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2), Llama 3 (<|start_header_id|>), "
+        "Gemma (<start_of_turn>), Mistral ([INST]) and models without a template"
+    )
 
 
 class FamilyRecipe(ChatRecipe):

@@ -23,8 +23,8 @@ from deepinfer.outputs import RunnerOutput
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler.cost_model import CostCoefficients, CostModelConfig, StepCostModel
 from deepinfer.scheduler.disagg import DisaggScheduler
-from deepinfer.scheduler.lanes import StepLane
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
+from deepinfer.scheduler.protocol import StepLane
 from deepinfer.scheduler.scheduler import Scheduler
 
 

@@ -12,6 +12,7 @@ import pytest
 from deepinfer.engine.prompts import encode_prompt
 from deepinfer.errors import ContextLengthError, PromptTooLongError
 from deepinfer.text.recipe import ChatMessage, ChatRecipe
+from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 8192
@@ -22,7 +23,7 @@ def counted(
     smollm_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[ChatRecipe, list[int]]:
     """The recipe, and a list that grows by one entry (the thread id) per tokenizer call."""
-    recipe = ChatRecipe.for_tokenizer(smollm_tokenizer)
+    recipe = recipe_for(smollm_tokenizer)
     calls: list[int] = []
     encode = Tokenizer.encode
 

@@ -20,6 +20,7 @@ from deepinfer.text.recipe import (
     find_default_system_prompt,
     reasoning_effort_line,
 )
+from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
 
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -54,7 +55,7 @@ def random_conversation(rng: random.Random) -> list[ChatMessage]:
 
 @pytest.fixture(scope="module")
 def recipe(smollm_tokenizer: Tokenizer) -> ChatRecipe:
-    return ChatRecipe.for_tokenizer(smollm_tokenizer)
+    return recipe_for(smollm_tokenizer)
 
 
 @pytest.mark.slow
@@ -151,7 +152,7 @@ class FakeTokenizer:
 
 
 def test_plain_fallback_without_template() -> None:
-    recipe = ChatRecipe.for_tokenizer(FakeTokenizer(None, add_bos=True))  # type: ignore[arg-type]
+    recipe = recipe_for(FakeTokenizer(None, add_bos=True))  # type: ignore[arg-type]
     assert isinstance(recipe, PlainRecipe)
     ids = recipe.encode([ChatMessage("system", "S"), ChatMessage("user", "U")])
     assert ids == [7] + [ord(c) for c in "System: S\n\nUser: U\n\nAssistant:"]
@@ -161,6 +162,6 @@ def test_plain_fallback_without_template() -> None:
 def test_unsupported_template_is_refused() -> None:
     llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}"
     with pytest.raises(ModelLoadError, match="ChatML"):
-        ChatRecipe.for_tokenizer(FakeTokenizer(llama3))  # type: ignore[arg-type]
+        recipe_for(FakeTokenizer(llama3))  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="control tokens"):
-        ChatRecipe.for_tokenizer(FakeTokenizer(QWEN_TEMPLATE))  # type: ignore[arg-type]
+        recipe_for(FakeTokenizer(QWEN_TEMPLATE))  # type: ignore[arg-type]

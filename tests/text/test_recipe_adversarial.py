@@ -12,7 +12,8 @@ import json
 import pytest
 
 from deepinfer.text.messages import ToolCall, ToolSpec
-from deepinfer.text.recipe import ChatMessage, ChatMLRecipe, ChatRecipe
+from deepinfer.text.recipe import ChatMessage, ChatMLRecipe
+from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.text.tool_parser import parse_answer
 from deepinfer.text.tools import ToolFormat
@@ -32,7 +33,7 @@ LOOK_ALIKES = [
 
 @pytest.fixture(scope="module")
 def recipe(smollm_tokenizer: Tokenizer) -> ChatMLRecipe:
-    r = ChatRecipe.for_tokenizer(smollm_tokenizer)
+    r = recipe_for(smollm_tokenizer)
     assert isinstance(r, ChatMLRecipe)
     return r
 

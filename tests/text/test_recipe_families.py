@@ -22,12 +22,13 @@ from text_samples import SAMPLES
 
 from deepinfer.errors import InvalidRequestError, ModelLoadError
 from deepinfer.text.messages import ToolSpec
-from deepinfer.text.recipe import ChatMessage, ChatRecipe
+from deepinfer.text.recipe import ChatMessage
 from deepinfer.text.recipe_families import (
     FamilyRecipe,
     GemmaRecipe,
     Llama3Recipe,
     MistralRecipe,
+    recipe_for,
 )
 from deepinfer.text.tokenizer import Tokenizer
 
@@ -238,7 +239,7 @@ def conversation(rng: random.Random, family: str) -> list[ChatMessage]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_equals_the_template(family: str, tokenizers: dict[str, Tokenizer]) -> None:
     tok = tokenizers[family]
-    recipe = ChatRecipe.for_tokenizer(tok)
+    recipe = recipe_for(tok)
     assert type(recipe) is FAMILIES[family][4]
     rng = random.Random(family)
     for _ in range(120):
@@ -254,7 +255,7 @@ def test_typed_control_tokens_stay_text(family: str, tokenizers: dict[str, Token
     """Every control token of the vocabulary typed into every field: the only control ids in the
     prompt are the markers the recipe writes itself, as many as without the payload."""
     tok = tokenizers[family]
-    recipe = ChatRecipe.for_tokenizer(tok)
+    recipe = recipe_for(tok)
     plain = [ChatMessage("system", "s"), ChatMessage("user", "u")]
     plain += [ChatMessage("assistant", "a"), ChatMessage("user", "v")]
     if family == "gemma2":
@@ -290,17 +291,17 @@ def test_end_of_turn_ids(tokenizers: dict[str, Tokenizer]) -> None:
 
     for family in ("llama3", "llama3.1"):
         expected = ids(family, "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
-        assert ChatRecipe.for_tokenizer(tokenizers[family]).end_of_turn_ids == expected
+        assert recipe_for(tokenizers[family]).end_of_turn_ids == expected
     for family in ("gemma2", "gemma3"):
         expected = ids(family, "<end_of_turn>", "<eos>")
-        assert ChatRecipe.for_tokenizer(tokenizers[family]).end_of_turn_ids == expected
-    assert ChatRecipe.for_tokenizer(tokenizers["mistral"]).end_of_turn_ids == ids("mistral", "</s>")
+        assert recipe_for(tokenizers[family]).end_of_turn_ids == expected
+    assert recipe_for(tokenizers["mistral"]).end_of_turn_ids == ids("mistral", "</s>")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_roles_out_of_turn_are_refused(family: str, tokenizers: dict[str, Tokenizer]) -> None:
-    recipe = ChatRecipe.for_tokenizer(tokenizers[family])
+    recipe = recipe_for(tokenizers[family])
     cases = [
         ([ChatMessage("assistant", "a")], 0, True),
         ([ChatMessage("system", "s"), ChatMessage("user", "u"), ChatMessage("user", "v")], 2, True),
@@ -319,7 +320,7 @@ def test_roles_out_of_turn_are_refused(family: str, tokenizers: dict[str, Tokeni
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "gemma3", "mistral"])
 def test_tools_are_refused_outside_chatml(family: str, tokenizers: dict[str, Tokenizer]) -> None:
-    recipe = ChatRecipe.for_tokenizer(tokenizers[family])
+    recipe = recipe_for(tokenizers[family])
     spec = ToolSpec("get_weather", json.dumps({"name": "get_weather", "parameters": {}}))
     with pytest.raises(InvalidRequestError, match="ChatML") as raised:
         recipe.encode([ChatMessage("user", "u")], tools=[spec])
@@ -331,10 +332,10 @@ def test_tools_are_refused_outside_chatml(family: str, tokenizers: dict[str, Tok
 
 @pytest.mark.slow
 def test_system_alone_and_reasoning_effort(tokenizers: dict[str, Tokenizer]) -> None:
-    gemma = ChatRecipe.for_tokenizer(tokenizers["gemma3"])
+    gemma = recipe_for(tokenizers["gemma3"])
     text = gemma.tokenizer.decode(gemma.encode([ChatMessage("system", "Be brief.")]))
     assert text == "<bos><start_of_turn>user\nBe brief.\n\n<end_of_turn>\n<start_of_turn>model\n"
-    llama = ChatRecipe.for_tokenizer(tokenizers["llama3"])
+    llama = recipe_for(tokenizers["llama3"])
     ids = llama.encode([ChatMessage("user", "hi")], reasoning_effort="low")
     assert llama.tokenizer.decode(ids) == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nReasoning effort: low."
@@ -350,7 +351,7 @@ def test_markers_that_are_not_control_tokens_are_refused(gguf_reader: Any, tmp_p
     path = tmp_path / "plain-inst.gguf"
     write_tokenizer_gguf(path, gguf_reader, MISTRAL, ("<s>", "</s>"), "<s>", "</s>")
     with pytest.raises(ModelLoadError, match=r"\[INST\]"):
-        ChatRecipe.for_tokenizer(Tokenizer.from_gguf(gguf.GGUFReader(path)))
+        recipe_for(Tokenizer.from_gguf(gguf.GGUFReader(path)))
 
 
 def test_unknown_template_names_the_families() -> None:
@@ -358,6 +359,6 @@ def test_unknown_template_names_the_families() -> None:
         chat_template = "{{ '### Instruction:' + messages[0]['content'] }}"
 
     with pytest.raises(ModelLoadError) as raised:
-        ChatRecipe.for_tokenizer(Fake())  # type: ignore[arg-type]
+        recipe_for(Fake())  # type: ignore[arg-type]
     for family in ("ChatML", "Llama 3", "Gemma", "Mistral"):
         assert family in str(raised.value)

@@ -10,7 +10,8 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from deepinfer.text.messages import ChatMessage, ToolCall, ToolSpec
-from deepinfer.text.recipe import ChatMLRecipe, ChatRecipe
+from deepinfer.text.recipe import ChatMLRecipe
+from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.text.tools import DEFAULT_HEAD, DEFAULT_TAIL, ToolFormat
 
@@ -144,7 +145,7 @@ def specs() -> list[ToolSpec]:
 @pytest.fixture(scope="module")
 def qwen_style(smollm_tokenizer: Tokenizer) -> ChatMLRecipe:
     """SmolLM2's vocabulary with a Qwen2.5 template: the tool format is read from it."""
-    recipe = ChatRecipe.for_tokenizer(smollm_tokenizer)
+    recipe = recipe_for(smollm_tokenizer)
     assert isinstance(recipe, ChatMLRecipe)
     recipe.tool_format = ToolFormat.from_template(QWEN25_TOOLS)
     recipe.default_system_prompt = QWEN_SYSTEM
@@ -173,7 +174,7 @@ def test_equals_qwen25_tool_template(smollm_tokenizer: Tokenizer, qwen_style: Ch
 def test_default_format_on_smollm2(smollm_tokenizer: Tokenizer) -> None:
     """SmolLM2's template has no tool section: the default is the same layout, its default
     system prompt, and results in `tool` turns."""
-    recipe = ChatRecipe.for_tokenizer(smollm_tokenizer)
+    recipe = recipe_for(smollm_tokenizer)
     assert isinstance(recipe, ChatMLRecipe) and recipe.tool_format.response_role == "tool"
     assert recipe.default_system_prompt is not None
     template = QWEN25_TOOLS.replace(QWEN_SYSTEM, recipe.default_system_prompt).replace(

@@ -8,8 +8,10 @@ and each segment's live bytes and count equal the sum over its entries.
 
 Damaged entries never raise: a `blocks` entry that fails to decode reads as `CORRUPT` (and
 a write transaction that meets one deletes it, reporting it to `on_corrupt`); any disagreement
-noticed between the tables sets `dirty`, and `rebuild` (index_repair.py) then derives every
-other table from `blocks` again. Payloads are verified against their checksums on every read, so
+noticed between the tables sets `dirty`, and `rebuild` then derives every other table from
+`blocks` again: one write transaction over every entry (O(entries): about a second per few
+hundred thousand blocks), run by the tier's writer after damage was noticed, never on a
+request's path. Payloads are verified against their checksums on every read, so
 a stale or damaged entry costs a miss, never a wrong block. Every transaction starts with a check
 of the files LMDB maps (index_files.py): one truncated or replaced under the mapping raises
 `IndexFileChangedError` instead of faulting the process.
@@ -25,9 +27,9 @@ import lmdb
 import msgspec
 
 from deepinfer.cache.block_hash import BlockHash
-from deepinfer.cache.disk import index_repair
 from deepinfer.cache.disk.index_files import MappedFiles
 from deepinfer.cache.disk.records import (
+    MAX_SEGMENT_ID,
     NEXT_SEGMENT,
     BlockRecord,
     SegmentInfo,
@@ -40,6 +42,7 @@ from deepinfer.cache.disk.records import (
     try_segment_of_key,
 )
 from deepinfer.cache.disk.segments import record_bytes
+from deepinfer.cache.free_queue import require
 
 _TABLES = (b"blocks", b"lru", b"expiry", b"segments", b"by_segment", b"meta")
 
@@ -325,14 +328,87 @@ class BlockIndex:
     def rebuild(self) -> int:
         """Derive every table from `blocks` again, dropping damaged entries; clears `dirty`.
         Returns entries dropped."""
-        dropped = index_repair.rebuild(self)
+        dropped = self._rebuild_tables()
         self.dirty = False
         self._report(dropped)
         return dropped
 
     def check_integrity(self) -> None:
         """The tables mirror each other and the segment accounting adds up (O(entries))."""
-        index_repair.check_integrity(self)
+        self._check_tables()
+
+    def _rebuild_tables(self) -> int:
+        """Drop `blocks` entries that fail to decode and derive the other tables from the rest.
+        Segment sizes are kept where they decode (`DiskStore.recover` corrects them from the files).
+        Returns entries dropped."""
+        with self.begin(write=True) as txn:
+            sizes = self._segment_sizes(txn)
+            for db in (self.lru, self.expiry, self.by_segment, self.segments_db):
+                txn.drop(db, delete=False)
+            bad: list[bytes] = []
+            live: dict[int, tuple[int, int]] = {}
+            for key, raw in txn.cursor(db=self.blocks).iternext():
+                record = try_decode_record(key, raw)
+                if record is None:
+                    bad.append(bytes(key))
+                    continue
+                self.put_derived(txn, key, record)
+                num_bytes, num = live.get(record.segment, (0, 0))
+                live[record.segment] = (num_bytes + record_bytes(record.length), num + 1)
+            for key in bad:
+                txn.delete(key, db=self.blocks)
+            for segment in sizes.keys() | live.keys():
+                num_bytes, num = live.get(segment, (0, 0))
+                info = SegmentInfo(sizes.get(segment, 0), num_bytes, num)
+                txn.put(segment_key(segment), encode(info), db=self.segments_db)
+            self._repair_next_segment(txn, max(sizes.keys() | live.keys(), default=0))
+        return len(bad)
+
+    def _segment_sizes(self, txn: lmdb.Transaction) -> dict[int, int]:
+        sizes = {}
+        for key, raw in txn.cursor(db=self.segments_db).iternext():
+            decoded = try_decode_segment(key, raw)
+            if decoded is not None:
+                sizes[decoded[0]] = decoded[1].size_bytes
+        return sizes
+
+    def _repair_next_segment(self, txn: lmdb.Transaction, max_segment: int) -> None:
+        """Segment ids only grow: the counter must exceed every id registered."""
+        raw = txn.get(NEXT_SEGMENT, db=self.meta)
+        stored = None if raw is None else try_segment_of_key(raw)
+        if stored is None or stored <= max_segment:
+            txn.put(NEXT_SEGMENT, segment_key(min(max_segment + 1, MAX_SEGMENT_ID)), db=self.meta)
+
+    def _check_tables(self) -> None:
+        """The tables mirror each other and the segment accounting adds up (O(entries))."""
+        live: dict[int, list[int]] = {}
+        with self.begin() as txn:
+            for key, raw in txn.cursor(db=self.blocks).iternext():
+                r = try_decode_record(key, raw)
+                require(r is not None, f"entry {key.hex()[:12]} does not decode")
+                assert r is not None
+                for db, k in (
+                    (self.lru, time_key(r.last_access_s, key)),
+                    (self.expiry, time_key(r.expires_s, key)),
+                    (self.by_segment, segment_key(r.segment) + key),
+                ):
+                    require(txn.get(k, db=db) is not None, f"entry {key.hex()[:12]} lacks {db}")
+                acc = live.setdefault(r.segment, [0, 0])
+                acc[0], acc[1] = acc[0] + record_bytes(r.length), acc[1] + 1
+            n = int(txn.stat(self.blocks)["entries"])
+            for db in (self.lru, self.expiry, self.by_segment):
+                require(int(txn.stat(db)["entries"]) == n, "index tables differ in size")
+            for k, v in txn.cursor(db=self.segments_db).iternext():
+                decoded = try_decode_segment(k, v)
+                require(decoded is not None, f"segment entry {k.hex()} does not decode")
+                assert decoded is not None
+                segment, info = decoded
+                acc = live.pop(segment, [0, 0])
+                require(
+                    (info.live_bytes, info.num_live) == tuple(acc),
+                    f"segment {segment} accounting {info} != {acc}",
+                )
+        require(not live, f"entries point at unregistered segments {sorted(live)}")
 
     def _report(self, num_corrupt: int) -> None:
         if num_corrupt:
