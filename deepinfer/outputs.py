@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from deepinfer.message import message
 from deepinfer.request import FinishReason
 
 
-@dataclass(frozen=True)
-class SampledToken:
+class SampledToken(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float | None = None
     """Log-probability of the sampled token (only when logprobs were asked for)."""
@@ -17,17 +16,17 @@ class SampledToken:
     """The top-n (token id, logprob) pairs, most likely first."""
 
 
-@dataclass(frozen=True)
-class RunnerOutput:
-    """What one forward step produced: one sampled token per chunk that had `sample=True`."""
+class RunnerOutput(msgspec.Struct, frozen=True):
+    """What one forward step produced: one sampled token per chunk that had `sample=True`
+    (from a worker's thread to the loop)."""
 
     step: int
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    sampled: dict[str, SampledToken] = msgspec.field(default_factory=dict)
     elapsed_s: float = 0.0
-    accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    accepted: dict[str, tuple[SampledToken, ...]] = msgspec.field(default_factory=dict)
     """Speculative decoding: for a request that verified drafts, the tokens after `sampled`'s
     (the agreed drafts beyond the first, then the model's pick after them)."""
-    drafted: dict[str, int] = field(default_factory=dict)
+    drafted: dict[str, int] = msgspec.field(default_factory=dict)
     """Drafts the worker made per request that asked for some (`num_worker_drafts`): what it
     verified, maybe fewer than asked."""
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from deepinfer.kernels.greedy import greedy_ids
@@ -151,7 +152,9 @@ class WorkerDrafter:
         chunks = tuple(
             _with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
         )
-        return dataclasses.replace(so, chunks=chunks), {rid: len(d) for rid, d in drafts.items()}
+        return msgspec.structs.replace(so, chunks=chunks), {
+            rid: len(d) for rid, d in drafts.items()
+        }
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget requests that finished or lost their blocks."""

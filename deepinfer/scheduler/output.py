@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 from deepinfer.message import message
 from deepinfer.request import Request
@@ -80,8 +81,10 @@ class ScheduledChunk:
         return self.request.token_span(self.start_position, self.end_position)
 
 
-@dataclass(frozen=True)
-class ScheduleOutput:
+class ScheduleOutput(msgspec.Struct, frozen=True):
+    """One step's plan, from the loop to a worker's thread (`Struct`: a message between threads,
+    immutable and cheap to build)."""
+
     step: int
     chunks: tuple[ScheduledChunk, ...]
     """Decodes first, then prefill chunks; at most one chunk per request."""
@@ -104,8 +107,7 @@ class ScheduleOutput:
         return not self.chunks
 
 
-@dataclass(frozen=True)
-class KVHandoff:
+class KVHandoff(msgspec.Struct, frozen=True):
     """Copy a prefilled request's KV from the prefill pool to the decode pool (separate device
     groups): `src_block_ids[i]` of the prefill caches into `dst_block_ids[i]` of the decode
     caches. The decode lane admits the request when `DisaggScheduler.complete_handoff` says the

@@ -13,6 +13,8 @@ import dataclasses
 import random
 from collections.abc import Sequence
 
+import msgspec
+
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request, SamplingParams
 from deepinfer.runner.speculative import verify_drafts
@@ -136,7 +138,7 @@ def fill_worker_drafts(so: ScheduleOutput, vocab: int) -> tuple[ScheduleOutput, 
             )
             drafted[c.request_id] = k
         chunks.append(c)
-    return dataclasses.replace(so, chunks=tuple(chunks)), drafted
+    return msgspec.structs.replace(so, chunks=tuple(chunks)), drafted
 
 
 def make_request(
