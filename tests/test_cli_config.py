@@ -210,12 +210,13 @@ def test_environment_gives_the_same_config_as_the_flag(
 
 def test_every_flag_is_covered_by_the_environment_cases() -> None:
     covered = {flags[0] for flags, _, _ in _env_cases()}
-    assert covered == _option_strings(_subparsers()["serve"]) - {"-h", "--help", "--log-level"}
+    not_config = {"-h", "--help", "--help-all", "--log-level"}
+    assert covered == _option_strings(_subparsers()["serve"]) - not_config
 
 
 def _command_flag_cases() -> list[tuple[str, str, str]]:
     """(command, flag, value) for every flag that is not a `Config` field."""
-    dests = {s.dest for s in flag_specs()} | {"help"}
+    dests = {s.dest for s in flag_specs()} | {"help", "help_all"}
     cases = []
     for command, parser in _subparsers().items():
         for action in parser._actions:
