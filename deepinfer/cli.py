@@ -28,7 +28,7 @@ def build_parser(environ: Environ = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print it", add_help=False)
     add_help_flags(gen)
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to complete (with --chat, the user's message)")
     add_flag(
         gen, "--chat", environ, action="store_true", help="wrap the prompt as one user message"
     )
@@ -65,11 +65,18 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, environ: Environ) -> None:
-    add_flag(p, "--max-tokens", environ, type=int, default=256)
-    add_flag(p, "--temperature", environ, type=float, default=0.0)
-    add_flag(p, "--top-p", environ, type=float, default=1.0)
+    add_flag(p, "--max-tokens", environ, type=int, default=256, help="most tokens an answer has")
+    add_flag(p, "--temperature", environ, type=float, default=0.0, help="0: greedy")
+    add_flag(p, "--top-p", environ, type=float, default=1.0, help="nucleus sampling's mass")
     add_flag(p, "--sample-seed", environ, type=int, default=None, help="per-request sampling seed")
-    add_flag(p, "--reasoning-effort", environ, choices=["low", "medium", "high"], default=None)
+    add_flag(
+        p,
+        "--reasoning-effort",
+        environ,
+        choices=["low", "medium", "high"],
+        default=None,
+        help='a line added to the system prompt ("Reasoning effort: high.")',
+    )
 
 
 def _sampling(ns: argparse.Namespace) -> SamplingParams:
