@@ -77,3 +77,25 @@ def test_api_tool_examples_run(sdk: str, real_server: LiveServer) -> None:
     printed = output.getvalue()
     assert "get_weather" in printed or "tool_use" in printed, printed
     assert "city" in printed, printed
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
+)
+def test_relative_links_resolve(page: str) -> None:
+    """Every relative link of README and docs/ names a file that exists, and a heading there."""
+    path = ROOT / page if page == "README.md" else ROOT / "docs" / page
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if "://" in target:
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{page}: {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), flags=re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{page}: {target}"
