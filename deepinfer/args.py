@@ -8,7 +8,9 @@ keeps the older names users rely on), its choices come from a `Literal` or enum 
 `CONVERSIONS` holds the flags whose text is not the field's value (`--kv-memory-gb` ->
 `kv_memory_bytes`). Every flag also reads `DEEPINFER_<FLAG>` (`config.env_name`; a bool also
 `DEEPINFER_NO_<FLAG>`): a flag beats the environment, which beats the field's default. A field
-set by neither is left out, so the dataclass default applies.
+set by neither is left out, so the dataclass default applies. The flags of `TUNING`, whose
+defaults were measured, form one last group that `--help` names in one line and `--help-all`
+lists.
 """
 
 from __future__ import annotations
