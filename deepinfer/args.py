@@ -8,7 +8,9 @@ keeps the older names users rely on), its choices come from a `Literal` or enum 
 `CONVERSIONS` holds the flags whose text is not the field's value (`--kv-memory-gb` ->
 `kv_memory_bytes`). Every flag also reads `DEEPINFER_<FLAG>` (`config.env_name`; a bool also
 `DEEPINFER_NO_<FLAG>`): a flag beats the environment, which beats the field's default. A field
-set by neither is left out, so the dataclass default applies.
+set by neither is left out, so the dataclass default applies. The flags of `TUNING`, whose
+defaults were measured, form one last group that `--help` names in one line and `--help-all`
+lists.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -90,8 +93,36 @@ CONVERSIONS = {
 ALIASES = {"--no-host-cache": ("host_cache.enabled", "off")}
 """Flags that set another flag's field to a constant (flag -> (dotted path, value))."""
 
+TUNING = frozenset(
+    {
+        "runtime.num_threads",
+        "workers.prefill_threads",
+        "workers.decode_threads",
+        "workers.lend_idle_threads",
+        "workers.prefill_step_ms",
+        "workers.prefill_buckets",
+        "workers.prefill_max_batched_tokens",
+        "workers.gc_young_threshold",
+        "workers.gil_switch_interval_ms",
+        "scheduler.stream_frames_per_step",
+        "scheduler.stream_max_delay_ms",
+        "speculative.num_draft_tokens",
+        "speculative.speculative_gate",
+        "cache.num_blocks",
+    }
+)
+"""Fields whose defaults were measured (bench/RESULTS.md) and are the product: their flags form
+one `advanced tuning` group that `--help` names in one line and `--help-all` lists."""
+
+TUNING_TITLE = "advanced tuning"
+TUNING_DOC = (
+    "Defaults measured on this engine (bench/RESULTS.md); change them to measure, "
+    "not to configure a deployment."
+)
+
 SERVER_SECTIONS = ("server",)
 ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in SERVER_SECTIONS)
+ALL_SECTIONS = ENGINE_SECTIONS + SERVER_SECTIONS
 
 
 @dataclass(frozen=True)
@@ -280,16 +311,62 @@ def env_bool(name: str, environ: Environ = None, *, negatable: bool = False) -> 
 def add_config_args(
     parser: argparse.ArgumentParser, sections: Sequence[str], environ: Environ = None
 ) -> None:
-    """The flags of `sections` (field names of `Config`), one argument group per record."""
+    """The flags of `sections` (field names of `Config`), one argument group per record, then
+    the tuning knobs among them in one last group (`TUNING`)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for spec in flag_specs():
-        if spec.dest.split(".")[0] not in sections:
-            continue
-        owner = spec.dest.rpartition(".")[0]
+    specs = [spec for spec in flag_specs() if spec.dest.split(".")[0] in sections]
+    for spec in sorted(specs, key=lambda spec: spec.dest in TUNING):
+        owner = TUNING_TITLE if spec.dest in TUNING else spec.dest.rpartition(".")[0]
         if owner not in groups:
             title = owner.replace(".", " ").replace("_", " ")
-            groups[owner] = parser.add_argument_group(title, class_doc(spec.owner))
+            doc = TUNING_DOC if spec.dest in TUNING else class_doc(spec.owner)
+            groups[owner] = parser.add_argument_group(title, doc)
         _add_spec(groups[owner], spec, environ)
+
+
+def add_help_flags(parser: argparse.ArgumentParser) -> None:
+    """`-h/--help` (every group but the tuning knobs, which get one line) and `--help-all`
+    (everything), on a parser made with `add_help=False`."""
+    parser.add_argument(
+        "-h", "--help", action=_ShortHelp, help="show this help (less the tuning knobs) and exit"
+    )
+    parser.add_argument(
+        "--help-all", action="help", help="show this help with the advanced tuning flags and exit"
+    )
+
+
+def short_help(parser: argparse.ArgumentParser) -> str:
+    """`parser`'s help with the tuning group reduced to its title and a line naming
+    `--help-all`; the parser is as it was afterwards."""
+    group = next((g for g in parser._action_groups if g.title == TUNING_TITLE), None)
+    if group is None:
+        return parser.format_help()
+    actions, description = group._group_actions, group.description
+    helps = [action.help for action in actions]
+    try:
+        for action in actions:
+            action.help = argparse.SUPPRESS
+        group.description = f"{len(actions)} flags with measured defaults: --help-all lists them."
+        return parser.format_help()
+    finally:
+        for action, text in zip(actions, helps, strict=True):
+            action.help = text
+        group.description = description
+
+
+class _ShortHelp(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        sys.stdout.write(short_help(parser))
+        parser.exit()
 
 
 def _add_spec(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Environ) -> None:
@@ -322,9 +399,9 @@ def add_engine_args(parser: argparse.ArgumentParser, environ: Environ = None) ->
     add_config_args(parser, ENGINE_SECTIONS, environ)
 
 
-def add_server_args(parser: argparse.ArgumentParser, environ: Environ = None) -> None:
-    """Flags of the server and its request limits (`serve`)."""
-    add_config_args(parser, SERVER_SECTIONS, environ)
+def add_serve_config_args(parser: argparse.ArgumentParser, environ: Environ = None) -> None:
+    """Flags of every section, the server's and its request limits' included (`serve`)."""
+    add_config_args(parser, ALL_SECTIONS, environ)
 
 
 def config_from_args(ns: argparse.Namespace) -> Config:

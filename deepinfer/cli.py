@@ -8,7 +8,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from deepinfer.args import Environ, add_engine_args, add_flag, add_server_args, config_from_args
+from deepinfer.args import (
+    Environ,
+    add_engine_args,
+    add_flag,
+    add_help_flags,
+    add_serve_config_args,
+    config_from_args,
+)
 from deepinfer.config import Config
 from deepinfer.errors import ConfigError, DeepInferError
 from deepinfer.request import SamplingParams
@@ -19,18 +26,23 @@ def build_parser(environ: Environ = None) -> argparse.ArgumentParser:
     `environ` (default: the process environment)."""
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one prompt and print it")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="complete one prompt and print it", add_help=False)
+    add_help_flags(gen)
+    gen.add_argument("prompt", help="the text to complete (with --chat, the user's message)")
     add_flag(
         gen, "--chat", environ, action="store_true", help="wrap the prompt as one user message"
     )
     _add_sampling_args(gen, environ)
     add_engine_args(gen, environ)
-    chat = sub.add_parser("chat", help="an interactive conversation, streamed")
+    chat = sub.add_parser("chat", help="an interactive conversation, streamed", add_help=False)
+    add_help_flags(chat)
     add_flag(chat, "--system", environ, default=None, help="system prompt")
     _add_sampling_args(chat, environ)
     add_engine_args(chat, environ)
-    serve = sub.add_parser("serve", help="the OpenAI/Anthropic compatible HTTP server")
+    serve = sub.add_parser(
+        "serve", help="the OpenAI/Anthropic compatible HTTP server", add_help=False
+    )
+    add_help_flags(serve)
     add_serve_args(serve, environ)
     sub.add_parser("pull", help="fetch a known model (`deepinfer pull --help`)", add_help=False)
     return parser
@@ -46,19 +58,25 @@ def add_serve_args(parser: argparse.ArgumentParser, environ: Environ = None) -> 
         choices=list(LOG_LEVELS),
         help="logging level of the server",
     )
-    add_engine_args(parser, environ)
-    add_server_args(parser, environ)
+    add_serve_config_args(parser, environ)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, environ: Environ) -> None:
-    add_flag(p, "--max-tokens", environ, type=int, default=256)
-    add_flag(p, "--temperature", environ, type=float, default=0.0)
-    add_flag(p, "--top-p", environ, type=float, default=1.0)
+    add_flag(p, "--max-tokens", environ, type=int, default=256, help="most tokens an answer has")
+    add_flag(p, "--temperature", environ, type=float, default=0.0, help="0: greedy")
+    add_flag(p, "--top-p", environ, type=float, default=1.0, help="nucleus sampling's mass")
     add_flag(p, "--sample-seed", environ, type=int, default=None, help="per-request sampling seed")
-    add_flag(p, "--reasoning-effort", environ, choices=["low", "medium", "high"], default=None)
+    add_flag(
+        p,
+        "--reasoning-effort",
+        environ,
+        choices=["low", "medium", "high"],
+        default=None,
+        help='a line added to the system prompt ("Reasoning effort: high.")',
+    )
 
 
 def _sampling(ns: argparse.Namespace) -> SamplingParams:

@@ -137,7 +137,7 @@ def pull(source: ModelSource, model_dir: Path, download: Downloader | None = Non
     return PullResult(target, fetched=True)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepinfer pull", description="fetch a known model into deepinfer's model directory"
     )
@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 def run_pull(argv: list[str]) -> int:
     """The `pull` command: prints the model file's path; 0 on success, 1 if the pull failed,
     2 for an unknown name."""
-    ns = _parser().parse_args(argv)
+    ns = build_parser().parse_args(argv)
     source = CATALOG.get(ns.name)
     if source is None:
         known = ", ".join(sorted(CATALOG))

@@ -1,5 +1,6 @@
-"""Take the screenshots of the web pages shown in README.md (docs/chat.png, docs/dashboard.png,
-docs/chat-phone.png): the default model served from this tree, the pages in headless Chromium.
+"""Take the screenshots of the web pages shown in docs/operations.md (docs/chat.png,
+docs/dashboard.png, docs/chat-phone.png): the default model served from this tree, the pages in
+headless Chromium.
 
     python docs/screenshots.py                  # needs /usr/bin/chromium and playwright
 

@@ -1,5 +1,6 @@
 """The command line is derived from `Config`: every field a flag, every flag a `DEEPINFER_*`
-variable, the flags users know unchanged, and README's claims about them true."""
+variable, the flags users know unchanged, and the claims README and the docs make about them
+true."""
 
 from __future__ import annotations
 
@@ -210,12 +211,13 @@ def test_environment_gives_the_same_config_as_the_flag(
 
 def test_every_flag_is_covered_by_the_environment_cases() -> None:
     covered = {flags[0] for flags, _, _ in _env_cases()}
-    assert covered == _option_strings(_subparsers()["serve"]) - {"-h", "--help", "--log-level"}
+    not_config = {"-h", "--help", "--help-all", "--log-level"}
+    assert covered == _option_strings(_subparsers()["serve"]) - not_config
 
 
 def _command_flag_cases() -> list[tuple[str, str, str]]:
     """(command, flag, value) for every flag that is not a `Config` field."""
-    dests = {s.dest for s in flag_specs()} | {"help"}
+    dests = {s.dest for s in flag_specs()} | {"help", "help_all"}
     cases = []
     for command, parser in _subparsers().items():
         for action in parser._actions:
@@ -318,25 +320,29 @@ def test_native_kernel_settings_are_read_through_config(
     assert native_dir() == tmp_path / "xdg" / "deepinfer" / "native"
 
 
-# README: every flag it names parses, with every value it shows.
+# README and the user docs: every flag they name parses, with every value they show.
 
-README = (ROOT / "README.md").read_text()
+DOC_PAGES = [
+    "README.md",
+    *(f"docs/{p}.md" for p in ("usage", "features", "cpu", "operations", "api")),
+]
+DOCS = "\n".join((ROOT / page).read_text() for page in DOC_PAGES)
 FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 SPAN = re.compile(r"`([^`]+)`")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w<-])")  # not `--no-<flag>`
 
 
-def _readme_spans() -> list[str]:
+def _docs_spans() -> list[str]:
     """Code spans outside code blocks, split at `&&`, less pip's commands."""
-    spans = [part for span in SPAN.findall(FENCE.sub("", README)) for part in span.split("&&")]
+    spans = [part for span in SPAN.findall(FENCE.sub("", DOCS)) for part in span.split("&&")]
     return [span for span in spans if "pip" not in span.split()]
 
 
-def _readme_lines() -> list[str]:
+def _docs_lines() -> list[str]:
     """Lines of code blocks (comments cut, split at `&&`) and of prose, less pip's commands."""
-    code = [line.split("#")[0] for block in FENCE.findall(README) for line in block.splitlines()]
+    code = [line.split("#")[0] for block in FENCE.findall(DOCS) for line in block.splitlines()]
     lines = [part.strip() for line in code for part in line.split("&&")]
-    lines += SPAN.sub("", FENCE.sub("", README)).splitlines()
+    lines += SPAN.sub("", FENCE.sub("", DOCS)).splitlines()
     return [line for line in lines if "pip" not in line.split()]
 
 
@@ -349,16 +355,16 @@ def _pull_flags() -> frozenset[str]:
     return frozenset(FLAG.findall(out.getvalue()))
 
 
-def test_every_flag_in_readme_is_a_flag() -> None:
+def test_every_flag_in_the_docs_is_a_flag() -> None:
     known = set().union(*(_option_strings(p) for p in _subparsers().values()), _pull_flags())
-    flags = {f for text in _readme_spans() + _readme_lines() for f in FLAG.findall(text)}
+    flags = {f for text in _docs_spans() + _docs_lines() for f in FLAG.findall(text)}
     assert len(flags) > 30 and flags <= known, sorted(flags - known)
 
 
-def _readme_flag_values() -> list[tuple[str, str]]:
-    """(flag, value) for each value README shows after a flag in a code span (`a|b` is two)."""
+def _docs_flag_values() -> list[tuple[str, str]]:
+    """(flag, value) for each value the docs show after a flag in a code span (`a|b` is two)."""
     cases = []
-    for span in _readme_spans():
+    for span in _docs_spans():
         words = span.split()
         for flag, value in zip(words, [*words[1:], ""], strict=True):
             if flag.startswith("--") and value and not value.startswith("--"):
@@ -366,17 +372,17 @@ def _readme_flag_values() -> list[tuple[str, str]]:
     return cases
 
 
-@pytest.mark.parametrize(("flag", "value"), _readme_flag_values())
-def test_every_value_readme_shows_parses(flag: str, value: str) -> None:
+@pytest.mark.parametrize(("flag", "value"), _docs_flag_values())
+def test_every_value_the_docs_show_parses(flag: str, value: str) -> None:
     command = next(c for c, p in _subparsers().items() if flag in _option_strings(p))
     head = [command, "a prompt"] if command == "generate" else [command]
     config_from_args(_parse([*head, flag, value]))
 
 
-def _readme_commands() -> list[list[str]]:
-    """README's `deepinfer ...` and `python3 server.py ...` commands, as `deepinfer` argv."""
+def _docs_commands() -> list[list[str]]:
+    """The docs' `deepinfer ...` and `python3 server.py ...` commands, as `deepinfer` argv."""
     commands = []
-    for line in _readme_lines():
+    for line in _docs_lines():
         words = shlex.split(line) if line.startswith(("deepinfer ", "python")) else []
         if words[:1] == ["deepinfer"]:
             commands.append(words[1:])
@@ -385,16 +391,16 @@ def _readme_commands() -> list[list[str]]:
     return commands
 
 
-@pytest.mark.parametrize("argv", _readme_commands(), ids=" ".join)
-def test_every_command_in_readme_parses(argv: list[str]) -> None:
+@pytest.mark.parametrize("argv", _docs_commands(), ids=" ".join)
+def test_every_command_in_the_docs_parses(argv: list[str]) -> None:
     if argv[0] == "pull":
         assert set(FLAG.findall(" ".join(argv))) <= _pull_flags()
     else:
         config_from_args(_parse(argv))
 
 
-def test_every_variable_readme_names_is_read() -> None:
-    names = set(re.findall(r"DEEPINFER_[A-Z][A-Z0-9_]*(?![\w<])", README))
+def test_every_variable_the_docs_name_is_read() -> None:
+    names = set(re.findall(r"DEEPINFER_[A-Z][A-Z0-9_]*(?![\w<])", DOCS))
     flag_envs = {name for _, environ, _ in _env_cases() for name in environ}
     sources = "".join(
         p.read_text() for p in [*ROOT.glob("deepinfer/**/*.py"), *ROOT.glob("kernels/*.py")]

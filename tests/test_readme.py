@@ -1,4 +1,5 @@
-"""README's two commands stay true: .ci/run runs exactly the README test command."""
+"""README's two commands stay true (.ci/run runs exactly the README test command), and the
+examples the docs show run as written."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def _bash_blocks(text: str) -> list[str]:
     return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+def _python_blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -51,8 +52,8 @@ def test_readme_commands_pull_the_model_instead_of_installing_it(word: str) -> N
 
 
 @pytest.mark.slow
-def test_readme_embedding_example_runs(tmp_path: Path) -> None:
-    (example,) = [b for b in _python_blocks() if "AsyncEngine" in b]
+def test_usage_embedding_example_runs(tmp_path: Path) -> None:
+    (example,) = [b for b in _python_blocks("docs/usage.md") if "AsyncEngine" in b]
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, env=env,
@@ -64,15 +65,37 @@ def test_readme_embedding_example_runs(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
-def test_readme_tool_examples_run(sdk: str, real_server: LiveServer) -> None:
-    """The README's tool examples, pointed at the live server, print a forced call's arguments."""
-    (example,) = [b for b in _python_blocks() if f"from {sdk} import" in b]
+def test_api_tool_examples_run(sdk: str, real_server: LiveServer) -> None:
+    """docs/api.md's tool examples, pointed at the live server, print a forced call's arguments."""
+    (example,) = [b for b in _python_blocks("docs/api.md") if f"from {sdk} import" in b]
     base = "http://localhost:8000"
     assert base in example
     code = example.replace(base, real_server.url)
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
-        exec(compile(code, f"README-{sdk}", "exec"), {})
+        exec(compile(code, f"docs/api.md-{sdk}", "exec"), {})
     printed = output.getvalue()
     assert "get_weather" in printed or "tool_use" in printed, printed
     assert "city" in printed, printed
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
+)
+def test_relative_links_resolve(page: str) -> None:
+    """Every relative link of README and docs/ names a file that exists, and a heading there."""
+    path = ROOT / page if page == "README.md" else ROOT / "docs" / page
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if "://" in target:
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{page}: {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), flags=re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{page}: {target}"

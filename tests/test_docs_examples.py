@@ -1,4 +1,5 @@
-"""README's embedding example, extracted from README.md and run as written on the tiny model.
+"""The embedding example of docs/usage.md, extracted from the page and run as written on the
+tiny model.
 
 Only the engine's `Config()` is replaced (by a config for `tiny_llama_dir`), and the engine class
 by a subclass that records what the example asks for. What the example prints must be the text
@@ -22,11 +23,12 @@ from deepinfer.request import Request, SamplingParams
 from deepinfer.text.recipe import ChatMessage
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGE = "docs/usage.md"
 ENGINE_CALL = "AsyncEngine(Config())"
 
 
 def _embedding_example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / PAGE).read_text(), flags=re.S)
     (example,) = [b for b in blocks if "async with AsyncEngine(" in b]
     return example
 
@@ -73,7 +75,7 @@ def _offline_answer(config: Config, messages: list[ChatMessage], params: Samplin
         core.close()
 
 
-def test_readme_embedding_example_prints_the_engines_answer(tiny_llama_dir: Path) -> None:
+def test_embedding_example_prints_the_engines_answer(tiny_llama_dir: Path) -> None:
     example = _embedding_example()
     assert example.count(ENGINE_CALL) == 1, f"the example no longer builds {ENGINE_CALL}"
     code = example.replace(ENGINE_CALL, "_RecordingEngine(TEST_CONFIG)")
@@ -82,7 +84,7 @@ def test_readme_embedding_example_prints_the_engines_answer(tiny_llama_dir: Path
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(
-            compile(code, "README.md", "exec"),
+            compile(code, PAGE, "exec"),
             {"__name__": "__main__", "_RecordingEngine": _RecordingEngine, "TEST_CONFIG": config},
         )
     ((messages, params),) = _RecordingEngine.calls
