@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # private and fresh, so no test hits (or pollutes) a user's cache or an earlier run's. The model
 # directory (`deepinfer pull`'s) stays the user's: pin it before moving the cache.
 os.environ.setdefault("DEEPINFER_MODEL_DIR", str(_default_model_dir()))
-# So does the native kernels' build cache (kernels/cpu_native.py; keyed by sources, headers and
+# So does the native kernels' build cache (kernels/native/cpu_native.py; keyed by sources, headers and
 # flags, so sharing it is safe): else every session, and every server it starts, compiles again.
 _user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
 os.environ.setdefault("DEEPINFER_NATIVE_DIR", str(Path(_user_cache) / "deepinfer" / "native"))

@@ -15,8 +15,9 @@ import deepinfer.kernels
 ROOT = Path(__file__).resolve().parents[2]
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
 TRITON_MODULES = {
-    "triton_common", "kv_store", "norm", "rotary", "matmul", "paged_attention",
-    "paged_attention_kernels", "moe_grouped",
+    "triton_common", "attention.kv_store", "attention.paged_attention",
+    "attention.paged_attention_kernels", "elementwise.norm", "elementwise.rotary",
+    "linear.matmul", "moe.moe_grouped",
 }  # fmt: skip
 """The Triton launchers and kernels: the only modules that load Triton (the `triton` backend's)."""
 
@@ -70,7 +71,7 @@ def test_no_top_level_kernels_module_of_ours_is_importable(tmp_path: Path) -> No
 
 
 def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -85,12 +86,12 @@ def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
 def test_only_the_triton_modules_load_triton() -> None:
     """The package and every other kernel module (dispatch, the torch references, the native CPU
     kernels: what the CPU path imports) import without loading Triton."""
-    stems = sorted(p.stem for p in (ROOT / "kernels").glob("*.py"))
-    assert set(stems) >= TRITON_MODULES
+    relative = [n.removeprefix("deepinfer.kernels.") for n in _kernel_modules()[1:]]
+    assert set(relative) >= TRITON_MODULES
     code = (
         "import importlib, sys\n"
-        f"for stem in {[s for s in stems if s not in TRITON_MODULES]!r}:\n"
-        "    importlib.import_module('deepinfer.kernels.' + stem)\n"
+        f"for name in {[n for n in relative if n not in TRITON_MODULES]!r}:\n"
+        "    importlib.import_module('deepinfer.kernels.' + name)\n"
         "import deepinfer.model.llama, deepinfer.model.attention\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n"
     )
