@@ -32,8 +32,9 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="deepinfer-test-cache-")
 
 def _import_hub_kernels() -> None:
     """transformers (5.25 on) imports the Hub's `kernels` distribution, and `python -m pytest`
-    puts the repository root first on sys.path, where kernels/ (imported as deepinfer.kernels)
-    would stand in for it: import the installed one, with the root out of the path, first."""
+    puts the repository root first on sys.path, where kernels/ (a package at the top of the
+    repository, installed as deepinfer.kernels) would stand in for it: import the installed one,
+    with the root out of the path, first."""
     root = Path(__file__).resolve().parents[1]
     saved = sys.path[:]
     sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
