@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels import kv_store, matmul, norm, paged_attention, rotary
+from deepinfer.kernels.attention import kv_store, paged_attention
+from deepinfer.kernels.elementwise import norm, rotary
+from deepinfer.kernels.linear import matmul
 
 DTYPE = torch.bfloat16
 

@@ -1,5 +1,5 @@
 """A Mixture-of-Experts layer's quantized experts on CPU: the one-call native kernel
-(`kernels/moe_cpu.py`) against three Python calls a run of rows (`block_linear`, `silu_mul`,
+(`kernels/moe/moe_cpu.py`) against three Python calls a run of rows (`block_linear`, `silu_mul`,
 `block_linear`, the path it replaces; bit-identical outputs, checked here too), alternated in
 one run.
 
@@ -25,11 +25,11 @@ from common import provenance
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from gguf_weights import gguf_weight
 
-from deepinfer.kernels.elementwise_cpu import silu_mul_cpu
-from deepinfer.kernels.int8_matmul import block_linear, pack_int8
-from deepinfer.kernels.moe_cpu import NativeExperts
-from deepinfer.kernels.moe_torch import run_each, runs_of
-from deepinfer.kernels.quant_matmul import QuantFormat
+from deepinfer.kernels.elementwise.elementwise_cpu import silu_mul_cpu
+from deepinfer.kernels.linear.int8_matmul import block_linear, pack_int8
+from deepinfer.kernels.linear.quant_matmul import QuantFormat
+from deepinfer.kernels.moe.moe_cpu import NativeExperts
+from deepinfer.kernels.moe.moe_torch import run_each, runs_of
 
 
 def main() -> None:

@@ -107,7 +107,7 @@ def fp32_rate(n: int) -> float:
 def int8_kernel_rate(rows: int) -> float:
     from quant_gemm import SHAPES, random_q4_1
 
-    from deepinfer.kernels.int8_matmul import int8_linear, pack_int8
+    from deepinfer.kernels.linear.int8_matmul import int8_linear, pack_int8
 
     gen = torch.Generator().manual_seed(0)
     packed = [pack_int8(random_q4_1(n, k, gen)) for n, k in SHAPES]

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from deepinfer.kernels.int8_matmul import int8_linear, pack_int8
-from deepinfer.kernels.quant_matmul import (
+from deepinfer.kernels.linear.int8_matmul import int8_linear, pack_int8
+from deepinfer.kernels.linear.quant_matmul import (
     QK,
     QuantFormat,
     QuantizedWeight,

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 # First, before any module of ours imports torch: OpenMP's barrier waits (see the module).
 from deepinfer import openmp_env as _openmp_env  # noqa: F401
+from deepinfer import source_tree as _source_tree
+
+_source_tree.install()  # `deepinfer.kernels` from a checkout's top-level kernels/ (see the module)
 
 __version__ = "0.1.0"
 

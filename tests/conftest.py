@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # private and fresh, so no test hits (or pollutes) a user's cache or an earlier run's. The model
 # directory (`deepinfer pull`'s) stays the user's: pin it before moving the cache.
 os.environ.setdefault("DEEPINFER_MODEL_DIR", str(_default_model_dir()))
-# So does the native kernels' build cache (kernels/cpu_native.py; keyed by sources, headers and
+# So does the native kernels' build cache (kernels/native/cpu_native.py; keyed by sources, headers and
 # flags, so sharing it is safe): else every session, and every server it starts, compiles again.
 _user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
 os.environ.setdefault("DEEPINFER_NATIVE_DIR", str(Path(_user_cache) / "deepinfer" / "native"))
@@ -32,8 +32,9 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="deepinfer-test-cache-")
 
 def _import_hub_kernels() -> None:
     """transformers (5.25 on) imports the Hub's `kernels` distribution, and `python -m pytest`
-    puts the repository root first on sys.path, where kernels/ (imported as deepinfer.kernels)
-    would stand in for it: import the installed one, with the root out of the path, first."""
+    puts the repository root first on sys.path, where kernels/ (a package at the top of the
+    repository, installed as deepinfer.kernels) would stand in for it: import the installed one,
+    with the root out of the path, first."""
     root = Path(__file__).resolve().parents[1]
     saved = sys.path[:]
     sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]

@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "deepinfer"
+KERNELS = ROOT / "kernels"
+"""Installed as `deepinfer.kernels` (pyproject's package-dir), so outside PACKAGE on disk."""
 
 # layer -> deepinfer subpackages it must never import
 FORBIDDEN: dict[str, set[str]] = {
@@ -42,12 +44,11 @@ KERNELS_MAY_IMPORT = {"environment", "errors", "kernels"}
 
 
 def _modules() -> list[Path]:
-    files = [p for p in PACKAGE.rglob("*.py") if "kernels" not in p.relative_to(PACKAGE).parts]
-    return files + sorted((ROOT / "kernels").glob("*.py"))
+    return sorted(PACKAGE.rglob("*.py")) + sorted(KERNELS.rglob("*.py"))
 
 
 def _layer(path: Path) -> str:
-    if path.is_relative_to(ROOT / "kernels"):
+    if path.is_relative_to(KERNELS):
         return "kernels"
     rel = path.relative_to(PACKAGE)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
@@ -55,8 +56,8 @@ def _layer(path: Path) -> str:
 
 def _package_of(path: Path) -> list[str]:
     """The dotted package a module lives in (kernels/ is `deepinfer.kernels`)."""
-    if path.is_relative_to(ROOT / "kernels"):
-        return ["deepinfer", "kernels"]
+    if path.is_relative_to(KERNELS):
+        return ["deepinfer", "kernels", *path.relative_to(KERNELS).parent.parts]
     return ["deepinfer", *path.relative_to(PACKAGE).parent.parts]
 
 

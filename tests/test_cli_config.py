@@ -311,7 +311,7 @@ def test_retention_classes_are_the_enum() -> None:
 def test_native_kernel_settings_are_read_through_config(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from deepinfer.kernels.cpu_native import native_dir
+    from deepinfer.kernels.native.cpu_native import native_dir
 
     monkeypatch.setenv("DEEPINFER_NATIVE_DIR", str(tmp_path))
     assert native_dir() == tmp_path
@@ -403,7 +403,7 @@ def test_every_variable_the_docs_name_is_read() -> None:
     names = set(re.findall(r"DEEPINFER_[A-Z][A-Z0-9_]*(?![\w<])", DOCS))
     flag_envs = {name for _, environ, _ in _env_cases() for name in environ}
     sources = "".join(
-        p.read_text() for p in [*ROOT.glob("deepinfer/**/*.py"), *ROOT.glob("kernels/*.py")]
+        p.read_text() for p in [*ROOT.glob("deepinfer/**/*.py"), *ROOT.glob("kernels/**/*.py")]
     )
     for name in names - flag_envs:
         lower = name.removeprefix("DEEPINFER_").lower()

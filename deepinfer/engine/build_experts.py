@@ -14,7 +14,7 @@ import torch
 from deepinfer.config import Config, check_expert_layout
 from deepinfer.engine.build_replicas import load
 from deepinfer.errors import ConfigError
-from deepinfer.kernels.int8_matmul import FixedOrderWeight, block_linear
+from deepinfer.kernels.linear.int8_matmul import FixedOrderWeight, block_linear
 from deepinfer.model.expert_parallel import (
     ExpertGroup,
     ExpertParallel,

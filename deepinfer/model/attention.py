@@ -20,24 +20,28 @@ from typing import Protocol
 import torch
 
 from deepinfer.errors import ConfigError
-from deepinfer.kernels.cpu_native import NativeUnavailableError, native_available, native_library
+from deepinfer.kernels.attention.paged_attention_torch import PagedAttentionPlan
 from deepinfer.kernels.dispatch import run_or_fallback
-from deepinfer.kernels.paged_attention_torch import PagedAttentionPlan
+from deepinfer.kernels.native.cpu_native import (
+    NativeUnavailableError,
+    native_available,
+    native_library,
+)
 
 logger = logging.getLogger(__name__)
 
 # op name -> (module of its torch reference `<op>_reference`, module of its Triton launcher
 # `<op>`, None where there is none). Only the launcher modules import Triton.
 _OPS: dict[str, tuple[str, str | None]] = {
-    "rms_norm": ("norm_torch", "norm"),
-    "fused_add_rms_norm": ("norm_torch", "norm"),
-    "apply_rotary": ("rotary_torch", "rotary"),
-    "store_kv": ("kv_store_torch", "kv_store"),
-    "silu_mul": ("activation", None),
-    "gelu_tanh_mul": ("activation", None),
-    "paged_decode_attention": ("paged_attention_torch", "paged_attention"),
-    "paged_prefill_attention": ("paged_attention_torch", "paged_attention"),
-    "plan_paged_attention": ("paged_attention_torch", "paged_attention"),
+    "rms_norm": ("elementwise.norm_torch", "elementwise.norm"),
+    "fused_add_rms_norm": ("elementwise.norm_torch", "elementwise.norm"),
+    "apply_rotary": ("elementwise.rotary_torch", "elementwise.rotary"),
+    "store_kv": ("attention.kv_store_torch", "attention.kv_store"),
+    "silu_mul": ("elementwise.activation", None),
+    "gelu_tanh_mul": ("elementwise.activation", None),
+    "paged_decode_attention": ("attention.paged_attention_torch", "attention.paged_attention"),
+    "paged_prefill_attention": ("attention.paged_attention_torch", "attention.paged_attention"),
+    "plan_paged_attention": ("attention.paged_attention_torch", "attention.paged_attention"),
 }
 
 
@@ -155,7 +159,7 @@ def triton_backend(batch_invariant: bool = False) -> KernelBackend:
             "triton backend: no launcher for %s; using torch references", ", ".join(missing)
         )
     if batch_invariant:
-        attention = _kernel_module("paged_attention")
+        attention = _kernel_module("attention.paged_attention")
         ops["paged_decode_attention"] = attention.paged_decode_attention
         ops["paged_prefill_attention"] = attention.paged_prefill_attention_rows
     return KernelBackend(name="triton", **ops)
@@ -167,8 +171,8 @@ def cpu_backend(batch_invariant: bool = False) -> KernelBackend:
     `batch_invariant`, every query's attention through the native kernel, one row each (their
     per-row order is fixed: no reduction depends on the other rows, the chunking or the thread
     count)."""
-    from deepinfer.kernels import elementwise_cpu as ew
-    from deepinfer.kernels import paged_attention_cpu as cpu
+    from deepinfer.kernels.attention import paged_attention_cpu as cpu
+    from deepinfer.kernels.elementwise import elementwise_cpu as ew
 
     ops = _references()
     ops["rms_norm"] = ew.rms_norm_cpu

@@ -2,7 +2,7 @@
 its share of a step's rows, and the load balancer (EPLB) re-placing them between steps.
 
 The layer routes its tokens and sorts the (token, expert) pairs by expert as without groups
-(`kernels/moe_torch.combine_pairs`); `ExpertParallel.run` splits those sorted rows by the
+(`kernels/moe/moe_torch.combine_pairs`); `ExpertParallel.run` splits those sorted rows by the
 layer's current `Placement` (a replicated expert's rows in contiguous runs, one per replica:
 `model/expert_placement.split_rows`), has every group compute its runs at once (group 0 on
 the calling thread, the others on threads of their own: a GPU each, or a CPU thread group, or a
@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.kernels.moe_torch import RunExperts
+from deepinfer.kernels.moe.moe_torch import RunExperts
 from deepinfer.model.expert_placement import (
     ExpertParallelStats,
     ExpertSlice,

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from deepinfer.kernels.llama_layers_cpu import Activation, LayerWeights
+from deepinfer.kernels.layers.llama_layers_cpu import Activation, LayerWeights
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.llama import LlamaForCausalLM

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight, dequantize
+from deepinfer.kernels.linear.quant_matmul import QuantFormat, QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.gguf_mla import MLA_LAYER_NAMES, joined_kv_b, mla_fields
 from deepinfer.model.gguf_moe import EXPERT_STACKS, MOE_LAYER_NAMES, moe_fields

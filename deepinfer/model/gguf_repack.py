@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepinfer.kernels.quant_matmul import QuantFormat
+from deepinfer.kernels.linear.quant_matmul import QuantFormat
 
 Q4_0_BLOCK_BYTES = 18
 """fp16 d, then 16 bytes of nibbles (the same layout as Q4_1's); a weight is d * (q - 8)."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
-from deepinfer.kernels.llama_layers_cpu import NativeLayerStack, StackShape, step_applies
-from deepinfer.kernels.rotary_torch import rotary_cos_sin
+from deepinfer.kernels.elementwise.rotary_torch import rotary_cos_sin
+from deepinfer.kernels.layers.llama_layers_cpu import NativeLayerStack, StackShape, step_applies
+from deepinfer.kernels.linear.int8_matmul import BlockWeight, block_linear
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend, torch_backend
 from deepinfer.model.forward_batch import ForwardBatch

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.kernels.int8_matmul import BlockWeight, block_linear
-from deepinfer.kernels.llama_layers_cpu import LayerWeights
-from deepinfer.kernels.quant_matmul import QuantizedWeight, dequantize
+from deepinfer.kernels.layers.llama_layers_cpu import LayerWeights
+from deepinfer.kernels.linear.int8_matmul import BlockWeight, block_linear
+from deepinfer.kernels.linear.quant_matmul import QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.step_context import StepContext

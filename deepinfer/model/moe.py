@@ -4,9 +4,9 @@ embeddings and the paged caches are the Llama model's.
 
 Expert weights are stacked per layer, `w_gate_up` [E, 2I, D] (rows [gate; up], as the dense
 `gate_up_proj`) and `w_down` [E, D, I]; a step multiplies each expert's tokens once
-(`kernels/moe_torch.combine_pairs`; on the triton backend every expert's rows in one launch,
-`kernels/moe_grouped.py`; a GGUF file's quantized experts in their blocks on CPU, all of them in
-one native call on the cpu backend, `kernels/moe_cpu.py`).
+(`kernels/moe/moe_torch.combine_pairs`; on the triton backend every expert's rows in one launch,
+`kernels/moe/moe_grouped.py`; a GGUF file's quantized experts in their blocks on CPU, all of them in
+one native call on the cpu backend, `kernels/moe/moe_cpu.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import threading
 import torch
 from torch import nn
 
-from deepinfer.kernels.cpu_native import NativeUnavailableError
-from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, block_linear
-from deepinfer.kernels.llama_layers_cpu import LayerWeights
-from deepinfer.kernels.moe_cpu import NativeExperts
-from deepinfer.kernels.moe_torch import (
+from deepinfer.kernels.layers.llama_layers_cpu import LayerWeights
+from deepinfer.kernels.linear.int8_matmul import BlockWeight, FixedOrderWeight, block_linear
+from deepinfer.kernels.moe.moe_cpu import NativeExperts
+from deepinfer.kernels.moe.moe_torch import (
     ExpertFFN,
     RunExperts,
     combine_pairs,
@@ -30,6 +29,7 @@ from deepinfer.kernels.moe_torch import (
     run_each,
     runs_of,
 )
+from deepinfer.kernels.native.cpu_native import NativeUnavailableError
 from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.expert_parallel import ExpertParallel
@@ -144,7 +144,7 @@ class MoEBlock(nn.Module):
             parallel, layer = self.parallel, self.layer
             out = combine_pairs(h, experts, gates, lambda rows: parallel.run(layer, rows, counts))
         elif ops.name == "triton" and self.quantized is None:  # one launch for every expert
-            from deepinfer.kernels.moe_grouped import triton_grouped_experts
+            from deepinfer.kernels.moe.moe_grouped import triton_grouped_experts
 
             out = triton_grouped_experts(
                 h, experts, gates, self.w_gate_up, self.w_down, ops.silu_mul

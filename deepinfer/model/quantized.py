@@ -8,7 +8,7 @@ matrices in other formats), so no fp32 copy of a served matrix is ever made (a 7
 be 28 GB). The float kernel multiplies by the same fp32
 values (dequantized on the fly), reading 4-7x fewer bytes per step; only the order of each dot
 product's sum differs from BLAS. With int8 activations the blocks are repacked for the integer
-kernel instead (deepinfer.kernels.int8_matmul). `quantized_matmul_wanted` and
+kernel instead (deepinfer.kernels.linear.int8_matmul). `quantized_matmul_wanted` and
 `int8_activations_wanted` decide, per the config.
 """
 
@@ -21,10 +21,15 @@ import torch
 from torch import nn
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.cpu_native import NativeUnavailableError, native_library
-from deepinfer.kernels.fixed_sum import FixedSumWeight
-from deepinfer.kernels.int8_matmul import BlockWeight, FixedOrderWeight, NativeWeight, pack_int8
-from deepinfer.kernels.quant_matmul import QuantizedWeight
+from deepinfer.kernels.linear.fixed_sum import FixedSumWeight
+from deepinfer.kernels.linear.int8_matmul import (
+    BlockWeight,
+    FixedOrderWeight,
+    NativeWeight,
+    pack_int8,
+)
+from deepinfer.kernels.linear.quant_matmul import QuantizedWeight
+from deepinfer.kernels.native.cpu_native import NativeUnavailableError, native_library
 from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
 from deepinfer.model.llama_layers import Linear, QuantizedEmbedding
 from deepinfer.model.mla import MLAAttention

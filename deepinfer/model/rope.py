@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from deepinfer.kernels.rotary_torch import rotary_cos_sin
+from deepinfer.kernels.elementwise.rotary_torch import rotary_cos_sin
 from deepinfer.model.arch import ModelArch, YarnRope
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels.paged_attention_torch import PagedAttentionPlan
+from deepinfer.kernels.attention.paged_attention_torch import PagedAttentionPlan
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.forward_batch import ForwardBatch

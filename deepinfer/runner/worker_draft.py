@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from deepinfer.kernels.greedy import greedy_ids
+from deepinfer.kernels.native.greedy import greedy_ids
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.protocol import CausalLM
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput

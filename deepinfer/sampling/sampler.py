@@ -45,7 +45,7 @@ from operator import attrgetter
 
 import torch
 
-from deepinfer.kernels.greedy import greedy_ids
+from deepinfer.kernels.native.greedy import greedy_ids
 from deepinfer.outputs import SampledToken
 from deepinfer.sampling.filters import warp
 from deepinfer.sampling.generators import inverse_cdf_pick, uniform_draws

@@ -1,5 +1,5 @@
 /* The structs' sizes as this compiler lays them out, for the ctypes mirror to check itself
-   against (kernels/cpu_abi.py, tests/kernels/test_cpu_abi.py). */
+   against (kernels/native/cpu_abi.py, tests/kernels/native/test_cpu_abi.py). */
 #include "deepinfer_kernels.h"
 
 long di_sizeof_rms_norm_args(void) { return (long)sizeof(di_rms_norm_args); }

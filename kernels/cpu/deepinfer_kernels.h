@@ -2,9 +2,10 @@
 
    Every C file here includes this header (the compiler then checks each definition against
    its prototype, and -Werror=missing-prototypes refuses an exported function declared nowhere
-   else). `kernels/cpu_abi.py` mirrors it in ctypes, and tests/kernels/test_cpu_abi.py parses
-   this file to check that mirror: keep to the forms its parser reads (`typedef struct { ... }
-   name;` with one field per declaration, prototypes ending in `;`, `#define DI_...` integers).
+   else). `kernels/native/cpu_abi.py` mirrors it in ctypes, and
+   tests/kernels/native/test_cpu_abi.py parses this file to check that mirror: keep to the forms
+   its parser reads (`typedef struct { ... } name;` with one field per declaration, prototypes
+   ending in `;`, `#define DI_...` integers).
 
    Every function returns 0 on success, -1 on bad arguments, -2 when out of memory, unless it
    says otherwise. Row strides are in elements. Calls that would take a dozen or more scalars

@@ -10,7 +10,7 @@
 
    For steps whose every query the native attention kernel takes (decode rows, short chunks
    given one row per query), float32 activations and weights served by the quantized kernels
-   (GGUF blocks with float32 activations, or int8-repacked). `deepinfer/kernels/llama_layers_cpu.py`
+   (GGUF blocks with float32 activations, or int8-repacked). `kernels/layers/llama_layers_cpu.py`
    checks all that and falls back to the Python forward otherwise.
 */
 #include <stdint.h>

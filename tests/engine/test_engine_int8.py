@@ -15,7 +15,7 @@ from conftest import real_config
 
 from deepinfer.config import CacheConfig, DiskCacheConfig, ModelConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
 

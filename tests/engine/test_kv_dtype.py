@@ -13,7 +13,7 @@ from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, 
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.core import EngineCore
 from deepinfer.errors import ConfigError
-from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.request import SamplingParams
 from deepinfer.text.recipe import ChatMessage
 

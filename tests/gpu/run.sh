@@ -28,7 +28,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/summary.txt"
 
-KERNEL_TESTS=(tests/kernels/test_{kv_store,matmul,norm,paged_attention,rotary}_kernel.py)
+KERNEL_TESTS=(tests/kernels/attention/test_{kv_store,paged_attention}_kernel.py
+  tests/kernels/elementwise/test_{norm,rotary}_kernel.py tests/kernels/linear/test_matmul_kernel.py)
 step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TESTS[@]}"
 CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
   tests/cache_host/test_engine_host_cache.py tests/sampling/test_sampler.py \

@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from deepinfer.kernels import kv_store as kv_store_module
-from deepinfer.kernels import matmul, norm, paged_attention_kernels, rotary
+from deepinfer.kernels.attention import kv_store as kv_store_module
+from deepinfer.kernels.attention import paged_attention_kernels
 from deepinfer.kernels.dispatch import HAS_TRITON, is_interpreted
+from deepinfer.kernels.elementwise import norm, rotary
+from deepinfer.kernels.linear import matmul
 
 _KERNELS = (
     kv_store_module._store_kv_kernel,

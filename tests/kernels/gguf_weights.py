@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.kernels.cpu_native import native_available
-from deepinfer.kernels.quant_matmul import QuantFormat, QuantizedWeight
+from deepinfer.kernels.linear.quant_matmul import QuantFormat, QuantizedWeight
+from deepinfer.kernels.native.cpu_native import native_available
 
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
 GGML = {

@@ -14,7 +14,7 @@ from deepinfer.kernels.dispatch import (
     run_or_fallback,
     triton_available,
 )
-from deepinfer.kernels.norm import rms_norm, rms_norm_reference
+from deepinfer.kernels.elementwise.norm import rms_norm, rms_norm_reference
 
 
 @pytest.fixture(autouse=True)

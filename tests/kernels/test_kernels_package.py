@@ -10,53 +10,68 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import find_packages
-
 import deepinfer.kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
 TRITON_MODULES = {
-    "triton_common", "kv_store", "norm", "rotary", "matmul", "paged_attention",
-    "paged_attention_kernels", "moe_grouped",
+    "triton_common", "attention.kv_store", "attention.paged_attention",
+    "attention.paged_attention_kernels", "elementwise.norm", "elementwise.rotary",
+    "linear.matmul", "moe.moe_grouped",
 }  # fmt: skip
 """The Triton launchers and kernels: the only modules that load Triton (the `triton` backend's)."""
+
+
+def _kernel_modules() -> list[str]:
+    """Every module under kernels/, by its installed name (`deepinfer.kernels.<...>`)."""
+    names = []
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        parts = path.relative_to(ROOT / "kernels").with_suffix("").parts
+        names.append(
+            ".".join(["deepinfer", "kernels", *parts[: -1 if parts[-1] == "__init__" else None]])
+        )
+    return names
 
 
 def test_deepinfer_kernels_is_the_repo_folder() -> None:
     assert deepinfer.kernels.__name__ == "deepinfer.kernels"
     assert deepinfer.kernels.__file__ is not None
     assert Path(deepinfer.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
-    module = importlib.import_module("deepinfer.kernels.paged_attention")
-    assert module.__file__ is not None
-    assert Path(module.__file__).resolve().parent == ROOT / "kernels"
+    for name in _kernel_modules():
+        module = importlib.import_module(name)
+        assert module.__file__ is not None
+        assert Path(module.__file__).resolve().is_relative_to(ROOT / "kernels"), name
 
 
-def test_no_top_level_kernels_module_is_loaded_or_packaged(tmp_path: Path) -> None:
+def test_no_top_level_kernels_module_of_ours_is_importable(tmp_path: Path) -> None:
     """deepinfer never imports its kernels as a top-level `kernels` (an unrelated PyPI package owns
-    that name) and never packages one. Run from another directory: a repo-root sys.path entry
-    (`python -m pytest`) lets third-party probes such as transformers' find the folder."""
+    that name), and with the repository root off sys.path no `kernels` of ours can be imported.
+    The child process sees this checkout's deepinfer/ through a link in a folder of its own (as
+    an editable install maps it), not through the root, where kernels/ would be found by name."""
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "deepinfer").symlink_to(ROOT / "deepinfer")
     code = (
-        "import importlib, sys\n"
-        f"for stem in {sorted(p.stem for p in (ROOT / 'kernels').glob('*.py'))!r}:\n"
-        "    importlib.import_module('deepinfer.kernels.' + stem)\n"
+        "import importlib, importlib.util, pathlib, sys\n"
+        f"root = pathlib.Path({str(ROOT)!r})\n"
+        f"for name in {_kernel_modules()!r}:\n"
+        "    module = importlib.import_module(name)\n"
+        "    assert pathlib.Path(module.__file__).resolve().is_relative_to(root / 'kernels')\n"
         "import deepinfer.engine.core, deepinfer.api.app\n"
         "assert 'kernels' not in sys.modules, sys.modules['kernels']\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "assert spec is None or not pathlib.Path(spec.origin).resolve().is_relative_to(root), spec\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "path")}
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert not hasattr(importlib.import_module("deepinfer.kernels"), "__version__")
-    packages = find_packages(where=str(ROOT), include=["deepinfer*"])
-    assert "deepinfer.kernels" in packages
-    assert "kernels" not in packages
 
 
 def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -71,12 +86,12 @@ def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
 def test_only_the_triton_modules_load_triton() -> None:
     """The package and every other kernel module (dispatch, the torch references, the native CPU
     kernels: what the CPU path imports) import without loading Triton."""
-    stems = sorted(p.stem for p in (ROOT / "kernels").glob("*.py"))
-    assert set(stems) >= TRITON_MODULES
+    relative = [n.removeprefix("deepinfer.kernels.") for n in _kernel_modules()[1:]]
+    assert set(relative) >= TRITON_MODULES
     code = (
         "import importlib, sys\n"
-        f"for stem in {[s for s in stems if s not in TRITON_MODULES]!r}:\n"
-        "    importlib.import_module('deepinfer.kernels.' + stem)\n"
+        f"for name in {[n for n in relative if n not in TRITON_MODULES]!r}:\n"
+        "    importlib.import_module('deepinfer.kernels.' + name)\n"
         "import deepinfer.model.llama, deepinfer.model.attention\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n"
     )

@@ -15,7 +15,7 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, prefill_then_d
 from test_model_gguf_moe import write_moe_gguf
 from test_model_moe import COMMON, _prompts, randomize
 
-from deepinfer.kernels.fixed_sum import fixed_sum_linear
+from deepinfer.kernels.linear.fixed_sum import fixed_sum_linear
 from deepinfer.model import load_model
 from deepinfer.model.expert_parallel import ExpertParallel, LocalGroup, initial_placement
 from deepinfer.model.expert_placement import Placement

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from deepinfer.block_ids import BlockIds
 from deepinfer.errors import ConfigError, ModelLoadError
-from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend
 from deepinfer.model.forward_batch import (

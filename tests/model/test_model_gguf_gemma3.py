@@ -23,7 +23,7 @@ from model_test_utils import (
 from test_native_stack import _counting
 
 from deepinfer.environment import default_model_dir
-from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model import LoadedModel, load_model
 from deepinfer.model.quantized import float_matrices
 

@@ -22,7 +22,7 @@ from model_test_utils import (
 )
 
 from deepinfer.environment import default_model_path
-from deepinfer.kernels.cpu_native import native_available
+from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")

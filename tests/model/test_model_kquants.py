@@ -16,8 +16,8 @@ from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
 from test_model_quantized import _logits, _reference, needs_native
 from test_native_stack import _counting, _steps
 
-from deepinfer.kernels.int8_matmul import int8_linear, int8_linear_reference, pack_int8
-from deepinfer.kernels.quant_matmul import (
+from deepinfer.kernels.linear.int8_matmul import int8_linear, int8_linear_reference, pack_int8
+from deepinfer.kernels.linear.quant_matmul import (
     QuantFormat,
     QuantizedWeight,
     dequantize,

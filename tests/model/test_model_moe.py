@@ -26,7 +26,7 @@ from model_test_utils import (
 )
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.moe_torch import (
+from deepinfer.kernels.moe.moe_torch import (
     expert_counts,
     float_experts,
     grouped_experts,

@@ -20,14 +20,14 @@ from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute, w
 from deepinfer.args import add_engine_args, config_from_args
 from deepinfer.config import Config, ModelConfig
 from deepinfer.errors import ConfigError, ModelLoadError
-from deepinfer.kernels.cpu_native import native_available
-from deepinfer.kernels.int8_matmul import Int8PackedWeight
-from deepinfer.kernels.quant_matmul import (
+from deepinfer.kernels.linear.int8_matmul import Int8PackedWeight
+from deepinfer.kernels.linear.quant_matmul import (
     QuantFormat,
     QuantizedWeight,
     dequantize,
     dequantize_reference,
 )
+from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model import load_model, model_fingerprint
 from deepinfer.model.gguf_loader import GGUFTensorSource
 from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0

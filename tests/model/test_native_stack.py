@@ -18,8 +18,8 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from test_model_gguf_loader import write_gemma3_gguf, write_gguf
 from test_model_quantized import needs_native, quantized_gguf  # noqa: F401 (a fixture)
 
-import deepinfer.kernels.llama_layers_cpu as stack_module
-from deepinfer.kernels.paged_attention_cpu import NATIVE_ALWAYS_ROWS
+import deepinfer.kernels.layers.llama_layers_cpu as stack_module
+from deepinfer.kernels.attention.paged_attention_cpu import NATIVE_ALWAYS_ROWS
 from deepinfer.model import load_model
 from deepinfer.model.attention import torch_backend
 
@@ -87,7 +87,9 @@ def test_long_chunks_keep_the_layers(
     more queries than the kernel always takes, and more query-key pairs than it takes."""
     path, _ = quantized_gguf
     model = load_model(path, torch.float32, "cpu").model
-    monkeypatch.setattr("deepinfer.kernels.paged_attention_cpu.NATIVE_MAX_CHUNK_PAIRS", 100)
+    monkeypatch.setattr(
+        "deepinfer.kernels.attention.paged_attention_cpu.NATIVE_MAX_CHUNK_PAIRS", 100
+    )
     bind_fresh_caches(model, num_blocks=64, block_size=4)
     calls = _counting(monkeypatch)
     prompt = list(range(1, NATIVE_ALWAYS_ROWS + 10))

@@ -12,7 +12,7 @@ import torch
 from sampling_reference import final_probs, processed_logits
 from torch.overrides import TorchFunctionMode
 
-from deepinfer.kernels.greedy import greedy_ids
+from deepinfer.kernels.native.greedy import greedy_ids
 from deepinfer.outputs import SampledToken
 from deepinfer.request import SamplingParams
 from deepinfer.sampling import GREEDY_TEMPERATURE, Sampler, SamplingRow, make_generator

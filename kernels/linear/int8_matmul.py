@@ -1,0 +1,134 @@
+"""Linear layers over GGUF block-quantized weights with int8 activations (integer dot products).
+
+llama.cpp's CPU arithmetic: each row of x is quantized to int8 in blocks of 32 (scale
+max|x| / 127, round half to even), and each 32-long piece of a dot product (16-long for Q6_K,
+whose scales cover 16 weights) is an exact integer sum, scaled once by the weight's and the
+activation's scales (plus the Q4_1 / Q4_K / Q5_K offset times the activation block's sum). The
+native kernel (`cpu/int8_gemm.c`, `cpu/int8_kquants.c`) multiplies 32 byte pairs per
+instruction where the float kernel does 8, on weights repacked once into groups of 8 rows.
+
+The cost is x's rounding (relative error about 0.4% of a block's largest entry); the results
+are the same whatever the batch: each row is quantized alone and each output summed in one
+fixed order. `int8_linear_reference` computes the same arithmetic in torch (the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..native.cpu_native import native_library
+from .fixed_sum import FixedSumWeight, FloatMatrix, fixed_sum_linear
+from .quant_matmul import (
+    QK,
+    QuantFormat,
+    QuantizedWeight,
+    block_fields,
+    dequantize_reference,
+    linear_operands,
+    quant_linear,
+)
+
+
+@dataclass(frozen=True)
+class Int8PackedWeight:
+    """A [out_features, in_features] weight repacked for the int8 kernel (see int8_gemm.c)."""
+
+    fmt: QuantFormat
+    packed: torch.Tensor  # uint8 [di_int8_packed_bytes], contiguous CPU
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def packed_bytes(fmt: QuantFormat, out_features: int, in_features: int) -> int:
+    """Bytes of the repacked weight, as the kernel computes them (`di_int8_packed_bytes`)."""
+    return native_library().int8_packed_bytes(int(fmt), out_features, in_features)
+
+
+def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedWeight:
+    """Repack GGUF blocks for the int8 kernel (blocking, about a second per 100 MB)."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty(packed_bytes(w.fmt, n, k), dtype=torch.uint8)
+    threads = num_threads or torch.get_num_threads()
+    native_library().int8_pack(int(w.fmt), w.blocks.data_ptr(), out.data_ptr(), n, k, threads)
+    return Int8PackedWeight(w.fmt, out, n, k)
+
+
+def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
+    """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads."""
+    x, y = linear_operands("int8_linear", x, w.out_features, w.in_features)
+    m, n = y.shape
+    if m:
+        native_library().int8_gemm(
+            int(w.fmt), w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return y
+
+
+@dataclass(frozen=True)
+class FixedOrderWeight(FloatMatrix):
+    """A float [out_features, in_features] weight multiplied by the Triton matmul of one fixed
+    reduction order (`kernels/linear/matmul.py`: no split-K, constant tiles, so an output's sum over K
+    does not depend on how many rows the step has): the batch-invariant mode's matrices on the
+    Triton backend, where cuBLAS picks its kernel by the shape."""
+
+
+NativeWeight = QuantizedWeight | Int8PackedWeight
+"""A weight served by a native CPU kernel: GGUF blocks (float kernel) or repacked (int8 kernel)."""
+BlockWeight = NativeWeight | FixedOrderWeight | FixedSumWeight
+"""A weight served by a kernel of its own: a native one's, or a float weight for the
+fixed-order Triton matmul or the fixed-sum CPU one."""
+
+
+def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    """x @ W^T through the kernel that serves `w`."""
+    if isinstance(w, FixedOrderWeight):
+        from .matmul import matmul  # Triton: imported only where such a weight is served
+
+        return matmul(x, w.weight.t())
+    if isinstance(w, FixedSumWeight):
+        return fixed_sum_linear(x, w.weight)
+    return int8_linear(x, w) if isinstance(w, Int8PackedWeight) else quant_linear(x, w)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q int8-valued float [M, K/32, 32], scale [M, K/32, 1]), the kernel's
+    rounding: scale max|x| / 127, q = round(x * (127 / max|x|)), half to even."""
+    blocks = x.float().reshape(x.shape[0], x.shape[1] // QK, QK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv), amax / 127.0
+
+
+def int8_linear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The int8 kernel's arithmetic in float64: an exact integer sum per sub-block of the
+    weights (32 weights, or Q6_K's 16: half a block of x), then the scales."""
+    q, dx = quantize_activations(x)  # [M, nb, 32], [M, nb, 1]
+    d, m, qw = block_fields(w)  # [N, G, 1], [N, G, 1] or None, [N, G, S]
+    rows, groups, size = x.shape[0], qw.shape[1], qw.shape[2]
+    sums = torch.einsum(
+        "mgk,ngk->mng", q.reshape(rows, groups, size).double(), qw.double()
+    )  # exact integers
+    dxb = dx.squeeze(-1)  # [M, nb]
+    dxg = dxb.repeat_interleave(QK // size, dim=1)  # [M, G]: each sub-block's block of x
+    # the kernel rounds d * dx and dx * sum(q) to float32 before it uses them
+    scale = (d.squeeze(-1)[None] * dxg[:, None]).double()  # [M, N, G]
+    y = (sums * scale).sum(-1)
+    if m is not None:
+        assert size == QK, "offsets are per block of x"
+        sx = (dxb * q.sum(-1)).double()  # [M, nb]
+        y = y + sx @ m.squeeze(-1).double().t()
+    return y.float()
+
+
+def int8_error_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """|y_int8 - y_float| is at most sum_k |w_k| * dx_k / 2 (each x off by half a step): [M, N]."""
+    _, dx = quantize_activations(x)
+    step = dx.expand(-1, -1, QK).reshape(x.shape[0], -1)  # [M, K]
+    return (step / 2) @ dequantize_reference(w).abs().t()
