@@ -15,14 +15,17 @@ PACKAGE = ROOT / "deepinfer"
 # layer -> deepinfer subpackages it must never import
 FORBIDDEN: dict[str, set[str]] = {
     "kernels": {"*"},
-    "model": {"api", "engine", "scheduler", "cache", "runner", "text"},
-    "sampling": {"api", "engine", "scheduler", "cache", "runner", "model", "text"},
-    "cache": {"api", "engine", "runner", "model", "sampling", "text", "scheduler"},
-    "scheduler": {"api", "engine", "runner", "model", "sampling", "text"},
-    "runner": {"api", "engine", "scheduler.scheduler", "text"},
-    "text": {"api", "engine", "scheduler", "cache", "runner", "model", "sampling"},
+    "model": {"api", "engine", "scheduler", "cache", "runner", "text", "tiers"},
+    "sampling": {"api", "engine", "scheduler", "cache", "runner", "model", "text", "tiers"},
+    "cache": {"api", "engine", "runner", "model", "sampling", "text", "scheduler", "tiers"},
+    "scheduler": {"api", "engine", "runner", "model", "sampling", "text", "tiers"},
+    "runner": {"api", "engine", "scheduler.scheduler", "text", "tiers"},
+    "text": {"api", "engine", "scheduler", "cache", "runner", "model", "sampling", "tiers"},
+    "tiers": {"api", "engine", "scheduler", "runner", "sampling", "text"},
     "engine": {"api"},
 }
+"""`tiers` (the host and disk KV tiers, their copies and `KVTiers`) sits between `engine` and
+`cache` / `model`: only the engine imports it (and the API its leaf of records, `tiers.stats`)."""
 NO_TORCH = {"cache", "scheduler", "text"}
 NO_ASYNCIO = {"cache", "scheduler", "model", "sampling", "runner", "text", "kernels"}
 LEAVES = {
@@ -106,7 +109,7 @@ def test_imports_point_down(path: Path) -> None:
 
 def test_walk_sees_every_layer() -> None:
     layers = {_layer(p) for p in _modules()}
-    assert {"kernels", "model", "cache", "scheduler", "engine", "text", "config"} <= layers
+    assert {"kernels", "model", "cache", "tiers", "scheduler", "engine", "text", "config"} <= layers
 
 
 def test_checker_catches_a_violation(tmp_path: Path) -> None:

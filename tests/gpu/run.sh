@@ -31,7 +31,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 KERNEL_TESTS=(tests/kernels/test_{kv_store,matmul,norm,paged_attention,rotary}_kernel.py)
 step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TESTS[@]}"
 CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
-  tests/cache_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
+  tests/tiers_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
   tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py \
   tests/engine/test_engine_device_groups.py \
   tests/engine/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}
