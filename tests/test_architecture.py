@@ -118,3 +118,10 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
     src.write_text("import torch\nimport asyncio\nfrom deepinfer.engine.core import EngineCore\n")
     assert sorted(_violations(src, "scheduler")) == ["asyncio", "deepinfer.engine.core", "torch"]
     assert _violations(src, "engine") == []
+
+
+def test_api_names_only_the_tiers_records() -> None:
+    """The API imports the tiers' leaf of records (`tiers.stats`), never the tiers themselves."""
+    for path in sorted((PACKAGE / "api").rglob("*.py")):
+        names = {n for n in _imports(path) if n.split(".")[:2] == ["deepinfer", "tiers"]}
+        assert names <= {"deepinfer.tiers.stats"}, path
