@@ -44,7 +44,7 @@ from deepinfer.engine.core import EngineCore
 from deepinfer.environment import default_model_dir
 from deepinfer.model.kv_layout import kv_bytes_per_block
 from deepinfer.request import Request, SamplingParams
-from deepinfer.runner.kv_transfer import block_payload_bytes
+from deepinfer.tiers.copies import block_payload_bytes
 
 GEMMA3 = default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
 TURN_TOKENS = 64
@@ -116,13 +116,13 @@ def long_request(path: Path, length: int, window_kv: str) -> tuple[int, int, int
     """(bytes a cached token takes in the lower tiers, bytes of the windowed layers' blocks the
     disk tier keeps before a prompt's end (0: none), peak bytes of a `length`-token request)."""
     core = make_core(path, length // 16 + 64, True, window_kv)
-    per_token = block_payload_bytes(core.kv_caches) // core.info.block_size
+    per_token = block_payload_bytes(core.tiers.copies.kv_caches) // core.info.block_size
     window = core.kv.window
     boundary = 0
     if window is not None:
         size = core.info.block_size
         blocks = -(-(window.spec.window - 1) // size)  # at most: the blocks of one window
-        boundary = blocks * block_payload_bytes(core.window_caches)
+        boundary = blocks * block_payload_bytes(core.tiers.copies.window_caches)
     _, peak = run(core, "long", prompt(0, length - 4), 4)  # the context holds `length` in all
     core.close()
     return per_token, boundary, peak

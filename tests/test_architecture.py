@@ -17,14 +17,17 @@ KERNELS = ROOT / "kernels"
 # layer -> deepinfer subpackages it must never import
 FORBIDDEN: dict[str, set[str]] = {
     "kernels": {"*"},
-    "model": {"api", "engine", "scheduler", "cache", "runner", "text"},
-    "sampling": {"api", "engine", "scheduler", "cache", "runner", "model", "text"},
-    "cache": {"api", "engine", "runner", "model", "sampling", "text", "scheduler"},
-    "scheduler": {"api", "engine", "runner", "model", "sampling", "text"},
-    "runner": {"api", "engine", "scheduler.scheduler", "text"},
-    "text": {"api", "engine", "scheduler", "cache", "runner", "model", "sampling"},
+    "model": {"api", "engine", "scheduler", "cache", "runner", "text", "tiers"},
+    "sampling": {"api", "engine", "scheduler", "cache", "runner", "model", "text", "tiers"},
+    "cache": {"api", "engine", "runner", "model", "sampling", "text", "scheduler", "tiers"},
+    "scheduler": {"api", "engine", "runner", "model", "sampling", "text", "tiers"},
+    "runner": {"api", "engine", "scheduler.scheduler", "text", "tiers"},
+    "text": {"api", "engine", "scheduler", "cache", "runner", "model", "sampling", "tiers"},
+    "tiers": {"api", "engine", "scheduler", "runner", "sampling", "text"},
     "engine": {"api"},
 }
+"""`tiers` (the host and disk KV tiers, their copies and `KVTiers`) sits between `engine` and
+`cache` / `model`: only the engine imports it (and the API its leaf of records, `tiers.stats`)."""
 NO_TORCH = {"cache", "scheduler", "text"}
 NO_ASYNCIO = {"cache", "scheduler", "model", "sampling", "runner", "text", "kernels"}
 LEAVES = {
@@ -107,7 +110,7 @@ def test_imports_point_down(path: Path) -> None:
 
 def test_walk_sees_every_layer() -> None:
     layers = {_layer(p) for p in _modules()}
-    assert {"kernels", "model", "cache", "scheduler", "engine", "text", "config"} <= layers
+    assert {"kernels", "model", "cache", "tiers", "scheduler", "engine", "text", "config"} <= layers
 
 
 def test_checker_catches_a_violation(tmp_path: Path) -> None:
@@ -116,3 +119,10 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
     src.write_text("import torch\nimport asyncio\nfrom deepinfer.engine.core import EngineCore\n")
     assert sorted(_violations(src, "scheduler")) == ["asyncio", "deepinfer.engine.core", "torch"]
     assert _violations(src, "engine") == []
+
+
+def test_api_names_only_the_tiers_records() -> None:
+    """The API imports the tiers' leaf of records (`tiers.stats`), never the tiers themselves."""
+    for path in sorted((PACKAGE / "api").rglob("*.py")):
+        names = {n for n in _imports(path) if n.split(".")[:2] == ["deepinfer", "tiers"]}
+        assert names <= {"deepinfer.tiers.stats"}, path

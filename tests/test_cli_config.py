@@ -23,9 +23,9 @@ import pytest
 from deepinfer import cli
 from deepinfer.args import ALIASES, FlagSpec, config_from_args, field_docs, flag_specs
 from deepinfer.config import CacheConfig, Config, Retention
-from deepinfer.engine.tiers import check_retention
 from deepinfer.environment import env_name
 from deepinfer.errors import ConfigError, InvalidRequestError
+from deepinfer.tiers.kv_tiers import check_retention
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

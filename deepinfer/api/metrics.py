@@ -14,11 +14,10 @@ from deepinfer.api.live_stats import LiveStats
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.weighted_histogram import WeightedHistogram
 from deepinfer.api.worker_metrics import worker_metrics
-from deepinfer.cache.disk.tier import DiskTierStats
-from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.engine.types import GenerationOutput, Usage
 from deepinfer.scheduler.admission import PrefillCounts
 from deepinfer.scheduler.speculative import SpeculativeCounts
+from deepinfer.tiers.stats import DiskTierStats, HostTierStats
 
 _LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,

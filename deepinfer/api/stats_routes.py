@@ -23,7 +23,7 @@ from deepinfer.api.context import ApiContext
 from deepinfer.api.errors import ApiError, ErrorKind
 from deepinfer.api.sse import EventStreamResponse, data_frame
 from deepinfer.api.stats_snapshot import snapshot
-from deepinfer.cache.disk.summary import DiskSummary
+from deepinfer.tiers.stats import DiskSummary
 
 DISK_SUMMARY_TTL_S = 5.0
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.25, 60.0

@@ -19,11 +19,9 @@ from deepinfer.api.stats_schema import (
     Stats,
     WorkerInfo,
 )
-from deepinfer.cache.disk.stats import DiskTierStats
-from deepinfer.cache.disk.summary import DiskSummary
-from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.engine.types import EngineStats
 from deepinfer.scheduler.prefill_types import PlannerStats
+from deepinfer.tiers.stats import DiskSummary, DiskTierStats, HostTierStats
 
 
 def snapshot(ctx: ApiContext, disk_summary: DiskSummary | None) -> Stats:

@@ -34,7 +34,7 @@ from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.block_tables import BlockTables
 from deepinfer.cache.claims import PromptClaims
 from deepinfer.cache.free_queue import Block, require
-from deepinfer.cache.tier_blocks import TierBlocks
+from deepinfer.cache.held_blocks import HeldBlocks
 from deepinfer.cache.usage import CacheUsage, ChunkTables
 from deepinfer.cache.window_group import WindowGroup, WindowSpec
 from deepinfer.request import Request
@@ -68,8 +68,9 @@ class KVCacheManager:
         """When set (a lower tier is attached), newly registered blocks are recorded for it."""
         self._new_blocks: list[tuple[int, BlockHash, str | None]] = []
         self._new_windows: list[tuple[list[tuple[int, BlockHash]], str | None]] = []
-        self.tiers = TierBlocks(self.pool, block_size, self._seed)
-        """The pool as the host and disk tiers see it (prefix lookups, reserved and pinned blocks)."""
+        self.held = HeldBlocks(self.pool)
+        """Blocks held outside any request: reserved for the lower tiers to fill, or pinned while
+        they copy them out (see `tiers/device_blocks.py`)."""
         self._claims = PromptClaims()
         self.window = (
             WindowGroup(window, num_window_blocks, block_size, enable_prefix_caching)
@@ -81,6 +82,11 @@ class KVCacheManager:
         """Where each request planned by `get_computed_blocks` starts computing."""
         self._cached_until: dict[str, int] = {}
         """Requests replaying part of their hit: the hit's end (full-layer K/V not rewritten)."""
+
+    @property
+    def hash_seed(self) -> bytes:
+        """The seed of every block hash (from the model fingerprint)."""
+        return self._seed
 
     @property
     def num_usable_blocks(self) -> int:
@@ -356,7 +362,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         self._blocks.check_integrity()
         holders = [0] * self.pool.num_blocks
-        self.tiers.held.count(holders)
+        self.held.count(holders)
         for rid, table in self._blocks.items():
             require(len({id(b) for b in table}) == len(table), f"{rid} holds a block twice")
             for block in table:

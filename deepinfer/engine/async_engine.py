@@ -29,7 +29,6 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
-from deepinfer.cache.disk.summary import DiskSummary
 from deepinfer.config import Config
 from deepinfer.engine.admission import check_admissible, check_sampling_inputs
 from deepinfer.engine.core import EngineCore, RuntimeInfo
@@ -39,7 +38,6 @@ from deepinfer.engine.process_settings import ProcessSettings
 from deepinfer.engine.prompts import Prompt, encode_prompt
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.stream_table import StreamTable
-from deepinfer.engine.tiers import check_retention, fill_from_lower_tiers
 from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
 from deepinfer.engine.workers import ThreadLending, Worker, build_workers
 from deepinfer.errors import EngineDeadError
@@ -49,6 +47,8 @@ from deepinfer.request import Request, SamplingParams
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.recipe import ChatRecipe, ReasoningEffort
 from deepinfer.text.tokenizer import Tokenizer
+from deepinfer.tiers.kv_tiers import check_retention
+from deepinfer.tiers.stats import DiskSummary
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -177,10 +177,10 @@ class AsyncEngine:
             window_blocks_used=usage.num_window_used_blocks,
             handoffs=driver.handoffs if driver is not None else HandoffStats(),
             max_model_len=core.info.max_model_len,
-            disk=core.disk.stats() if core.disk is not None else None,
+            disk=core.tiers.disk_stats(),
             workers=tuple(w.stats() for w in self._workers),
             prefill=core.prefill_stats(),
-            host=core.host.stats() if core.host is not None else None,
+            host=core.tiers.host_stats(),
             num_failed_steps=driver.num_failed_steps if driver is not None else 0,
             num_failed_requests=self._streams.num_failed_requests,
             prefill_counts=core.scheduler.prefill_counts(),
@@ -192,8 +192,7 @@ class AsyncEngine:
     async def disk_summary(self) -> DiskSummary | None:
         """The disk tier's contents per retention class (a scan of its index, in a worker
         thread: call it now and then, not per request); None without a disk tier."""
-        disk = self.core.disk
-        return None if disk is None else await asyncio.to_thread(disk.summary)
+        return await self.core.tiers.disk_summary()
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
@@ -235,7 +234,7 @@ class AsyncEngine:
             cache_salt=cache_salt,
             retention=cache_retention,
         )
-        fill = await fill_from_lower_tiers(self.core, self._kv_io, request)
+        fill = await self.core.tiers.fill(request, self._kv_io)
         request = dataclasses.replace(
             request,
             num_host_cached_tokens=fill.host_tokens,

@@ -19,9 +19,6 @@ from typing import Any
 
 import torch
 
-from deepinfer.cache.disk.config import DAY_S, DiskTierConfig
-from deepinfer.cache.disk.tier import DiskTier
-from deepinfer.cache.host.tier import HostTier
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Config, DiskCacheConfig, GrammarConfig, Retention
 from deepinfer.engine.build_experts import build_expert_parallel
@@ -36,11 +33,9 @@ from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
 from deepinfer.model.expert_parallel import ExpertParallel
-from deepinfer.model.kv_layout import KVCaches
 from deepinfer.model.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.device import resolve_device
 from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
-from deepinfer.runner.host_kv import open_host_tier
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.runner.step_graphs import StepGraphs
@@ -51,6 +46,12 @@ from deepinfer.scheduler.protocol import EngineScheduler
 from deepinfer.text.recipe import ChatRecipe
 from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
+from deepinfer.tiers.copies import TierCopies
+from deepinfer.tiers.disk.config import DAY_S, DiskTierConfig
+from deepinfer.tiers.disk.tier import DiskTier
+from deepinfer.tiers.host.opener import open_host_tier
+from deepinfer.tiers.host.tier import HostTier
+from deepinfer.tiers.kv_tiers import KVTiers
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -99,15 +100,11 @@ class EngineParts:
     groups: DeviceGroups
     tokenizer: Tokenizer
     recipe: ChatRecipe
-    kv_caches: KVCaches
-    """The prefill pool's caches whose blocks the lower tiers keep (all, or the full layers')."""
-    window_caches: KVCaches
-    """The sliding-window layers' caches where they have a pool of their own (else empty)."""
     kv: KVCacheManager
     decode_kv: KVCacheManager | None
     """The decode pool's blocks (separate device groups only; no prefix cache there)."""
-    host: HostTier | None
-    disk: DiskTier | None
+    tiers: KVTiers
+    """The host and disk tiers under the prefill pool (either may be off)."""
     scheduler: EngineScheduler
     constraints: ConstraintCompiler
     """Structured-output grammars: compiled at submit, shared by both runners."""
@@ -153,12 +150,9 @@ def build_engine(config: Config) -> EngineParts:
         groups=groups,
         tokenizer=tokenizer,
         recipe=recipe,
-        kv_caches=replicas.prefill.tier_caches,
-        window_caches=replicas.prefill.window_caches,
         kv=kv,
         decode_kv=decode_kv,
-        host=host,
-        disk=disk,
+        tiers=KVTiers(kv, host, disk, tier_copies(replicas.prefill)),
         scheduler=build_scheduler(config, kv, max_len, groups.prefill, decode_kv),
         constraints=constraints,
         runner=runner,
@@ -237,6 +231,12 @@ def open_tiers(
     if config.cache.enable_prefix_caching:
         host = open_host_tier(config.host_cache, prefill.device, prefill.tier_caches)
     return host, open_disk_tier(config.disk_cache, fingerprint)
+
+
+def tier_copies(prefill: Replica) -> TierCopies:
+    """The copies between the prefill pool's blocks and the tiers' payloads: all layers, or the
+    full layers' (a windowed pool's layers have their own caches)."""
+    return TierCopies(prefill.tier_caches, prefill.window_caches)
 
 
 def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None:

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.cache.block_hash import BlockHash
 from deepinfer.config import Config
 from deepinfer.engine.build import EngineParts, RuntimeInfo, build_engine
 from deepinfer.outputs import RunnerOutput, TokenDelta
 from deepinfer.request import Request
-from deepinfer.runner.kv_transfer import read_blocks, write_blocks
 from deepinfer.scheduler.output import KVHandoff, ScheduleOutput, StepKind
 from deepinfer.scheduler.prefill_types import PlannerStats
 from deepinfer.scheduler.protocol import StepLane
@@ -37,12 +35,10 @@ class EngineCore:
         self.groups = parts.groups
         self.tokenizer = parts.tokenizer
         self.recipe = parts.recipe
-        self.kv_caches = parts.kv_caches
-        self.window_caches = parts.window_caches
         self.kv = parts.kv
         self.decode_kv = parts.decode_kv
-        self.host = parts.host
-        self.disk = parts.disk
+        self.tiers = parts.tiers
+        """The host and disk tiers under the prefill pool (fill on submit, write-behind)."""
         self.scheduler = parts.scheduler
         self.lanes: tuple[StepLane, ...] = self.scheduler.lanes()
         """One lane (colocated) or two (prefill, decode); each is run by one worker."""
@@ -121,28 +117,13 @@ class EngineCore:
             self._release([request_id])
         return aborted
 
-    # -- lower tiers: KV tensor copies, run off the loop (on blocks no step writes) --
-    def snapshot_blocks(self, block_ids: list[int]) -> list[bytes]:
-        return read_blocks(self.kv_caches, block_ids)
-
-    def fill_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        write_blocks(self.kv_caches, block_ids, payloads)
-
-    def offer_to_disk(
-        self, blocks: list[tuple[BlockHash, str | None]], payloads: list[bytes]
-    ) -> None:
-        if self.disk is not None:
-            for (block_hash, retention), payload in zip(blocks, payloads, strict=True):
-                self.disk.offer(block_hash, payload, self.info.block_size, retention)
-
     def close(self) -> None:
         """Stop the runners' threads, write what the disk tier has queued and stop its writer
         (blocking)."""
         self.runner.close()
         if self.decode_runner is not self.runner:
             self.decode_runner.close()
-        if self.disk is not None:
-            self.disk.close()
+        self.tiers.close()
         if self.experts is not None:
             self.experts.close()
         self.constraints.close()
@@ -168,5 +149,4 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
+        self.tiers.check_integrity()

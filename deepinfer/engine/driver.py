@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.heap import IdleHeapTrim
 from deepinfer.engine.stream_table import StreamTable
-from deepinfer.engine.tiers import write_behind
 from deepinfer.engine.types import HandoffStats
 from deepinfer.engine.workers import ThreadLending, Worker
 from deepinfer.errors import EngineDeadError, FatalEngineError
@@ -169,7 +168,7 @@ class EngineDriver:
                     observer(so, out)
         self.wake()
         self.heap.stepped()
-        await write_behind(self._core, worker.executor)
+        await self._core.tiers.write_behind(worker.executor)
 
     def apply_aborts(self) -> None:
         if self._streams.has_pending_aborts:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.cache.disk.tier import DiskTierStats
-from deepinfer.cache.host.tier import HostTierStats
 from deepinfer.message import message
 from deepinfer.model.expert_placement import ExpertParallelStats
 from deepinfer.outputs import SampledToken
@@ -13,6 +11,7 @@ from deepinfer.request import FinishReason
 from deepinfer.scheduler.admission import PrefillCounts
 from deepinfer.scheduler.prefill_types import PlannerStats
 from deepinfer.scheduler.speculative import SpeculativeCounts
+from deepinfer.tiers.stats import DiskTierStats, HostTierStats
 
 
 @message

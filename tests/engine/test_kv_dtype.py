@@ -35,7 +35,10 @@ def test_float16_cache_holds_twice_the_blocks_under_its_own_fingerprint(
     wide = EngineCore(_config("float32", tiny_llama_dir))
     narrow = EngineCore(_config("auto", tiny_llama_dir))  # float16 under float32 on CPU
     assert wide.info.kv_dtype == torch.float32 and narrow.info.kv_dtype == torch.float16
-    assert all(k.dtype == torch.float16 and v.dtype == torch.float16 for k, v in narrow.kv_caches)
+    assert all(
+        k.dtype == torch.float16 and v.dtype == torch.float16
+        for k, v in narrow.tiers.copies.kv_caches
+    )
     assert narrow.info.num_blocks == 2 * wide.info.num_blocks
     assert narrow.info.fingerprint != wide.info.fingerprint
     same = EngineCore(_config("float16", tiny_llama_dir))

@@ -32,7 +32,7 @@ KERNEL_TESTS=(tests/kernels/attention/test_{kv_store,paged_attention}_kernel.py
   tests/kernels/elementwise/test_{norm,rotary}_kernel.py tests/kernels/linear/test_matmul_kernel.py)
 step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TESTS[@]}"
 CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
-  tests/cache_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
+  tests/tiers_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
   tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py \
   tests/engine/test_engine_device_groups.py \
   tests/engine/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}

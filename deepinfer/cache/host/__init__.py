@@ -1,7 +1,0 @@
-"""The host-RAM tier of the prefix cache: block payloads in (optionally page-locked) memory,
-LRU within a byte budget, shared by the event loop and worker threads."""
-
-from deepinfer.cache.host.arena import SlotArena, allocate_bytearray
-from deepinfer.cache.host.tier import HostTier, HostTierStats
-
-__all__ = ["HostTier", "HostTierStats", "SlotArena", "allocate_bytearray"]
