@@ -36,7 +36,7 @@ from deepinfer.config import (
 )
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.request import SamplingParams
 from deepinfer.text.tokenizer import Tokenizer
 

@@ -95,7 +95,7 @@ def chat(rng: random.Random, tokenizer: Any, tag: str, num_tokens: int, ask: str
 
 def build_workload(args: argparse.Namespace) -> Workload:
     from deepinfer.environment import default_model_path
-    from deepinfer.model.gguf_loader import gguf_arch, open_gguf
+    from deepinfer.model.loading.gguf_loader import gguf_arch, open_gguf
     from deepinfer.text.tokenizer import Tokenizer
 
     reader = open_gguf(default_model_path())

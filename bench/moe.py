@@ -26,7 +26,7 @@ import time
 import torch
 from common import provenance
 
-from deepinfer.model.expert_placement import (
+from deepinfer.model.experts.placement import (
     ExpertSlice,
     balanced_placement,
     split_rows,

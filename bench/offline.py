@@ -46,7 +46,7 @@ from deepinfer.config import (
 )
 from deepinfer.engine.core import EngineCore
 from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import gguf_arch, open_gguf
+from deepinfer.model.loading.gguf_loader import gguf_arch, open_gguf
 from deepinfer.request import Request, SamplingParams
 
 PREFILL_TOKENS = 512

@@ -35,9 +35,9 @@ from common import find_llama_binary, provenance
 
 from deepinfer.environment import default_model_path
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
-from deepinfer.model.gguf_loader import gguf_arch, open_gguf
 from deepinfer.model.kv_layout import allocate_kv_caches
-from deepinfer.model.loader import load_model
+from deepinfer.model.loading.gguf_loader import gguf_arch, open_gguf
+from deepinfer.model.loading.loader import load_model
 from deepinfer.model.protocol import CausalLM
 from deepinfer.text.tokenizer import Tokenizer
 

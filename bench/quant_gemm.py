@@ -31,8 +31,8 @@ from deepinfer.kernels.linear.quant_matmul import (
     dequantize,
     quant_linear,
 )
-from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
-from deepinfer.model.weights import linear_sources
+from deepinfer.model.loading.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
+from deepinfer.model.loading.weights import linear_sources
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from deepinfer.environment import default_model_dir as _default_model_dir
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 
 if TYPE_CHECKING:
     from live_server import LiveServer  # tests/api, on the path by pyproject's pythonpath

@@ -1,5 +1,5 @@
 """deepinfer subclasses two libraries' private internals, so their versions are pinned exactly in
-pyproject.toml: gguf-py's `GGUFReader._get_field_parts` (`deepinfer.model.gguf_loader.Reader`)
+pyproject.toml: gguf-py's `GGUFReader._get_field_parts` (`deepinfer.model.loading.gguf_loader.Reader`)
 and uvicorn's HTTP protocol classes (`deepinfer.api.connections`). Moving a pin means reading the
 new version's code for those names and updating the pin here and in pyproject.toml together;
 these tests fail on any other installed version, and if the names are gone."""

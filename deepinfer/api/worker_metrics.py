@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from deepinfer.engine.types import EngineStats, HandoffStats, WorkerStats
-from deepinfer.model.expert_placement import ExpertParallelStats
+from deepinfer.model.experts.placement import ExpertParallelStats
 from deepinfer.scheduler.prefill_types import PlannerStats
 
 

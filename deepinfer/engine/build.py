@@ -32,8 +32,8 @@ from deepinfer.engine.build_replicas import (
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
-from deepinfer.model.expert_parallel import ExpertParallel
-from deepinfer.model.loader import LoadedModel, model_fingerprint
+from deepinfer.model.experts.parallel import ExpertParallel
+from deepinfer.model.loading.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.device import resolve_device
 from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
 from deepinfer.runner.kv_handoff import KVCopier

@@ -15,13 +15,13 @@ from deepinfer.config import Config, check_expert_layout
 from deepinfer.engine.build_replicas import load
 from deepinfer.errors import ConfigError
 from deepinfer.kernels.linear.int8_matmul import FixedOrderWeight, block_linear
-from deepinfer.model.expert_parallel import (
+from deepinfer.model.experts.moe import MoEForCausalLM
+from deepinfer.model.experts.parallel import (
     ExpertGroup,
     ExpertParallel,
     LocalGroup,
     initial_placement,
 )
-from deepinfer.model.moe import MoEForCausalLM
 from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.device import resolve_device, resolve_dtype
 from deepinfer.runner.expert_ranks import (

@@ -23,7 +23,7 @@ from deepinfer.model.kv_layout import (
     full_layer_caches,
     kv_bytes_per_block,
 )
-from deepinfer.model.loader import LoadedModel, load_model
+from deepinfer.model.loading.loader import LoadedModel, load_model
 from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from deepinfer.runner.device import resolve_dtype

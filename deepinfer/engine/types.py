@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.message import message
-from deepinfer.model.expert_placement import ExpertParallelStats
+from deepinfer.model.experts.placement import ExpertParallelStats
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason
 from deepinfer.scheduler.admission import PrefillCounts

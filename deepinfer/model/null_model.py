@@ -29,8 +29,8 @@ from deepinfer.errors import ModelLoadError
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.forward_batch import ForwardBatch
-from deepinfer.model.gguf_loader import gguf_arch, open_gguf
 from deepinfer.model.kv_layout import KVCaches
+from deepinfer.model.loading.gguf_loader import gguf_arch, open_gguf
 
 NULL_MODEL = "null"
 """`--model null` (the default model's vocabulary) or `null:PATH` (a GGUF file's)."""

@@ -19,12 +19,12 @@ MODEL_REGISTRY: dict[str, str] = {
     # Sliding-window layers, four norms a layer, scaled embeddings, gelu-tanh FFN.
     "gemma3": "deepinfer.model.gemma3:Gemma3ForCausalLM",
     # Mixture of Experts: a router and experts in place of the FFN of the sparse layers.
-    "mixtral": "deepinfer.model.moe:MoEForCausalLM",
-    "qwen2_moe": "deepinfer.model.moe:MoEForCausalLM",
-    "qwen3_moe": "deepinfer.model.moe:MoEForCausalLM",
-    "dots1": "deepinfer.model.moe:MoEForCausalLM",
+    "mixtral": "deepinfer.model.experts.moe:MoEForCausalLM",
+    "qwen2_moe": "deepinfer.model.experts.moe:MoEForCausalLM",
+    "qwen3_moe": "deepinfer.model.experts.moe:MoEForCausalLM",
+    "dots1": "deepinfer.model.experts.moe:MoEForCausalLM",
     # DeepSeek-V3's latent attention and experts
-    "deepseek_v3": "deepinfer.model.moe:MoEForCausalLM",
+    "deepseek_v3": "deepinfer.model.experts.moe:MoEForCausalLM",
 }
 
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import Config
-from deepinfer.model.expert_parallel import LocalGroup
-from deepinfer.model.expert_placement import ExpertSlice
+from deepinfer.model.experts.parallel import LocalGroup
+from deepinfer.model.experts.placement import ExpertSlice
 
 log = logging.getLogger(__name__)
 

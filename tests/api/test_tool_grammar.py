@@ -13,7 +13,7 @@ from deepinfer.api.tool_grammar import call_grammar, forced_calls
 from deepinfer.api.tool_plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.vocabulary import vocabulary_from

@@ -18,7 +18,7 @@ from deepinfer.api.app import create_app
 from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.loader import load_model
+from deepinfer.model.loading.loader import load_model
 from deepinfer.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

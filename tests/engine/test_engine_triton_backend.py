@@ -20,7 +20,7 @@ from deepinfer.config import (
     SchedulerConfig,
 )
 from deepinfer.engine.core import EngineCore
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.request import Request, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from deepinfer.engine.frame_pacer import FramePacer
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.stream_table import StreamTable
 from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.outputs import TokenDelta
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.text.detokenizer import IncrementalDetokenizer

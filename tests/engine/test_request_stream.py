@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.types import GenerationOutput
 from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.outputs import SampledToken, TokenDelta
 from deepinfer.request import FinishReason
 from deepinfer.text.detokenizer import IncrementalDetokenizer

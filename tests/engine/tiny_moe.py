@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.text.tokenizer import Tokenizer
 
 

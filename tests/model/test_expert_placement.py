@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepinfer.model.expert_placement import (
+from deepinfer.model.experts.placement import (
     Placement,
     balanced_placement,
     hierarchical_placement,

@@ -17,9 +17,9 @@ from test_model_moe import COMMON, _prompts, randomize
 
 from deepinfer.kernels.linear.fixed_sum import fixed_sum_linear
 from deepinfer.model import load_model
-from deepinfer.model.expert_parallel import ExpertParallel, LocalGroup, initial_placement
-from deepinfer.model.expert_placement import Placement
-from deepinfer.model.moe import MoEForCausalLM
+from deepinfer.model.experts.moe import MoEForCausalLM
+from deepinfer.model.experts.parallel import ExpertParallel, LocalGroup, initial_placement
+from deepinfer.model.experts.placement import Placement
 
 transformers = pytest.importorskip("transformers")
 

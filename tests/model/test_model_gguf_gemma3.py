@@ -25,7 +25,7 @@ from test_native_stack import _counting
 from deepinfer.environment import default_model_dir
 from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model import LoadedModel, load_model
-from deepinfer.model.quantized import float_matrices
+from deepinfer.model.loading.quantized import float_matrices
 
 transformers = pytest.importorskip("transformers")
 GEMMA3 = default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"

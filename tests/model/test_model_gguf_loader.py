@@ -15,7 +15,7 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from deepinfer.environment import default_model_path
 from deepinfer.errors import ModelLoadError
 from deepinfer.model import load_model, model_fingerprint
-from deepinfer.model.gguf_loader import (
+from deepinfer.model.loading.gguf_loader import (
     GGUFTensorSource,
     Reader,
     canonical_name,

@@ -18,7 +18,7 @@ from test_model_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute
 from test_model_moe import COMMON, _config, _hf_logits, _prompts, randomize
 
 from deepinfer.model import load_model
-from deepinfer.model.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
+from deepinfer.model.loading.gguf_loader import GGUFTensorSource, gguf_arch, open_gguf
 
 transformers = pytest.importorskip("transformers")
 

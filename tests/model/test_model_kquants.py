@@ -25,8 +25,8 @@ from deepinfer.kernels.linear.quant_matmul import (
     quant_linear,
 )
 from deepinfer.model import load_model
-from deepinfer.model.gguf_loader import open_gguf
-from deepinfer.model.gguf_repack import q5_0_as_q8_0
+from deepinfer.model.loading.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_repack import q5_0_as_q8_0
 
 transformers = pytest.importorskip("transformers")
 

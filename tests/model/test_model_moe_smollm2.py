@@ -15,7 +15,7 @@ from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from deepinfer.environment import default_model_path
 from deepinfer.model import load_model
 from deepinfer.model.arch import MoEArch
-from deepinfer.model.moe import MoEForCausalLM
+from deepinfer.model.experts.moe import MoEForCausalLM
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16

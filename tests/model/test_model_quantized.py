@@ -29,9 +29,9 @@ from deepinfer.kernels.linear.quant_matmul import (
 )
 from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model import load_model, model_fingerprint
-from deepinfer.model.gguf_loader import GGUFTensorSource
-from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 from deepinfer.model.llama_layers import QuantizedEmbedding
+from deepinfer.model.loading.gguf_loader import GGUFTensorSource
+from deepinfer.model.loading.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 
 transformers = pytest.importorskip("transformers")
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
@@ -213,7 +213,7 @@ def test_q4_0_matrices_served_as_q4_1(tmp_path: Path, caplog: pytest.LogCaptureF
     torch.testing.assert_close(_logits(loaded.model, prompt), want, atol=1e-4, rtol=0)
     # a format the kernel does not take: dequantized, with one line saying so
     write_quantized_gguf(tmp_path / "q5_1.gguf", hf_model, tie=True, matrices=Q5_1)
-    with caplog.at_level(logging.INFO, logger="deepinfer.model.quantized"):
+    with caplog.at_level(logging.INFO, logger="deepinfer.model.loading.quantized"):
         loaded = load_model(tmp_path / "q5_1.gguf", torch.float32, "cpu", quantized_matmul="on")
     lines = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
     assert lines == ["matrices dequantized to float32 (the quantized matmul takes Q4_0, Q4_1, "
@@ -246,7 +246,7 @@ def test_q5_0_matrices_served_as_q8_0(tmp_path: Path, caplog: pytest.LogCaptureF
     config = transformers.LlamaConfig(**CONFIG, tie_word_embeddings=False)
     hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     write_quantized_gguf(tmp_path / "q5_0.gguf", hf_model, tie=False, matrices=Q5_0)
-    with caplog.at_level(logging.INFO, logger="deepinfer.model.quantized"):
+    with caplog.at_level(logging.INFO, logger="deepinfer.model.loading.quantized"):
         loaded = load_model(tmp_path / "q5_0.gguf", torch.float32, "cpu", quantized_matmul="on")
     assert not [r for r in caplog.records if "dequantized to float32" in r.getMessage()]
     assert loaded.model.lm_head_quantized.fmt is QuantFormat.Q8_0  # type: ignore[attr-defined]
@@ -312,7 +312,7 @@ def test_matmul_activations_flag_maps_to_config() -> None:
 
 
 def test_auto_activations_are_int8_exactly_where_the_quantized_kernel_serves() -> None:
-    from deepinfer.model.quantized import int8_activations_wanted
+    from deepinfer.model.loading.quantized import int8_activations_wanted
 
     assert int8_activations_wanted("auto", quantized=True)
     assert not int8_activations_wanted("auto", quantized=False)  # safetensors, GPU: float32

@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.request import StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.vocabulary import vocabulary_from

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.request import StructuredKind, StructuredSpec
 from deepinfer.sampling.constraints import CompilerLimits, ConstraintCompiler
 from deepinfer.sampling.vocabulary import vocabulary_from
@@ -80,7 +80,7 @@ def test_crashers_are_refused_or_compiled_never_crash() -> None:
         import json, sys
         from deepinfer.environment import default_model_path
         from deepinfer.errors import InvalidRequestError
-        from deepinfer.model.gguf_loader import open_gguf
+        from deepinfer.model.loading.gguf_loader import open_gguf
         from deepinfer.request import StructuredKind, StructuredSpec
         from deepinfer.sampling.constraints import ConstraintCompiler
         from deepinfer.sampling.vocabulary import vocabulary_from

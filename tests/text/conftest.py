@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from deepinfer.environment import default_model_path
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.text.tokenizer import Tokenizer
 
 

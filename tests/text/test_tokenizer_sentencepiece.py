@@ -12,7 +12,7 @@ from text_samples import SAMPLES, random_texts
 
 from deepinfer.environment import default_model_dir
 from deepinfer.errors import ModelLoadError
-from deepinfer.model.gguf_loader import open_gguf
+from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.text.tokenizer import Tokenizer
 
 GEMMA3 = default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"

@@ -32,7 +32,7 @@ from deepinfer.kernels.moe.moe_torch import (
 from deepinfer.kernels.native.cpu_native import NativeUnavailableError
 from deepinfer.model.arch import ModelArch, MoEArch
 from deepinfer.model.attention import AttentionBackend
-from deepinfer.model.expert_parallel import ExpertParallel
+from deepinfer.model.experts.parallel import ExpertParallel
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.llama_layers import Linear, LlamaDecoderLayer, LlamaMLP

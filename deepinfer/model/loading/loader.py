@@ -11,17 +11,15 @@ import torch
 from deepinfer.errors import ModelLoadError
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend
-from deepinfer.model.fingerprint import directory_digest, file_digest, kv_fingerprint
-from deepinfer.model.gguf_loader import (
+from deepinfer.model.loading.fingerprint import directory_digest, file_digest, kv_fingerprint
+from deepinfer.model.loading.gguf_loader import (
     KERNEL_FORMAT_NAMES,
     GGUFTensorSource,
     gguf_arch,
     open_gguf,
     release_mapped_pages,
 )
-from deepinfer.model.null_model import is_null_model, open_null_model
-from deepinfer.model.protocol import CausalLM
-from deepinfer.model.quantized import (
+from deepinfer.model.loading.quantized import (
     Served,
     float_matrices,
     int8_activations_wanted,
@@ -30,9 +28,11 @@ from deepinfer.model.quantized import (
     serve_fixed_order,
     serve_routers_fixed_sum,
 )
+from deepinfer.model.loading.safetensors_loader import open_safetensors_dir
+from deepinfer.model.loading.weights import TensorSource, build_state_dict
+from deepinfer.model.null_model import is_null_model, open_null_model
+from deepinfer.model.protocol import CausalLM
 from deepinfer.model.registry import get_model_class
-from deepinfer.model.safetensors_loader import open_safetensors_dir
-from deepinfer.model.weights import TensorSource, build_state_dict
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     weights_digest: str
-    """sha256 identity of the weights file(s); see deepinfer.model.fingerprint."""
+    """sha256 identity of the weights file(s); see deepinfer.model.loading.fingerprint."""
     gguf_reader: gguf.GGUFReader | None
     """The open reader for GGUF files (the tokenizer is built from its metadata); else None."""
     quantized_bytes: int = 0
@@ -79,7 +79,7 @@ def load_model(
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
     `quantized_matmul` (`auto|on|off`): serve a GGUF file's block-quantized matrices (Q4_0, Q4_1,
-    Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their blocks through the native CPU kernel (see deepinfer.model.quantized); `matmul_activations`
+    Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their blocks through the native CPU kernel (see deepinfer.model.loading.quantized); `matmul_activations`
     (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
 

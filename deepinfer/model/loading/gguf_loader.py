@@ -25,9 +25,9 @@ import torch
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.linear.quant_matmul import QuantFormat, QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
-from deepinfer.model.gguf_mla import MLA_LAYER_NAMES, joined_kv_b, mla_fields
-from deepinfer.model.gguf_moe import EXPERT_STACKS, MOE_LAYER_NAMES, moe_fields
-from deepinfer.model.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
+from deepinfer.model.loading.gguf_mla import MLA_LAYER_NAMES, joined_kv_b, mla_fields
+from deepinfer.model.loading.gguf_moe import EXPERT_STACKS, MOE_LAYER_NAMES, moe_fields
+from deepinfer.model.loading.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
 from deepinfer.model.registry import check_architecture
 
 GGUF_MAGIC = b"GGUF"

@@ -30,11 +30,11 @@ from deepinfer.kernels.linear.int8_matmul import (
 )
 from deepinfer.kernels.linear.quant_matmul import QuantizedWeight
 from deepinfer.kernels.native.cpu_native import NativeUnavailableError, native_library
-from deepinfer.model.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
+from deepinfer.model.experts.moe import MoEBlock
 from deepinfer.model.llama_layers import Linear, QuantizedEmbedding
+from deepinfer.model.loading.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
+from deepinfer.model.loading.weights import deinterleave_rows, linear_sources, shared_expert_sources
 from deepinfer.model.mla import MLAAttention
-from deepinfer.model.moe import MoEBlock
-from deepinfer.model.weights import deinterleave_rows, linear_sources, shared_expert_sources
 
 log = logging.getLogger(__name__)
 

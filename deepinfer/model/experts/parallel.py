@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.kernels.moe.moe_torch import RunExperts
-from deepinfer.model.expert_placement import (
+from deepinfer.model.experts.placement import (
     ExpertParallelStats,
     ExpertSlice,
     Placement,
