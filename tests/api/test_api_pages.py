@@ -16,7 +16,7 @@ from fake_engine import FakeEngine
 from live_server import LiveServer
 
 from deepinfer.api.app import create_app
-from deepinfer.api.pages import CONTENT_SECURITY_POLICY, load_static
+from deepinfer.api.ops.pages import CONTENT_SECURITY_POLICY, load_static
 from deepinfer.server_config import ServerConfig
 
 KEY = "sk-pages-test"
@@ -73,8 +73,8 @@ def test_every_web_file_ships_in_the_wheel() -> None:
     root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"
-    ]["deepinfer.api"]
-    web = root / "deepinfer" / "api" / "web"
+    ]["deepinfer.api.ops"]
+    web = root / "deepinfer" / "api" / "ops" / "web"
     names = [f"web/{p.name}" for p in web.iterdir() if p.is_file()]
     assert names and all(any(fnmatch(n, pat) for pat in patterns) for n in names), names
     assert {n.removeprefix("web/") for n in names} == set(load_static())

@@ -13,7 +13,7 @@ from fake_engine import REPLY, FakeEngine
 from live_server import LiveServer
 
 from deepinfer.api.app import create_app
-from deepinfer.api.responses_store import ResponseStore
+from deepinfer.api.responses.store import ResponseStore
 from deepinfer.errors import ConfigError
 from deepinfer.server_config import ServerConfig, StoredResponseLimits
 from deepinfer.text.recipe import ChatMessage

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from live_server import LiveServer
 
 from deepinfer.api.app import create_app
-from deepinfer.api.live_stats import LiveStats, percentiles
+from deepinfer.api.ops.live_stats import LiveStats, percentiles
 from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.types import Usage

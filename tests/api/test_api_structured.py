@@ -1,4 +1,4 @@
-"""Structured output and logit_bias on the wire: each field's spec (api/structured.py), 400s
+"""Structured output and logit_bias on the wire: each field's spec (api/tools/structured.py), 400s
 naming the malformed field (fake engine), and on the real model through the official SDKs: a
 pydantic model parsed by `chat.completions.parse`, 32 corpus schemas at once at temperature 0
 and 1, uncompilable schemas and out-of-vocabulary biases refused with a 400."""
@@ -20,8 +20,8 @@ import pydantic
 import pytest
 from live_server import LiveServer
 
-from deepinfer.api.errors import ApiError
-from deepinfer.api.structured import anthropic_spec, logit_bias_pairs, openai_spec
+from deepinfer.api.http.errors import ApiError
+from deepinfer.api.tools.structured import anthropic_spec, logit_bias_pairs, openai_spec
 from deepinfer.request import StructuredKind
 
 

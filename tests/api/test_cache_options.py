@@ -9,7 +9,7 @@ import random
 import pytest
 from starlette.requests import Request
 
-from deepinfer.api.cache_options import cache_options
+from deepinfer.api.http.cache_options import cache_options
 
 
 def request(headers: dict[str, str]) -> Request:

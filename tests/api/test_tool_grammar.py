@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from deepinfer.api.errors import ApiError
-from deepinfer.api.tool_grammar import call_grammar, forced_calls
-from deepinfer.api.tool_plan import ToolPlan, ToolSchema
+from deepinfer.api.http.errors import ApiError
+from deepinfer.api.tools.grammar import call_grammar, forced_calls
+from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
 from deepinfer.model.gguf_loader import open_gguf

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from deepinfer.api.weighted_histogram import WeightedHistogram
+from deepinfer.api.ops.weighted_histogram import WeightedHistogram
 
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 SAMPLE = re.compile(r"^(x_seconds_(?:bucket\{le=\"[^\"]+\"\}|count|sum)) (\S+)$", re.M)
