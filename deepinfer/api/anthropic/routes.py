@@ -15,7 +15,6 @@ from deepinfer.api.anthropic.convert import (
     stop_reason,
     usage_out,
 )
-from deepinfer.api.anthropic.refused import check_refused
 from deepinfer.api.anthropic.schemas import (
     CountTokensRequest,
     Message,
@@ -26,6 +25,7 @@ from deepinfer.api.anthropic.schemas import (
     Ping,
     StopDelta,
     TokenCount,
+    check_refused,
 )
 from deepinfer.api.anthropic.tools import (
     TOOL_ID_PREFIX,

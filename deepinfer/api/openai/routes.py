@@ -24,7 +24,6 @@ from deepinfer.api.openai.convert import (
     sampling_params,
     usage_out,
 )
-from deepinfer.api.openai.refused import check_refused
 from deepinfer.api.openai.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -35,6 +34,7 @@ from deepinfer.api.openai.schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    check_refused,
 )
 from deepinfer.api.openai.streams import chat_frames, completion_frames
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
