@@ -115,3 +115,45 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
     src.write_text("import torch\nimport asyncio\nfrom deepinfer.engine.core import EngineCore\n")
     assert sorted(_violations(src, "scheduler")) == ["asyncio", "deepinfer.engine.core", "torch"]
     assert _violations(src, "engine") == []
+
+
+def _module_name(path: Path) -> str:
+    parts = [*_package_of(path), path.stem]
+    return ".".join(parts[:-1] if path.stem == "__init__" else parts)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (module -> the modules it imports) as a path, or []."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str]:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return []
+        for dep in sorted(graph[name]):
+            found = visit(dep, [*path, name])
+            if found:
+                return found
+        done.add(name)
+        return []
+
+    for name in sorted(graph):
+        found = visit(name, [])
+        if found:
+            return found
+    return []
+
+
+def test_api_has_no_import_cycles() -> None:
+    """No cycle among the api's modules, not even through imports made for type checking only
+    (the AST walk sees every import, wherever it stands)."""
+    names = {_module_name(p): p for p in _modules() if _layer(p) == "api"}
+    graph = {name: {i for i in _imports(p) if i in names} for name, p in names.items()}
+    assert len(names) > 40
+    assert _cycle(graph) == []
+
+
+def test_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
