@@ -70,7 +70,7 @@ def test_every_file_a_page_names_is_served_and_cacheable(keyed_server: LiveServe
 
 def test_every_web_file_ships_in_the_wheel() -> None:
     """pyproject's package data names every file of the web folder (the wheel carries them)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"
     ]["deepinfer.api.ops"]

@@ -116,7 +116,7 @@ def test_malformed_over_http(fake_server: LiveServer) -> None:
 def _corpus(count: int) -> list[dict[str, Any]]:
     import importlib.util
 
-    path = Path(__file__).parents[1] / "structured" / "schema_corpus.py"
+    path = Path(__file__).parents[2] / "structured" / "schema_corpus.py"
     spec = importlib.util.spec_from_file_location("schema_corpus", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
