@@ -1,6 +1,6 @@
 """deepinfer subclasses two libraries' private internals, so their versions are pinned exactly in
 pyproject.toml: gguf-py's `GGUFReader._get_field_parts` (`deepinfer.model.loading.gguf_loader.Reader`)
-and uvicorn's HTTP protocol classes (`deepinfer.api.connections`). Moving a pin means reading the
+and uvicorn's HTTP protocol classes (`deepinfer.api.http.connections`). Moving a pin means reading the
 new version's code for those names and updating the pin here and in pyproject.toml together;
 these tests fail on any other installed version, and if the names are gone."""
 
@@ -50,7 +50,7 @@ def test_gguf_reader_internals_exist() -> None:
 
 
 def test_uvicorn_protocol_internals_exist() -> None:
-    """The classes `deepinfer.api.connections` subclasses, the methods it overrides and the
+    """The classes `deepinfer.api.http.connections` subclasses, the methods it overrides and the
     instance attributes it reads, imported from uvicorn itself."""
     from uvicorn.protocols.http import h11_impl, httptools_impl
 

@@ -23,19 +23,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from deepinfer.api.access_log import AccessLogMiddleware
-from deepinfer.api.anthropic_routes import anthropic_routes
-from deepinfer.api.auth import ApiKeyMiddleware, route_path
-from deepinfer.api.body_timeout import BodyDeadlines, BodyTimeoutMiddleware
+from deepinfer.api.anthropic.routes import anthropic_routes
 from deepinfer.api.context import ApiContext
-from deepinfer.api.errors import ApiError, ErrorKind, error_response_for
-from deepinfer.api.metrics import ApiMetrics
-from deepinfer.api.openai_routes import openai_routes
-from deepinfer.api.pages import page_routes
+from deepinfer.api.http.access_log import AccessLogMiddleware
+from deepinfer.api.http.auth import ApiKeyMiddleware, route_path
+from deepinfer.api.http.body_timeout import BodyDeadlines, BodyTimeoutMiddleware
+from deepinfer.api.http.errors import ApiError, ErrorKind, error_response_for
+from deepinfer.api.openai.routes import openai_routes
+from deepinfer.api.openai.token_routes import token_routes
+from deepinfer.api.ops.metrics import ApiMetrics
+from deepinfer.api.ops.pages import page_routes
+from deepinfer.api.ops.stats_routes import stats_routes
 from deepinfer.api.protocol import EngineClient
-from deepinfer.api.responses_routes import responses_routes
-from deepinfer.api.stats_routes import stats_routes
-from deepinfer.api.token_routes import token_routes
+from deepinfer.api.responses.routes import responses_routes
 from deepinfer.config import DiskCacheConfig
 from deepinfer.server_config import ServerConfig
 

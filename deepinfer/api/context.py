@@ -10,11 +10,11 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from deepinfer.api.body import decode_json, read_body
-from deepinfer.api.cache_options import CacheOptions
-from deepinfer.api.errors import ApiError, ErrorKind
+from deepinfer.api.http.body import decode_json, read_body
+from deepinfer.api.http.cache_options import CacheOptions
+from deepinfer.api.http.errors import ApiError, ErrorKind
 from deepinfer.api.limits import check_sequences
-from deepinfer.api.metrics import ApiMetrics
+from deepinfer.api.ops.metrics import ApiMetrics
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
 from deepinfer.engine.prompts import check_prompt_fits, off_loop

@@ -2,7 +2,7 @@
 before any work proportional to what each one bounds (rendering messages, building stop-string
 matchers, tokenizing). A request over a limit gets a 400 naming the field and the limit.
 
-The nesting depth of the JSON itself is checked earlier, on the raw body (`body.py`).
+The nesting depth of the JSON itself is checked earlier, on the raw body (`http/body.py`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Sized
 
 import msgspec
 
-from deepinfer.api.anthropic_schemas import CountTokensRequest, MessagesRequest
-from deepinfer.api.errors import ApiError, ErrorKind
-from deepinfer.api.openai_schemas import ChatCompletionRequest, _SamplingFields
-from deepinfer.api.responses_schemas import ResponsesRequest
+from deepinfer.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from deepinfer.api.http.errors import ApiError, ErrorKind
+from deepinfer.api.openai.schemas import ChatCompletionRequest, _SamplingFields
+from deepinfer.api.responses.schemas import ResponsesRequest
 from deepinfer.server_config import RequestLimits
 
 

@@ -13,7 +13,7 @@ import socket
 import uvicorn
 
 from deepinfer.api.app import create_app
-from deepinfer.api.connections import http_protocol
+from deepinfer.api.http.connections import http_protocol
 from deepinfer.config import Config
 
 log = logging.getLogger("deepinfer.api")

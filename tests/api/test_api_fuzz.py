@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from live_server import LiveServer
 from schema_fuzz import Limits, encode, field_names, request_bodies, sweep_cases
 
-from deepinfer.api.anthropic_schemas import CountTokensRequest, Message, MessagesRequest, TokenCount
-from deepinfer.api.openai_schemas import (
+from deepinfer.api.anthropic.schemas import CountTokensRequest, Message, MessagesRequest, TokenCount
+from deepinfer.api.openai.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -18,9 +18,9 @@ from fake_engine import FakeEngine, FakeRecipe, FakeTokenizer
 from live_server import LiveServer
 
 from deepinfer.api.app import create_app
-from deepinfer.api.body import decode_json, json_depth
-from deepinfer.api.errors import ApiError
-from deepinfer.api.openai_schemas import ChatCompletionRequest
+from deepinfer.api.http.body import decode_json, json_depth
+from deepinfer.api.http.errors import ApiError
+from deepinfer.api.openai.schemas import ChatCompletionRequest
 from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.errors import ConfigError

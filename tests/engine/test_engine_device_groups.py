@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_engine import leave_after, run_all, settle, tiny_config, token_prompts
 
-from deepinfer.api.worker_metrics import worker_metrics
+from deepinfer.api.ops.worker_metrics import worker_metrics
 from deepinfer.config import WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.core import EngineCore

@@ -23,7 +23,7 @@ import torch
 from test_engine_moe import tiny_moe  # noqa: F401  (the module's fixture)
 from tiny_engine import run_all, tiny_config, token_prompts
 
-from deepinfer.api.metrics import ApiMetrics
+from deepinfer.api.ops.metrics import ApiMetrics
 from deepinfer.config import Config, ExpertsConfig, WorkersConfig, check_expert_layout
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.build_experts import build_expert_parallel

@@ -12,7 +12,7 @@ import pytest
 from tiny_engine import GREEDY, run_all, tiny_config, token_prompts
 from tiny_moe import hf_greedy, qwen3_moe_config, save_random
 
-from deepinfer.api.metrics import ApiMetrics
+from deepinfer.api.ops.metrics import ApiMetrics
 from deepinfer.config import Config, RuntimeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.build_replicas import capture_graphs

@@ -12,7 +12,7 @@ import pytest
 from conftest import real_config
 from tiny_engine import run_all, tiny_config
 
-from deepinfer.api.metrics import ApiMetrics
+from deepinfer.api.ops.metrics import ApiMetrics
 from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.errors import ConfigError

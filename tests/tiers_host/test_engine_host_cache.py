@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.api.metrics import ApiMetrics
+from deepinfer.api.ops.metrics import ApiMetrics
 from deepinfer.config import (
     CacheConfig,
     Config,

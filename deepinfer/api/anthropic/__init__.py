@@ -1,0 +1,1 @@
+"""Anthropic Messages and count_tokens."""

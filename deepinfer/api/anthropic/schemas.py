@@ -1,0 +1,197 @@
+"""Anthropic Messages API wire types (msgspec): requests, the message, and stream events; the
+request fields declared but not honoured, and their 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from deepinfer.api.http.unsupported import is_set, refuse_set, unsupported
+
+# ---- refused fields
+
+_TIERS = (None, "auto", "standard_only")
+
+
+class ThinkingConfig(msgspec.Struct):
+    type: str
+    budget_tokens: int | None = None
+
+
+class AnthropicRefusedFields(msgspec.Struct):
+    """Messages request fields Anthropic defines that the server does not honour, refused when
+    set.
+
+    Declared as the base of the request types, so that a request setting one to a value that
+    would need honouring gets a 400 naming it instead of the field being dropped silently.
+    `metadata` is accepted with `user_id` only (an opaque end-user id, recorded nowhere: the
+    server keeps no per-user state); any other key is refused.
+    """
+
+    thinking: ThinkingConfig | None = None
+    service_tier: str | None = None
+    container: msgspec.Raw = msgspec.Raw()
+    mcp_servers: list[msgspec.Raw] | None = None
+    context_management: msgspec.Raw = msgspec.Raw()
+
+
+def check_refused(req: AnthropicRefusedFields, metadata: dict[str, Any] | None) -> None:
+    """400 naming the first field set to a value this server would have to honour."""
+    if req.thinking is not None and req.thinking.type != "disabled":
+        raise unsupported("thinking", "extended thinking is not supported; use 'disabled'")
+    if req.service_tier not in _TIERS:
+        raise unsupported("service_tier", "only 'auto' and 'standard_only' are supported")
+    refuse_set(
+        {
+            "container": is_set(req.container),
+            "mcp_servers": bool(req.mcp_servers),
+            "context_management": is_set(req.context_management),
+        },
+        "not supported by this server",
+    )
+    for key in metadata or {}:
+        if key != "user_id":
+            raise unsupported(f"metadata.{key}", "only metadata.user_id is accepted")
+
+
+# ---- requests
+
+
+class ContentBlockIn(msgspec.Struct):
+    """A text, tool_use (assistant) or tool_result (user) block."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlockIn] | None = None
+    is_error: bool | None = None
+
+
+class ToolIn(msgspec.Struct):
+    name: str
+    input_schema: dict[str, Any] | None = None
+    description: str | None = None
+    type: str | None = None
+
+
+class ToolChoiceIn(msgspec.Struct):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ContentBlockIn]
+
+
+class CountTokensRequest(AnthropicRefusedFields, kw_only=True):
+    messages: list[MessageIn]
+    model: str | None = None
+    system: str | list[ContentBlockIn] | None = None
+    tools: list[msgspec.Raw] | None = None
+    """Counted and sized against `max_tools` and `max_schema_bytes`, then decoded as `ToolIn`."""
+    tool_choice: ToolChoiceIn | None = None
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    cache_retention: str | None = None
+    output_format: msgspec.Raw = msgspec.Raw()
+    """{"type": "json_schema", "schema": ...}: structured output (api/tools/structured.py)."""
+
+
+# ---- responses
+
+
+class UsageOut(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class DeltaUsage(msgspec.Struct):
+    output_tokens: int
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class TextBlock(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class Message(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    model: str
+    content: list[TextBlock | ToolUseBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: UsageOut
+    role: str = "assistant"
+
+
+class TokenCount(msgspec.Struct):
+    input_tokens: int
+
+
+class MessageStart(msgspec.Struct, tag_field="type", tag="message_start"):
+    message: Message
+
+
+class ContentBlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
+    index: int
+    content_block: TextBlock | ToolUseBlock
+
+
+class Ping(msgspec.Struct, tag_field="type", tag="ping"):
+    pass
+
+
+class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta"):
+    text: str
+
+
+class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta"):
+    partial_json: str
+
+
+class ContentBlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
+    index: int
+    delta: TextDelta | InputJsonDelta
+
+
+class ContentBlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):
+    index: int
+
+
+class StopDelta(msgspec.Struct):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):
+    delta: StopDelta
+    usage: DeltaUsage
+
+
+class MessageStop(msgspec.Struct, tag_field="type", tag="message_stop"):
+    pass

@@ -1,0 +1,1 @@
+"""OpenAI chat completions, completions and models, and vLLM's /tokenize and /detokenize."""

@@ -1,0 +1,252 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from deepinfer.api.context import ApiContext, check_choices, default_max_tokens, new_id
+from deepinfer.api.http.body import json_response
+from deepinfer.api.http.cache_options import cache_options
+from deepinfer.api.http.errors import openai_error_response
+from deepinfer.api.http.sse import EventStreamResponse, unless_disconnected
+from deepinfer.api.limits import check_openai_chat, check_openai_sampling
+from deepinfer.api.openai.convert import (
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    finish_reason,
+    invalid,
+    sampling_params,
+    usage_out,
+)
+from deepinfer.api.openai.schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    check_refused,
+)
+from deepinfer.api.openai.streams import chat_frames, completion_frames
+from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
+from deepinfer.api.protocol import OutputStream
+from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
+from deepinfer.api.tools.grammar import forced_calls, recipe_format
+from deepinfer.api.tools.plan import ToolPlan, ToolStream, called
+from deepinfer.errors import PromptTooLongError
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+CLIENT_CLOSED = 499
+"""Status logged (never sent) when the client went away before a non-streaming answer."""
+
+
+def openai_routes(ctx: ApiContext) -> list[Route]:
+    return [
+        Route("/v1/chat/completions", _chat_handler(ctx), methods=["POST"]),
+        Route("/v1/completions", _completion_handler(ctx), methods=["POST"]),
+        Route("/v1/models", _models_handler(ctx), methods=["GET"]),
+    ]
+
+
+def _models_handler(ctx: ApiContext) -> Handler:
+    created = int(time.time())
+
+    async def models(request: Request) -> Response:
+        card = ModelCard(ctx.model_name, created, max_model_len=ctx.engine.max_model_len)
+        return json_response(ModelList([card]))
+
+    return models
+
+
+async def _finish(request: Request, streams: list[OutputStream]) -> list[Collected] | None:
+    """Collect every stream, or None (requests aborted) if the client disconnects first."""
+    done, results = await unless_disconnected(request.receive, collect_all(streams))
+    if not done:
+        await close_all(streams)
+    return results
+
+
+def _chat_handler(ctx: ApiContext) -> Handler:
+    async def chat_completions(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = await ctx.read_json(request, ChatCompletionRequest)
+            check_refused(req)
+            check_openai_chat(req, ctx.limits)
+            messages = chat_messages(req.messages)
+            plan = openai_plan(req)
+            n = check_choices(req.n)
+            ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs)
+            max_tokens = req.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = default_max_tokens(ctx.engine.max_model_len, len(ids))
+            top = (req.top_logprobs or 0) if req.logprobs else None
+            if req.top_logprobs is not None and not req.logprobs:
+                raise invalid("top_logprobs", "needs logprobs: true")
+            fmt = recipe_format(ctx.engine.recipe)
+            params = [
+                forced_calls(
+                    sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i), plan, fmt
+                )
+                for i in range(n)
+            ]
+            rid = new_id("chatcmpl-")
+            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            streams = await ctx.submit_all([ids] * n, params, request_id=rid, cache=cache)
+        except Exception as exc:
+            return openai_error_response(exc)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            frames = chat_frames(
+                ctx, rid, created, streams, include_usage, top is not None,
+                usage_every_chunk=every, plan=plan,
+            )  # fmt: skip
+            return EventStreamResponse(frames, lambda: close_all(streams))
+        try:
+            results = await _finish(request, streams)
+        except Exception as exc:
+            return openai_error_response(exc)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tok = ctx.engine.tokenizer
+        choices = [
+            _chat_choice(i, r, plan, chat_logprobs(tok, r.logprobs) if top is not None else None)
+            for i, r in enumerate(results)
+        ]
+        usage = usage_out(total_usage([r.usage for r in results], 1))
+        return json_response(
+            ChatCompletion(
+                rid,
+                created,
+                ctx.model_name,
+                choices,
+                usage,
+                system_fingerprint=ctx.engine.system_fingerprint,
+            )
+        )
+
+    return chat_completions
+
+
+def _chat_choice(
+    index: int, result: Collected, plan: ToolPlan, logprobs: ChoiceLogprobs | None
+) -> ChatChoice:
+    """A whole answer as a choice: calls parsed when the request has tools."""
+    stream = ToolStream(plan, CALL_ID_PREFIX) if plan.parses_calls else None
+    message = answer_message(result.text, stream)
+    reason = finish_reason(result.finish_reason) or "stop"
+    if stream is not None and called(result.finish_reason, stream.num_calls):
+        reason = "tool_calls"
+    return ChatChoice(index, message, reason, logprobs)
+
+
+def _completion_prompts(
+    ctx: ApiContext, prompt: str | list[str | int | list[int]]
+) -> list[str | list[int]]:
+    """The request's prompts (a batch), each as text or token ids; 400 on mixed or bad items."""
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [[p for p in prompt if isinstance(p, int)]]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        items = [p for p in prompt if isinstance(p, str)]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        items = [p for p in prompt if isinstance(p, list)]
+    else:
+        raise invalid("prompt", "must be a string, a list of strings, token ids, or lists of ids")
+    vocab, max_model_len = ctx.engine.tokenizer.vocab_size, ctx.engine.max_model_len
+    for i, item in enumerate(items):
+        if len(item) == 0:
+            raise invalid("prompt", f"prompt {i} is empty")
+        if isinstance(item, list) and len(item) > max_model_len:  # before scanning the ids
+            raise PromptTooLongError(len(item), max_model_len, "prompt")
+        if isinstance(item, list) and not all(0 <= t < vocab for t in item):
+            raise invalid("prompt", f"prompt {i} holds token ids outside [0, {vocab})")
+    return items
+
+
+def _completion_handler(ctx: ApiContext) -> Handler:
+    async def completions(request: Request) -> Response:
+        try:
+            ctx.check_running()
+            req = await ctx.read_json(request, CompletionRequest)
+            check_refused(req)
+            check_openai_sampling(req, ctx.limits)
+            if req.echo:
+                raise invalid("echo", "echo is not supported")
+            if req.suffix:
+                raise invalid("suffix", "suffix is not supported")
+            prompts = [
+                p if isinstance(p, list) else await ctx.encode_text(p)
+                for p in _completion_prompts(ctx, req.prompt)
+            ]
+            n = check_choices(req.n)
+            max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            params = [
+                sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+                for _ in prompts
+                for i in range(n)
+            ]
+            rid = new_id("cmpl-")
+            all_prompts = [p for p in prompts for _ in range(n)]
+            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            param = "prompt" if len(prompts) > 1 else "n"
+            streams = await ctx.submit_all(
+                all_prompts, params, request_id=rid, cache=cache, param=param
+            )
+        except Exception as exc:
+            return openai_error_response(exc)
+        created = int(time.time())
+        want_lp = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            frames = completion_frames(
+                ctx, rid, created, streams, len(prompts), include_usage, want_lp,
+                usage_every_chunk=every,
+            )  # fmt: skip
+            return EventStreamResponse(frames, lambda: close_all(streams))
+        try:
+            results = await _finish(request, streams)
+        except Exception as exc:
+            return openai_error_response(exc)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tok = ctx.engine.tokenizer
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=r.text,
+                finish_reason=finish_reason(r.finish_reason),
+                logprobs=completion_logprobs(tok, r.logprobs, 0) if want_lp else None,
+            )
+            for i, r in enumerate(results)
+        ]
+        usage = usage_out(total_usage([r.usage for r in results], len(prompts)))
+        return json_response(
+            Completion(
+                rid,
+                created,
+                ctx.model_name,
+                choices,
+                usage,
+                system_fingerprint=ctx.engine.system_fingerprint,
+            )
+        )
+
+    return completions

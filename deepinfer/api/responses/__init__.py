@@ -1,0 +1,1 @@
+"""OpenAI Responses: requests, output items and their stream events, stored responses."""

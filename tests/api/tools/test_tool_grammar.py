@@ -1,0 +1,133 @@
+"""The forced-call grammar on SmolLM2's real vocabulary: it accepts exactly the text the tool
+format renders and the parser reads back, and refuses other names, bad arguments and text."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deepinfer.api.http.errors import ApiError
+from deepinfer.api.tools.grammar import call_grammar, forced_calls
+from deepinfer.api.tools.plan import ToolPlan, ToolSchema
+from deepinfer.environment import default_model_path
+from deepinfer.errors import InvalidRequestError
+from deepinfer.model.loading.gguf_loader import open_gguf
+from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
+from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
+from deepinfer.sampling.vocabulary import vocabulary_from
+from deepinfer.text.messages import ChatMessage, ToolCall
+from deepinfer.text.tokenizer import Tokenizer
+from deepinfer.text.tool_parser import parse_answer
+from deepinfer.text.tools import ToolFormat
+
+STOPS = frozenset({2})
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TZ = {"type": "object", "properties": {"tz": {"type": "integer"}}, "required": ["tz"]}
+TOOLS = (
+    ToolSchema("get_weather", json.dumps(CITY), "tools[0].function.parameters"),
+    ToolSchema('odd "name" <tool_call>', json.dumps(TZ), "tools[1].function.parameters"),
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(open_gguf(default_model_path()))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> ConstraintCompiler:
+    return ConstraintCompiler(lambda: vocabulary_from(tokenizer, 2))
+
+
+def rendered(*calls: ToolCall) -> str:
+    """An answer as the tool format writes an assistant turn with these calls (less `role`)."""
+    (pieces,) = ToolFormat().render(None, [ChatMessage("assistant", "", tool_calls=calls)], [])
+    text = "".join(p for p in pieces if isinstance(p, str))
+    return text.removeprefix("assistant\n")
+
+
+def allowed(matcher: ConstraintMatcher, tokenizer: Tokenizer) -> set[int]:
+    row = np.zeros(-(-tokenizer.vocab_size // 32), dtype=np.int32)
+    matcher.fill(row, STOPS)
+    return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist())
+
+
+def accepts(matcher: ConstraintMatcher, tokenizer: Tokenizer, text: str) -> bool:
+    """Whether `text` is a complete answer of the grammar (it may end there), every token
+    allowed on the way."""
+    for token_id in tokenizer.encode(text):
+        if token_id not in allowed(matcher, tokenizer):
+            return False
+        matcher.accept(token_id, STOPS)
+    return matcher.is_accepting and allowed(matcher, tokenizer) >= STOPS
+
+
+def grammar_matcher(compiler: ConstraintCompiler, max_calls: int | None) -> ConstraintMatcher:
+    grammar = call_grammar(ToolFormat(), TOOLS, max_calls)
+    return compiler.matcher(StructuredSpec(StructuredKind.GRAMMAR, grammar, "tool_choice"))
+
+
+def test_grammar_accepts_rendered_calls_that_parse_back(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer
+) -> None:
+    one = ToolCall("get_weather", '{"city":"Paris"}')
+    two = ToolCall(TOOLS[1].name, '{"tz":2}')
+    for calls, max_calls in (((one,), 1), ((one, two, one), None)):
+        text = rendered(*calls)
+        matcher = grammar_matcher(compiler, max_calls)
+        assert accepts(matcher, tokenizer, text)
+        if max_calls == 1:  # the answer ends after its one call
+            assert allowed(matcher, tokenizer) == STOPS
+        answer = parse_answer(text)
+        assert answer.content == ""
+        assert [(c.name, c.arguments) for c in answer.calls] == [
+            (c.name, c.arguments) for c in calls
+        ]
+
+
+@pytest.mark.parametrize(
+    ("text", "max_calls"),
+    [
+        ('<tool_call>\n{"name": "get_time", "arguments": {"city":"P"}}\n</tool_call>', None),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"town":"P"}}\n</tool_call>', None),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city":3}}\n</tool_call>', None),
+        ('Sure! <tool_call>\n{"name": "get_weather", "arguments": {"city":"P"}}\n</tool_call>', None),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"P"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city":"O"}}\n</tool_call>', 1),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"P"}}\n</tool_call> ok', None),
+    ],
+)  # fmt: skip
+def test_grammar_refuses_anything_else(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer, text: str, max_calls: int | None
+) -> None:
+    assert not accepts(grammar_matcher(compiler, max_calls), tokenizer, text)
+
+
+def test_markers_held_as_tokens_are_spelled_as_those_tokens() -> None:
+    fmt = ToolFormat().with_marker_ids({"<tool_call>": 7, "</tool_call>": 8})
+    grammar = call_grammar(fmt, TOOLS[:1], 1)
+    assert "<[7]>" in grammar and "<[8]>" in grammar and '"<tool_call>"' not in grammar
+
+
+def test_schema_the_library_refuses_names_its_field(compiler: ConstraintCompiler) -> None:
+    """Each forced tool's schema is a part of the call grammar, probed on its own first."""
+    bad = ToolSchema("f", json.dumps({"type": "frobnicate"}), "tools[3].function.parameters")
+    spec = forced_calls(SamplingParams(), ToolPlan(forced=(TOOLS[0], bad)), None).structured
+    assert spec is not None
+    assert [part.param for part in spec.parts] == [TOOLS[0].param, bad.param]
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(spec)
+    assert info.value.param == "tools[3].function.parameters" and "frobnicate" in str(info.value)
+
+
+def test_forced_calls_sets_the_grammar_or_refuses_a_second_constraint() -> None:
+    plan = ToolPlan(forced=TOOLS[:1], max_calls=1)
+    assert forced_calls(SamplingParams(), ToolPlan(), None) == SamplingParams()
+    spec = forced_calls(SamplingParams(), plan, None).structured
+    assert spec is not None and spec.kind is StructuredKind.GRAMMAR and spec.param == "tool_choice"
+    json_mode = SamplingParams(structured=StructuredSpec(StructuredKind.JSON_OBJECT, "", "rf"))
+    with pytest.raises(ApiError) as info:
+        forced_calls(json_mode, plan, None)
+    assert info.value.param == "tool_choice" and "rf" in str(info.value)
