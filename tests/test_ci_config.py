@@ -79,6 +79,7 @@ def test_pytest_is_strict() -> None:
     assert all(f.startswith("ignore:") for f in ini["filterwarnings"][1:])
 
 
+@pytest.mark.slow
 def test_strictness_is_what_pytest_applies(tmp_path: Path) -> None:
     """A warning of deepinfer's code or of a third party's and a passing xfail fail; an unknown
     marker is an error, under this config."""
@@ -140,6 +141,7 @@ def _declared(requirements: list[str]) -> set[str]:
     return {canonicalize_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate()}
 
 
+@pytest.mark.slow
 def test_every_dependency_is_imported_by_the_package() -> None:
     used = _distributions(_imported_names(ROOT / "deepinfer", ROOT / "kernels", ROOT / "server.py"))
     assert _declared(PYPROJECT["project"]["dependencies"]) - used == set()

@@ -91,7 +91,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles() -> None:
     modules = _module_files()
-    assert {"deepinfer.engine.core", "deepinfer.api.app", "deepinfer.api.openai.routes"} <= modules.keys()
+    assert {
+        "deepinfer.engine.core",
+        "deepinfer.api.app",
+        "deepinfer.api.openai.routes",
+    } <= modules.keys()
     assert any(name.startswith("deepinfer.kernels.") for name in modules)
     assert cycles(import_graph(modules)) == []
 

@@ -281,6 +281,7 @@ def test_wrong_methods_and_paths_get_enveloped_4xx(client: httpx.Client, referen
     _assert_unharmed(client, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ROUTES, ids=[r.path for r in ROUTES])
 def test_strategies_reach_every_schema_field(route: Route) -> None:
     """Plausible bodies hold every field of the request type, nested ones included (a field of a

@@ -140,6 +140,7 @@ def test_the_window_before_a_prompts_end_is_kept_for_the_lower_tiers(prompt_len:
     assert kv.drain_new_windows() == []  # once per request
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_sessions_keep_the_pools_sound(data: st.DataObject) -> None:

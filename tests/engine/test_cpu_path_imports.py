@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = """
 import asyncio, json, sys
 from pathlib import Path
@@ -36,6 +38,7 @@ print(json.dumps({"tokens": tokens, "triton": loaded}))
 """
 
 
+@pytest.mark.slow
 def test_cpu_engine_never_imports_triton(tiny_llama_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(

@@ -33,6 +33,7 @@ SPLIT = WorkersConfig(
 SHARED = WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [

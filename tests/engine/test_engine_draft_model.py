@@ -42,6 +42,7 @@ def _prompts() -> list[list[int]]:
     return [[(i * 41 + j * 13) % 4000 + 150 for j in range(12 + 17 * (i % 5))] for i in range(6)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("colocated", "catch_up"), [(False, 256), (True, 256), (False, 7)])
 async def test_tiny_model_drafting_for_itself_gives_the_plain_tokens(
     tiny_llama_dir: Path, colocated: bool, catch_up: int, monkeypatch: pytest.MonkeyPatch
@@ -85,6 +86,7 @@ async def test_the_draft_finds_its_kv_of_a_shared_prefix(tiny_llama_dir: Path) -
     assert counts.num_accepted >= 0.9 * counts.num_drafted > 0
 
 
+@pytest.mark.slow
 async def test_a_draft_that_disagrees_costs_nothing_but_time(tiny_llama_dir: Path) -> None:
     """SmolLM2 drafting for the tiny random model: few drafts accepted, the plain tokens."""
     config = tiny_config(tiny_llama_dir, WorkersConfig(), num_blocks=160)

@@ -65,6 +65,7 @@ async def alone(tiny_moe: tuple[Path, Any]) -> list[list[int]]:  # noqa: F811
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "experts",
     [
@@ -93,6 +94,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 async def test_two_gloo_processes_give_the_same_tokens(
     tiny_moe: tuple[Path, Any],  # noqa: F811
     alone: list[list[int]],
@@ -126,6 +128,7 @@ def test_experts_must_fill_the_groups(tiny_moe: tuple[Path, Any]) -> None:  # no
     parallel.close()
 
 
+@pytest.mark.slow
 async def test_a_second_machine_joins_with_the_serve_command(
     tiny_moe: tuple[Path, Any],  # noqa: F811
     alone: list[list[int]],
@@ -173,6 +176,7 @@ def test_flags_that_disagree_are_refused(experts: ExpertsConfig, message: str) -
     check_expert_layout(ExpertsConfig(expert_parallel=4, expert_parallel_backend="nccl", nnodes=2))
 
 
+@pytest.mark.slow
 async def test_a_rank_that_dies_is_stood_in_for(
     tiny_moe: tuple[Path, Any],  # noqa: F811
     alone: list[list[int]],
@@ -225,6 +229,7 @@ def _chat(base: str) -> list[str]:
     return texts
 
 
+@pytest.mark.slow
 def test_the_server_with_expert_ranks(tiny_moe: tuple[Path, Any], tmp_path: Path) -> None:  # noqa: F811
     """`server.py` with 2 gloo ranks and EPLB answers the official client as the server without
     them does, reports its groups in /metrics, and on SIGTERM stops its rank and exits 0."""

@@ -58,6 +58,7 @@ async def alone(model_dir: Path, colocated: bool) -> list[list[int]]:
         return [(await run_all(engine, [p]))[0] for p in prompts()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
 async def test_shared_new_prefix_in_flight_is_computed_once(
     long_tiny_dir: Path, colocated: bool

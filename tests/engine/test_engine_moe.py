@@ -27,6 +27,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return save_random(qwen3_moe_config(), (".mlp.",), tmp_path_factory.mktemp("tiny-qwen3-moe"))
 
 
+@pytest.mark.slow
 async def test_moe_engine_equals_transformers(tiny_moe: tuple[Path, Any]) -> None:
     path, hf_model = tiny_moe
     prompts = token_prompts()
@@ -71,6 +72,7 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return save_random(config, (".mlp.", "_proj"), tmp_path_factory.mktemp("tiny-deepseek"))
 
 
+@pytest.mark.slow
 async def test_deepseek_engine_equals_transformers(tiny_deepseek: tuple[Path, Any]) -> None:
     """Through the engine (disaggregated workers, the prefix cache on): the greedy tokens of
     transformers, and a second run of the same prompts served from cached latent-attention KV."""

@@ -41,6 +41,7 @@ def _repetitive_prompts() -> list[list[int]]:
     return [b * (2 + i % 3) + b[: i % 3] for i, b in enumerate(base)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("num_draft_tokens", "colocated"), [(1, False), (5, False), (5, True)])
 async def test_tiny_model_gives_the_plain_tokens(
     tiny_llama_dir: Path, num_draft_tokens: int, colocated: bool
@@ -85,6 +86,7 @@ SAMPLED = [
 0.02 and 0.05 (they often do)."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("colocated", [False, True])
 async def test_tiny_model_sampled_requests_keep_their_seeded_tokens(
     tiny_llama_dir: Path, colocated: bool
@@ -155,6 +157,7 @@ async def test_real_model_gives_the_plain_tokens(real_engine: AsyncEngine) -> No
     assert list(sampled) == want_sampled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("colocated", [False, True])
 async def test_tiny_model_self_speculation_gives_the_plain_tokens(
     tiny_llama_dir: Path, colocated: bool
@@ -207,6 +210,7 @@ async def test_real_model_self_speculation_gives_the_plain_tokens(real_engine: A
     assert counts.num_accepted > 0, counts
 
 
+@pytest.mark.slow
 async def test_tiny_model_stop_strings_end_where_plain_decoding_ends(tiny_llama_dir: Path) -> None:
     """A stop string inside a verified run: the same text, tokens, finish and usage as plain
     decoding (the run's tokens after the stop are neither output nor counted)."""

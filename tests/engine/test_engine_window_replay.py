@@ -175,6 +175,7 @@ def cold(gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list
     return asyncio.run(_cold(gemma_dir, tmp_path_factory.mktemp("cold")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("colocated", [False, True])
 async def test_device_tier_resumes_exactly(
     gemma_dir: Path, tmp_path: Path, cold: Any, colocated: bool
@@ -193,6 +194,7 @@ async def test_device_tier_resumes_exactly(
         assert stats.window_blocks_used == 0  # nothing runs: every window is back in the LRU
 
 
+@pytest.mark.slow
 async def test_resume_from_the_disk_tier(gemma_dir: Path, tmp_path: Path, cold: Any) -> None:
     """After a restart the disk tier has the full layers' blocks, and the windowed layers' KV of
     the window before each prompt's end: a resumed turn computes from that boundary, exactly; a
@@ -216,6 +218,7 @@ async def test_resume_from_the_disk_tier(gemma_dir: Path, tmp_path: Path, cold: 
                 assert replay_start <= got[1][2] <= hit
 
 
+@pytest.mark.slow
 async def test_replay_from_the_host_tier(gemma_dir: Path, tmp_path: Path, cold: Any) -> None:
     """Full-layer blocks pushed out of the device pool and back from host memory."""
     async with AsyncEngine(_config(gemma_dir, tmp_path, host=True)) as engine:

@@ -25,6 +25,7 @@ from deepinfer.request import SamplingParams
 from deepinfer.scheduler.output import ScheduleOutput, StepKind
 
 
+@pytest.mark.slow
 async def test_disaggregated_matches_colocated(tiny_llama_dir: Path) -> None:
     prompts = token_prompts()
     results = {}
@@ -132,6 +133,7 @@ async def test_gil_switch_interval_is_set_while_running_and_restored(tiny_llama_
         tiny_config(tiny_llama_dir, WorkersConfig(gil_switch_interval_ms=0.0))
 
 
+@pytest.mark.slow
 async def test_the_collector_is_tuned_while_running_and_restored(tiny_llama_dir: Path) -> None:
     """What exists at start is frozen out of collection and the youngest generation waits for
     more allocations; shutdown gives the collector back as it was (nothing left frozen)."""

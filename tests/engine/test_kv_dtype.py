@@ -29,6 +29,7 @@ def _config(kv_dtype: str, model: Path | None = None, backend: str = "auto") -> 
     )
 
 
+@pytest.mark.slow
 def test_float16_cache_holds_twice_the_blocks_under_its_own_fingerprint(
     tiny_llama_dir: Path,
 ) -> None:

@@ -45,6 +45,7 @@ def _probe(first: str, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
 def test_deepinfer_first_sets_the_policy_before_libgomp_loads() -> None:
     got = _probe("deepinfer")
@@ -53,6 +54,7 @@ def test_deepinfer_first_sets_the_policy_before_libgomp_loads() -> None:
     assert got["too_late"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
 def test_torch_first_is_reported_too_late() -> None:
     got = _probe("torch")
@@ -60,6 +62,7 @@ def test_torch_first_is_reported_too_late() -> None:
     assert got["env"] == dict(DEFAULTS)  # children started from here still get them
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
 def test_user_settings_win_and_are_never_too_late() -> None:
     got = _probe("torch", OMP_WAIT_POLICY="passive", GOMP_SPINCOUNT="10")

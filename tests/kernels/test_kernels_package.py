@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import deepinfer.kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +45,7 @@ def test_deepinfer_kernels_is_the_repo_folder() -> None:
         assert Path(module.__file__).resolve().is_relative_to(ROOT / "kernels"), name
 
 
+@pytest.mark.slow
 def test_no_top_level_kernels_module_of_ours_is_importable(tmp_path: Path) -> None:
     """deepinfer never imports its kernels as a top-level `kernels` (an unrelated PyPI package owns
     that name), and with the repository root off sys.path no `kernels` of ours can be imported.
@@ -83,6 +86,7 @@ def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
                 assert name.split(".")[0] in ALLOWED_TOP_LEVEL, f"{path.name} imports {name}"
 
 
+@pytest.mark.slow
 def test_only_the_triton_modules_load_triton() -> None:
     """The package and every other kernel module (dispatch, the torch references, the native CPU
     kernels: what the CPU path imports) import without loading Triton."""

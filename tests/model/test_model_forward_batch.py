@@ -123,6 +123,7 @@ def test_registry() -> None:
         get_model_class("falcon")
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_decode_batch_equals_the_general_builder(data: st.DataObject) -> None:

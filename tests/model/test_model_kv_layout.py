@@ -42,6 +42,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 def test_a_large_cpu_pool_is_reserved_not_touched() -> None:
     a = arch()
     num_blocks = (1 << 30) // kv_bytes_per_block(a, BLOCK_SIZE, torch.bfloat16)

@@ -125,6 +125,7 @@ def _hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt])).logits[0].float()  # [T, V]
 
 
+@pytest.mark.slow
 def test_arch_read_from_the_config(tiny: Any) -> None:
     kind, directory, hf_model = tiny
     arch = load_model(directory, torch.float32, "cpu").arch
@@ -292,6 +293,7 @@ def test_an_unsupported_mixtral_window_is_refused(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny", ["qwen3_moe"], indirect=True)  # the interpreter is slow
 def test_triton_backend_matches_transformers(tiny: Any) -> None:
     """The triton backend (interpreted here): every expert's rows in one grouped launch, and

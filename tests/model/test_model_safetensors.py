@@ -90,6 +90,7 @@ def _hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt])).logits[0].float()  # [T, V]
 
 
+@pytest.mark.slow
 def test_arch_flags(tiny: Any) -> None:
     directory, hf_model = tiny
     loaded = load_model(directory, torch.float32, "cpu")
@@ -133,6 +134,7 @@ class _Piecewise:
         return self.pieces.forward(batch, tokens, lambda i: self.pieces.piece(i, tokens)())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
 def test_piecewise_forward_matches_transformers(tiny: Any, mode: str) -> None:
     """The forward cut at attention (padded pieces, attention eager between them) gives

@@ -141,6 +141,7 @@ def test_plain_decode_steps_match_the_general_path() -> None:
     assert len({tuple(o) for o in lean}) > len(params) // 3  # the requests differ
 
 
+@pytest.mark.slow
 def test_tokens_follow_the_target_distribution() -> None:
     """2,000 unseeded requests (the shared generator: not the plain draws) at temperature 1,
     drafts on every step: each transition's counts against softmax(table[prev])."""

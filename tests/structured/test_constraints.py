@@ -43,6 +43,7 @@ def _drive(matcher: ConstraintMatcher, tokenizer: Tokenizer, text: str) -> None:
         matcher.accept(token_id, STOPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "source", "text"),
     [

@@ -71,6 +71,7 @@ def compiler(tokenizer: Tokenizer) -> Any:
     compiler.close()
 
 
+@pytest.mark.slow
 def test_crashers_are_refused_or_compiled_never_crash() -> None:
     """Each crasher stays under 256 KiB; in a child process, the compiler answers each with a
     grammar or a 400 and then still compiles a plain schema."""
@@ -115,6 +116,7 @@ def test_crashers_are_refused_or_compiled_never_crash() -> None:
     assert all("field: the " in line for line in refused)
 
 
+@pytest.mark.slow
 def test_a_refused_crash_is_remembered(compiler: ConstraintCompiler) -> None:
     spec = StructuredSpec(StructuredKind.GRAMMAR, rule_chain(15000), "structured_outputs.grammar")
     with pytest.raises(InvalidRequestError, match="crashed the grammar compiler") as info:
@@ -128,6 +130,7 @@ def test_a_refused_crash_is_remembered(compiler: ConstraintCompiler) -> None:
     compiler.compile(StructuredSpec(StructuredKind.REGEX, "[a-c]{3}", "guided_regex"))
 
 
+@pytest.mark.slow
 def test_a_regex_that_bloats_is_refused_and_not_kept(compiler: ConstraintCompiler) -> None:
     """35 bytes that once held ~150 MB in the cache: the library gives up on its lexer in the
     probe, so nothing of it is built in the server."""
@@ -139,6 +142,7 @@ def test_a_regex_that_bloats_is_refused_and_not_kept(compiler: ConstraintCompile
         compiler.compile(spec)
 
 
+@pytest.mark.slow
 def test_the_time_budget_kills_the_child_and_the_next_grammar_compiles(
     tokenizer: Tokenizer,
 ) -> None:
@@ -155,6 +159,7 @@ def test_the_time_budget_kills_the_child_and_the_next_grammar_compiles(
     compiler.close()
 
 
+@pytest.mark.slow
 def test_the_cache_is_bounded_in_bytes(tokenizer: Tokenizer) -> None:
     big = [StructuredSpec(StructuredKind.REGEX, f"(x{{100}}){{{n}}}", "x") for n in (90, 95, 101)]
     probe = ConstraintCompiler(lambda: vocabulary_from(tokenizer, 2))
@@ -226,6 +231,7 @@ SCHEMAS = st.recursive(_LEAVES, _nest, max_leaves=40).map(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=40,
     deadline=None,

@@ -142,6 +142,7 @@ async def test_outputs_identical_with_and_without_overlap(tiny_llama_dir: Path, 
     assert not any(r.masks.has_pool for r in runners), "shutdown leaves the fill pool running"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 async def test_finish_and_abort_while_fills_run(
     tiny_llama_dir: Path, mode: str, monkeypatch: pytest.MonkeyPatch
@@ -180,6 +181,7 @@ async def test_finish_and_abort_while_fills_run(
         assert all(name.startswith("deepinfer-mask-fill") for name in probe.threads)
 
 
+@pytest.mark.slow
 async def test_failed_forward_waits_for_its_fill(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -198,6 +198,7 @@ def test_max_token_bytes_bounds_every_encoding(smollm_tokenizer: Tokenizer) -> N
         assert len(text.encode("utf-8")) <= tok.max_token_bytes * len(tok.encode(text))
 
 
+@pytest.mark.slow
 def test_long_texts_encode_alike_and_let_other_threads_run(smollm_tokenizer: Tokenizer) -> None:
     """Past 16k characters `encode` goes through `tokenizers`' batch call (which releases the
     GIL): the same ids as the single call, control-token text kept plain, and a thread beside

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from disk_helpers import Clock, h, make_tier, store_of, wait_until
 
 from deepinfer.tiers.disk import DiskTier
@@ -185,6 +186,7 @@ class Harness:
         ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_random_damage_is_healed_and_never_serves_wrong_kv(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     harness = Harness(tmp_path, rng)

@@ -45,6 +45,7 @@ def _raise(*args: object, **kwargs: object) -> object:
     raise RuntimeError("disk tier failure")
 
 
+@pytest.mark.slow
 async def test_disk_failure_costs_the_hit_not_the_request(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -99,6 +99,7 @@ def test_auto_is_on_with_cuda_only_and_on_forces_it(tiny_model_dir: Path, tmp_pa
     assert core.tiers.host.payload_bytes == LAYERS * 2 * BLOCK * KV_HEADS * head_dim * element
 
 
+@pytest.mark.slow
 async def test_served_from_host_after_device_eviction(tiny_model_dir: Path, tmp_path: Path) -> None:
     (reference,) = await _cold(tiny_model_dir, tmp_path, [PROMPT])
     async with AsyncEngine(_config(tiny_model_dir, tmp_path / "c", "on", disk=False)) as engine:
@@ -118,6 +119,7 @@ async def test_served_from_host_after_device_eviction(tiny_model_dir: Path, tmp_
         assert _metric(metrics, "deepinfer_cached_prompt_tokens_total", '{tier="device"}') == 0
 
 
+@pytest.mark.slow
 async def test_host_then_disk_by_tier(tiny_model_dir: Path, tmp_path: Path) -> None:
     reference = await _cold(tiny_model_dir, tmp_path, [PROMPT, LONGER])
     config = _config(tiny_model_dir, tmp_path / "c", "on", disk=True)

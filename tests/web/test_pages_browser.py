@@ -50,6 +50,7 @@ def answer_stats(page: Any, index: int) -> dict[str, int]:
     return {n: int(element.get_attribute(f"data-{n}")) for n in names}
 
 
+@pytest.mark.slow
 def test_chat_streams_and_stop_aborts_the_request(page: Any, null_server: LiveServer) -> None:
     page.goto(null_server.url + "/")
     page.fill("#max-tokens", "6000")
@@ -101,6 +102,7 @@ MARKUP = (
 )
 
 
+@pytest.mark.slow
 def test_model_markup_is_shown_as_text(page: Any, fake_server: LiveServer) -> None:
     engine = fake_server.config.app.state.engine
     assert isinstance(engine, FakeEngine)
@@ -168,6 +170,7 @@ def value(page: Any, selector: str) -> float:
     return float(page.locator(selector).get_attribute("data-value") or 0)
 
 
+@pytest.mark.slow
 def test_dashboard_numbers_move_under_load(page: Any, null_server: LiveServer, load: Load) -> None:
     page.goto(null_server.url + "/dashboard")
     page.locator("#running[data-value]").wait_for()
@@ -252,6 +255,7 @@ WEATHER_TOOL = {
 }
 
 
+@pytest.mark.slow
 def test_tool_calls_are_shown(page: Any, null_server: LiveServer) -> None:
     page.goto(null_server.url + "/")
     page.click("#new-chat")

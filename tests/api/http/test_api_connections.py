@@ -150,6 +150,7 @@ def status_and_json(data: bytes) -> tuple[int, dict[str, Any]]:
     return int(head_bytes.split()[1]), json.loads(body)
 
 
+@pytest.mark.slow
 def test_trickled_head_is_closed_at_the_header_timeout(guarded: LiveServer) -> None:
     start_s = time.monotonic()
     sock = connect(guarded)
@@ -158,6 +159,7 @@ def test_trickled_head_is_closed_at_the_header_timeout(guarded: LiveServer) -> N
     assert elapsed_s >= HEADER_S - EARLY_S
 
 
+@pytest.mark.slow
 def test_half_head_after_a_response_is_closed_at_the_header_timeout(guarded: LiveServer) -> None:
     sock = connect(guarded)
     sock.sendall(head("GET", "/health"))
@@ -185,6 +187,7 @@ def test_short_body_is_answered_408_and_closed(guarded: LiveServer, path: str) -
     assert "stalled for more than 0.5 s" in body["error"]["message"]
 
 
+@pytest.mark.slow
 def test_body_slower_than_the_minimum_rate_is_answered_408_after_its_grace(
     guarded: LiveServer,
 ) -> None:
@@ -211,6 +214,7 @@ def test_idle_keep_alive_is_closed_at_the_keep_alive_timeout(guarded: LiveServer
     assert elapsed_s >= KEEP_ALIVE_S - EARLY_S
 
 
+@pytest.mark.slow
 def test_slow_steady_body_is_not_cut(guarded: LiveServer) -> None:
     sock = connect(guarded)
     pieces = [CHAT[i : i + 10] for i in range(0, len(CHAT), 10)]
@@ -224,6 +228,7 @@ def test_slow_steady_body_is_not_cut(guarded: LiveServer) -> None:
     assert json.loads(body)["choices"][0]["message"]["content"] == REPLY[:5]
 
 
+@pytest.mark.slow
 def test_streamed_response_outlasting_the_body_timeout_is_not_cut(guarded: LiveServer) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     start_s = time.monotonic()
@@ -233,6 +238,7 @@ def test_streamed_response_outlasting_the_body_timeout_is_not_cut(guarded: LiveS
     assert text.rstrip().endswith("data: [DONE]")
 
 
+@pytest.mark.slow
 def test_many_stalled_connections_are_closed_while_others_are_served(
     guarded: LiveServer,
 ) -> None:

@@ -48,6 +48,7 @@ def test_pages_are_open_and_strict_while_data_needs_the_key(keyed_server: LiveSe
         assert httpx.get(keyed_server.url + path, headers=headers).status_code == 200
 
 
+@pytest.mark.slow
 def test_every_file_a_page_names_is_served_and_cacheable(keyed_server: LiveServer) -> None:
     files = load_static()
     assert {"chat.html", "dashboard.html", "common.js", "app.css"} <= files.keys()

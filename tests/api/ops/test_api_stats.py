@@ -82,6 +82,7 @@ def test_totals_match_what_clients_were_told(null_server: LiveServer) -> None:
     assert after["prefill"] is not None and after["prefill"]["buckets"]
 
 
+@pytest.mark.slow
 def test_disk_classes_count_blocks_with_their_expiry(null_server: LiveServer) -> None:
     client = openai.OpenAI(base_url=f"{null_server.url}/v1", api_key="none")
     client.chat.completions.create(

@@ -265,6 +265,7 @@ def test_store_bounds_below_one_are_a_config_error() -> None:
         StoredResponseLimits(max_stored_responses_per_tenant=0)
 
 
+@pytest.mark.slow
 def test_a_long_chain_keeps_other_tenants_responses() -> None:
     """With an API key, tenants are told apart by `cache_salt`: a chain of one past its quota
     loses its own oldest responses, never another tenant's."""

@@ -51,6 +51,7 @@ def reply(fake_engine: FakeEngine) -> Iterator[FakeEngine]:
     fake_engine.reply = REPLY
 
 
+@pytest.mark.slow
 def test_function_call_items(client: openai.OpenAI, reply: FakeEngine) -> None:
     reply.reply = TWO_CALLS
     r = client.responses.create(model="m", input="Weather?", tools=[WEATHER])

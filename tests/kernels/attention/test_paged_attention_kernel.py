@@ -55,6 +55,7 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "kv_heads", "dim", "block_size", "lens", "part"), DECODE_CASES)
 def test_paged_decode_attention(
@@ -137,6 +138,7 @@ def test_paged_prefill_attention(
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [1, 9, 40, 100, 1000])
 def test_sliding_window(assert_close: Close, window: int) -> None:
     """Decode (several partitions), prompt chunks after a prefix, and the one-row-per-query
@@ -178,6 +180,7 @@ def test_sliding_window(assert_close: Close, window: int) -> None:
     assert_close(decoded, expected.index_select(0, starts[decoding].long()), torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_rows_are_decode_steps_at_their_positions(
     assert_close: Close, dtype: torch.dtype

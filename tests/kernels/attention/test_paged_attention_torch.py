@@ -122,6 +122,7 @@ def test_prefill_with_single_query_rows_matches_oracle() -> None:
             torch.testing.assert_close(out[lo:hi], expected, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [1, 5, 16, 100, 2000])
 def test_sliding_window_matches_oracle(window: int) -> None:
     """A sliding-window layer: each query attends to its last `window` positions, in decode

@@ -51,6 +51,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=2e-6 * max(scale, 1.0), rtol=1e-5)
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 9, 32, 33, 70])

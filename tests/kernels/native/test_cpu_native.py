@@ -21,6 +21,7 @@ from deepinfer.model.attention import select_attention_backend
 needs_native = pytest.mark.skipif(not native_available(), reason="no native CPU kernels here")
 
 
+@pytest.mark.slow
 @needs_native
 def test_a_build_is_reused(tmp_path: Path) -> None:
     first = build(tmp_path)
@@ -50,6 +51,7 @@ def test_auto_picks_the_cpu_backend_and_refuses_it_elsewhere() -> None:
         select_attention_backend("cpu", torch.device("cuda"))
 
 
+@pytest.mark.slow
 def test_switched_off_by_the_environment() -> None:
     code = (
         "import torch\n"
