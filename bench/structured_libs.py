@@ -1,5 +1,5 @@
 """Grammar libraries for structured output, compared on SmolLM2's vocabulary (49152 tokens):
-llguidance and xgrammar, on the test corpus of JSON schemas (tests/structured/schema_corpus.py).
+llguidance and xgrammar, on the test corpus of JSON schemas (tests/sampling/structured/schema_corpus.py).
 
 For each library: compile time per schema (p50, p99; every schema compiled fresh, no cache),
 and the time to fill the next-token bitmask along random walks through each grammar (a random
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_corpus(count: int) -> list[str]:
     spec = importlib.util.spec_from_file_location(
-        "schema_corpus", ROOT / "tests/structured/schema_corpus.py"
+        "schema_corpus", ROOT / "tests/sampling/structured/schema_corpus.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ from deepinfer.environment import default_model_dir as _default_model_dir
 from deepinfer.model.loading.gguf_loader import open_gguf
 
 if TYPE_CHECKING:
-    from live_server import LiveServer  # tests/api, on the path by pyproject's pythonpath
+    from tests.api.live_server import LiveServer  # tests/api, on the path by pyproject's pythonpath
 
 # Triton kernels run on CPU tensors through its interpreter; it must be chosen before any kernel
 # module is imported (Triton decides per @jit function at import), hence the top-level conftest.
@@ -100,11 +100,10 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def real_server() -> Iterator["LiveServer"]:
     """The real engine on SmolLM2 behind the API, started by the app's lifespan (slow tests);
     one per session, shared by every folder."""
-    from live_server import LiveServer
-
     from deepinfer.api.app import create_app
     from deepinfer.config import CacheConfig, Config, ModelConfig, SchedulerConfig, WorkersConfig
     from deepinfer.engine.async_engine import AsyncEngine
+    from tests.api.live_server import LiveServer
 
     config = Config(
         model=ModelConfig(dtype="float32", matmul_activations="float32"),  # exact numerics

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from live_server import LiveServer
+
+from tests.api.live_server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fake_engine import FakeEngine
-from live_server import LiveServer
 
 from deepinfer.api.app import create_app
 from deepinfer.server_config import ServerConfig
+from tests.api.fake_engine import FakeEngine
+from tests.api.live_server import LiveServer
 
 
 @pytest.fixture(scope="module")

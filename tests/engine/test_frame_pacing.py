@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import LiveServer
 
 from deepinfer.api.app import create_app
 from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig, SchedulerConfig
@@ -27,6 +26,7 @@ from deepinfer.outputs import TokenDelta
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.tokenizer import Tokenizer
+from tests.api.live_server import LiveServer
 
 
 def test_pacer_wakes_every_token_for_few_streams_or_slow_steps() -> None:

@@ -31,11 +31,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 KERNEL_TESTS=(tests/kernels/attention/test_{kv_store,paged_attention}_kernel.py
   tests/kernels/elementwise/test_{norm,rotary}_kernel.py tests/kernels/linear/test_matmul_kernel.py)
 step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TESTS[@]}"
-CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_model_gguf_smollm2.py \
-  tests/tiers_host/test_engine_host_cache.py tests/sampling/test_sampler.py \
-  tests/engine/test_engine_real.py tests/engine/test_engine_disagg.py \
-  tests/engine/test_engine_device_groups.py \
-  tests/engine/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}
+CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_gguf_smollm2.py \
+  tests/tiers/host/test_engine_host_cache.py tests/sampling/test_sampler.py \
+  tests/engine/models/test_real.py tests/engine/test_disagg.py \
+  tests/engine/test_device_groups.py \
+  tests/engine/models/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}
 # shellcheck disable=SC2086  # a list of paths
 step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS
 step interference 240 python3 bench/interference.py --modes disagg,colocated \

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_moe import hf_greedy, qwen3_moe_config, save_random
 
 from deepinfer.config import (
     CacheConfig,
@@ -23,6 +22,7 @@ from deepinfer.config import (
 )
 from deepinfer.engine.core import EngineCore
 from deepinfer.request import Request, SamplingParams
+from tests.engine.tiny_moe import hf_greedy, qwen3_moe_config, save_random
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,14 +14,14 @@ from typing import Any
 import gguf
 import pytest
 import torch
-from model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
-from test_model_gguf_loader import write_gemma3_gguf, write_gguf
-from test_model_quantized import needs_native, quantized_gguf  # noqa: F401 (a fixture)
 
 import deepinfer.kernels.layers.llama_layers_cpu as stack_module
 from deepinfer.kernels.attention.paged_attention_cpu import NATIVE_ALWAYS_ROWS
 from deepinfer.model import load_model
 from deepinfer.model.attention import torch_backend
+from tests.model.model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
+from tests.model.test_gguf_loader import write_gemma3_gguf, write_gguf
+from tests.model.test_quantized import needs_native, quantized_gguf  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 Q8_0, Q4_1 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1

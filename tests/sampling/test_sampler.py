@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sampling_reference import final_probs, processed_logits
 from torch.overrides import TorchFunctionMode
 
 from deepinfer.kernels.native.greedy import greedy_ids
@@ -18,6 +17,7 @@ from deepinfer.request import SamplingParams
 from deepinfer.sampling import GREEDY_TEMPERATURE, Sampler, SamplingRow, make_generator
 from deepinfer.sampling import sampler as sampler_module
 from deepinfer.sampling.generators import inverse_cdf_pick, request_seed
+from tests.sampling.sampling_reference import final_probs, processed_logits
 
 VOCAB = 300
 GREEDY = SamplingParams(temperature=0.0)

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from sampling_reference import assert_matches, final_probs
 
 from deepinfer.request import SamplingParams
 from deepinfer.sampling import Sampler, SamplingRow
 from deepinfer.sampling.filters import warp
+from tests.sampling.sampling_reference import assert_matches, final_probs
 
 NUM_SAMPLES = 20_000
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sampling_reference import processed_logits
 
 from deepinfer.request import SamplingParams
 from deepinfer.sampling import Sampler, SamplingRow
 from deepinfer.sampling.penalties import token_counts
+from tests.sampling.sampling_reference import processed_logits
 
 VOCAB = 50
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 import random
 
-from sched_fakes import make_request
-
 from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import (
     ChunkShape,
@@ -23,6 +21,7 @@ from deepinfer.scheduler.draft_gate import (
     DraftGate,
 )
 from deepinfer.scheduler.drafting import LoopOverhead
+from tests.scheduler.sched_fakes import make_request
 
 
 def _gate(step_s: float = 8e-3, token_s: float = 1.5e-3, num_signals: int = 0) -> DraftGate:

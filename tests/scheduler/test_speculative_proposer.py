@@ -7,7 +7,6 @@ import dataclasses
 import random
 
 import pytest
-from sched_fakes import make_request
 
 from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
 from deepinfer.errors import ConfigError
@@ -17,6 +16,7 @@ from deepinfer.runner.speculative import verify_drafts
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.output import ScheduledChunk
 from deepinfer.scheduler.speculative import NgramProposer, can_speculate, ngram_lookup
+from tests.scheduler.sched_fakes import make_request
 
 
 def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:

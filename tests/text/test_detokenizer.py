@@ -7,10 +7,10 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from text_samples import SAMPLES, random_texts
 
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.tokenizer import Tokenizer
+from tests.text.text_samples import SAMPLES, random_texts
 
 MULTIBYTE = [
     "🤗🚀👩‍👩‍👧‍👦 🏳️‍🌈 🇫🇷🇯🇵",

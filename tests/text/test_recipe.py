@@ -9,7 +9,6 @@ from typing import Any
 import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from text_samples import SAMPLES
 
 from deepinfer.errors import InvalidRequestError, ModelLoadError
 from deepinfer.text.recipe import (
@@ -22,6 +21,7 @@ from deepinfer.text.recipe import (
 )
 from deepinfer.text.recipe_families import recipe_for
 from deepinfer.text.tokenizer import Tokenizer
+from tests.text.text_samples import SAMPLES
 
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 BENIGN = [s for s in SAMPLES if "<|" not in s and "<repo" not in s]

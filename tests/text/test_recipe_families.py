@@ -18,7 +18,6 @@ import gguf
 import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from text_samples import SAMPLES
 
 from deepinfer.errors import InvalidRequestError, ModelLoadError
 from deepinfer.text.messages import ToolSpec
@@ -31,6 +30,7 @@ from deepinfer.text.recipe_families import (
     recipe_for,
 )
 from deepinfer.text.tokenizer import Tokenizer
+from tests.text.text_samples import SAMPLES
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "

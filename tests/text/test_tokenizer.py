@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import regex
-from text_samples import SAMPLES, random_texts
 
 from deepinfer.errors import ModelLoadError
 from deepinfer.text.tokenizer import Tokenizer
+from tests.text.text_samples import SAMPLES, random_texts
 
 # llama.cpp's `smollm` pre-tokenizer: `\p{N}` isolated first, then the GPT-2 regex.
 GPT2_REGEX = regex.compile(

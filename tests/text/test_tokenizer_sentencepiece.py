@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tokenizer import FakeField, FakeReader
-from text_samples import SAMPLES, random_texts
 
 from deepinfer.environment import default_model_dir
 from deepinfer.errors import ModelLoadError
 from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.text.tokenizer import Tokenizer
+from tests.text.test_tokenizer import FakeField, FakeReader
+from tests.text.text_samples import SAMPLES, random_texts
 
 GEMMA3 = default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
 TEXTS = [

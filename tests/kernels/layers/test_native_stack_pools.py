@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-from gguf_weights import gguf_weight, needs_native
 
 from deepinfer.kernels.attention.paged_attention_cpu import plan_paged_attention_cpu
 from deepinfer.kernels.attention.paged_attention_torch import (
@@ -25,6 +24,7 @@ from deepinfer.kernels.layers.llama_layers_cpu import (
     step_applies,
 )
 from deepinfer.kernels.linear.quant_matmul import QuantFormat
+from tests.kernels.gguf_weights import gguf_weight, needs_native
 
 pytestmark = needs_native
 

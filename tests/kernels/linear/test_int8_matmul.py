@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_weights import K_QUANTS, gguf_weight, kquant_blocks, needs_native, width
 
 from deepinfer.kernels.linear.int8_matmul import (
     Int8PackedWeight,
@@ -24,6 +23,7 @@ from deepinfer.kernels.linear.quant_matmul import (
     quant_linear_reference,
 )
 from deepinfer.kernels.native.cpu_native import native_library
+from tests.kernels.gguf_weights import K_QUANTS, gguf_weight, kquant_blocks, needs_native, width
 
 
 def _weight(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantizedWeight:

@@ -8,7 +8,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_weights import GGML, K_QUANTS, gguf_weight, kquant_blocks, needs_native, width
 
 from deepinfer.kernels.linear.quant_matmul import (
     QuantFormat,
@@ -19,6 +18,14 @@ from deepinfer.kernels.linear.quant_matmul import (
     quant_linear_reference,
 )
 from deepinfer.kernels.native.cpu_native import native_available
+from tests.kernels.gguf_weights import (
+    GGML,
+    K_QUANTS,
+    gguf_weight,
+    kquant_blocks,
+    needs_native,
+    width,
+)
 
 
 @pytest.mark.parametrize("fmt", list(QuantFormat))

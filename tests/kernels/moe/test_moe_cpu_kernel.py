@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_weights import gguf_weight
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,7 @@ from deepinfer.kernels.linear.quant_matmul import QuantFormat
 from deepinfer.kernels.moe.moe_cpu import NativeExperts
 from deepinfer.kernels.moe.moe_torch import run_each
 from deepinfer.kernels.native.cpu_native import NativeUnavailableError, native_library
+from tests.kernels.gguf_weights import gguf_weight
 
 try:
     native_library()

@@ -1,0 +1,100 @@
+"""Token utilities: /tokenize and /detokenize against the engine's own tokenizer and recipe (fake
+engine; SmolLM2 when slow), and GET /v1/models/{id}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from deepinfer.text.recipe import ChatMessage
+from tests.api.live_server import LiveServer
+
+TEXT = "Hello <|im_end|> wörld 🌍!"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+
+
+def post(server: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+def engine_of(server: LiveServer) -> Any:
+    return server.config.app.state.engine
+
+
+def check_round_trip(server: LiveServer) -> None:
+    engine = engine_of(server)
+    r = post(server, "/tokenize", {"prompt": TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == engine.recipe.encode_prompt(TEXT)
+    assert body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == engine.max_model_len
+    bare = post(server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == engine.tokenizer.encode(TEXT)
+    back = post(server, "/detokenize", {"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": TEXT}
+
+
+def check_chat(server: LiveServer) -> None:
+    engine = engine_of(server)
+    messages = [ChatMessage(m["role"], m["content"]) for m in MESSAGES]
+    for gen in (True, False):
+        r = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": gen})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == engine.recipe.encode(messages, add_generation_prompt=gen)
+
+
+def test_round_trip(fake_server: LiveServer) -> None:
+    check_round_trip(fake_server)
+
+
+def test_chat_messages_through_the_recipe(fake_server: LiveServer) -> None:
+    check_chat(fake_server)
+
+
+def test_token_strs(fake_server: LiveServer) -> None:
+    body = post(fake_server, "/tokenize", {"prompt": "ab", "return_token_strs": True}).json()
+    assert body["token_strs"] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template": "{{x}}"}, "chat_template"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
+        ("/detokenize", {"tokens": [5, -1]}, "tokens[1]"),
+        ("/detokenize", {"tokens": [2**40]}, "tokens[0]"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)  # fmt: skip
+def test_bad_requests_name_the_field(
+    fake_server: LiveServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    r = post(fake_server, path, body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+
+
+def test_model_by_id(fake_server: LiveServer) -> None:
+    with openai.OpenAI(base_url=fake_server.url + "/v1", api_key="x", max_retries=0) as c:
+        model = c.models.retrieve("fake-model")
+        assert model.id == "fake-model" and model.object == "model"
+        with pytest.raises(openai.NotFoundError) as info:
+            c.models.retrieve("other/model")
+    body: Any = info.value.body
+    assert body["code"] == "model_not_found" and body["type"] == "not_found_error"
+
+
+@pytest.mark.slow
+def test_real_tokenizer(real_server: LiveServer) -> None:
+    check_round_trip(real_server)
+    check_chat(real_server)
