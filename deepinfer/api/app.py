@@ -27,7 +27,7 @@ from deepinfer.api.anthropic.routes import anthropic_routes
 from deepinfer.api.context import ApiContext
 from deepinfer.api.http.access_log import AccessLogMiddleware
 from deepinfer.api.http.auth import ApiKeyMiddleware, route_path
-from deepinfer.api.http.body_timeout import BodyDeadlines, BodyTimeoutMiddleware
+from deepinfer.api.http.body import BodyDeadlines, BodyTimeoutMiddleware
 from deepinfer.api.http.errors import ApiError, ErrorKind, error_response_for
 from deepinfer.api.openai.routes import openai_routes
 from deepinfer.api.openai.token_routes import token_routes

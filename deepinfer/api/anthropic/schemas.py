@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from deepinfer.api.http.unsupported import is_set, refuse_set, unsupported
+from deepinfer.api.http.errors import is_set, refuse_set, unsupported
 
 # ---- refused fields
 

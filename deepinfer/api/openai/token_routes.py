@@ -19,8 +19,14 @@ from starlette.routing import Route
 
 from deepinfer.api.context import ApiContext
 from deepinfer.api.http.body import json_response
-from deepinfer.api.http.errors import ApiError, ErrorKind, openai_error_response
-from deepinfer.api.http.unsupported import is_set, refuse_set, unsupported
+from deepinfer.api.http.errors import (
+    ApiError,
+    ErrorKind,
+    is_set,
+    openai_error_response,
+    refuse_set,
+    unsupported,
+)
 from deepinfer.api.limits import over_limit
 from deepinfer.api.openai.convert import chat_messages
 from deepinfer.api.openai.schemas import ChatMessageIn, ModelCard

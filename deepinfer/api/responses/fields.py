@@ -12,7 +12,7 @@ is automatic and keyed by content). Everything else is refused when set to a non
 
 from __future__ import annotations
 
-from deepinfer.api.http.unsupported import is_set, refuse_set, unsupported
+from deepinfer.api.http.errors import is_set, refuse_set, unsupported
 from deepinfer.api.responses.schemas import ResponsesRequest
 
 MAX_METADATA_KEYS = 16

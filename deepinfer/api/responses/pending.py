@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.api.http.cache_options import CacheOptions
-from deepinfer.api.http.unsupported import is_set
+from deepinfer.api.http.errors import is_set
 from deepinfer.api.responses.convert import response_usage, status_of
 from deepinfer.api.responses.schemas import (
     FormatJsonObject,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.api.http.connection_shares import ConnectionShares, SharedConnection
+from deepinfer.api.http.connections import ConnectionShares, SharedConnection
 
 
 class Conn:

@@ -22,8 +22,12 @@ from uvicorn.server import ServerState
 
 from deepinfer import cli
 from deepinfer.api.app import create_app
-from deepinfer.api.http.connection_shares import SharedConnection
-from deepinfer.api.http.connections import H11HeadTimeoutProtocol, http_protocol, httptools_protocol
+from deepinfer.api.http.connections import (
+    H11HeadTimeoutProtocol,
+    SharedConnection,
+    http_protocol,
+    httptools_protocol,
+)
 from deepinfer.api.server import uvicorn_config
 from deepinfer.args import config_from_args
 from deepinfer.config import Config
