@@ -24,6 +24,7 @@ import itertools
 import sys
 import types
 import typing
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -123,6 +124,11 @@ TUNING_DOC = (
 SERVER_SECTIONS = ("server",)
 ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in SERVER_SECTIONS)
 ALL_SECTIONS = ENGINE_SECTIONS + SERVER_SECTIONS
+
+_TUNING_GROUPS: weakref.WeakKeyDictionary[
+    argparse.ArgumentParser, tuple[argparse._ArgumentGroup, list[argparse.Action]]
+] = weakref.WeakKeyDictionary()
+"""Each parser's tuning group and its flags, for `short_help`."""
 
 
 @dataclass(frozen=True)
@@ -315,13 +321,18 @@ def add_config_args(
     the tuning knobs among them in one last group (`TUNING`)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     specs = [spec for spec in flag_specs() if spec.dest.split(".")[0] in sections]
+    tuning: list[argparse.Action] = []
     for spec in sorted(specs, key=lambda spec: spec.dest in TUNING):
         owner = TUNING_TITLE if spec.dest in TUNING else spec.dest.rpartition(".")[0]
         if owner not in groups:
             title = owner.replace(".", " ").replace("_", " ")
             doc = TUNING_DOC if spec.dest in TUNING else class_doc(spec.owner)
             groups[owner] = parser.add_argument_group(title, doc)
-        _add_spec(groups[owner], spec, environ)
+        actions = _add_spec(groups[owner], spec, environ)
+        if spec.dest in TUNING:
+            tuning += actions
+    if tuning:
+        _TUNING_GROUPS[parser] = (groups[TUNING_TITLE], tuning)
 
 
 def add_help_flags(parser: argparse.ArgumentParser) -> None:
@@ -338,10 +349,10 @@ def add_help_flags(parser: argparse.ArgumentParser) -> None:
 def short_help(parser: argparse.ArgumentParser) -> str:
     """`parser`'s help with the tuning group reduced to its title and a line naming
     `--help-all`; the parser is as it was afterwards."""
-    group = next((g for g in parser._action_groups if g.title == TUNING_TITLE), None)
-    if group is None:
+    if parser not in _TUNING_GROUPS:
         return parser.format_help()
-    actions, description = group._group_actions, group.description
+    group, actions = _TUNING_GROUPS[parser]
+    description = group.description
     helps = [action.help for action in actions]
     try:
         for action in actions:
@@ -369,7 +380,10 @@ class _ShortHelp(argparse.Action):
         parser.exit()
 
 
-def _add_spec(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Environ) -> None:
+def _add_spec(
+    group: argparse._ArgumentGroup, spec: FlagSpec, environ: Environ
+) -> list[argparse.Action]:
+    """The flag of `spec` (and any alias of it) in `group`; the actions added."""
     kwargs: dict[str, Any] = {"dest": spec.dest, "default": argparse.SUPPRESS}
     if spec.hint is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
@@ -380,11 +394,12 @@ def _add_spec(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Environ) 
     note = spec.conversion.note if spec.conversion is not None else ""
     text = f"{spec.doc} {note} [default: {spec.show(spec.default)}; env {spec.env}]"
     action = add_flag(group, spec.flag, environ, help=text.strip().replace("%", "%%"), **kwargs)
+    added = [action]
     for alias, (dest, value) in ALIASES.items():
         if dest == spec.dest:
             if env_bool(alias[2:], environ) is True:
                 action.default = value
-            group.add_argument(
+            alias_action = group.add_argument(
                 alias,
                 dest=dest,
                 action="store_const",
@@ -392,6 +407,8 @@ def _add_spec(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Environ) 
                 default=argparse.SUPPRESS,
                 help=f"same as {spec.flag} {value} [env {env_name(alias[2:])}]",
             )
+            added.append(alias_action)
+    return added
 
 
 def add_engine_args(parser: argparse.ArgumentParser, environ: Environ = None) -> None:
