@@ -145,9 +145,7 @@ class KVTiers:
         num_disk = len(plan.disk_payloads)
         try:
             self.copies.write(ids[len(views) : len(views) + num_disk], plan.disk_payloads)
-        except (
-            Exception
-        ):  # payloads that do not fit the pool: the disk hit is lost, not the request
+        except Exception:  # payloads that do not fit the pool: the hit is lost, not the request
             log.exception("copying disk tier blocks into the KV pool failed; recomputing them")
             return len(views), 0
         if host is not None:

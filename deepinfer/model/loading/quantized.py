@@ -194,7 +194,8 @@ def _quantize_modules(
     for name, parts in sources.items():
         module = modules.get(name)
         fused = _fused(source, parts) if isinstance(module, Linear) else None
-        if fused is not None and isinstance(module, Linear):
+        if fused is not None:
+            assert isinstance(module, Linear)
             weight = _served(fused, int8)
             module.quantize(weight)
             served.update(parts)
