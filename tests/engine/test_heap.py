@@ -1,5 +1,5 @@
 """Freed heap given back to the OS: `malloc_trim` returns the free pages a thread's arena keeps
-(measured in this process's RSS), and the engine trims once after start and once per idle
+(measured on the pages of the freed blocks), and the engine trims once after start and once per idle
 period after working, never while a lane has work."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import os
 import threading
 from pathlib import Path
 
@@ -17,17 +16,13 @@ from deepinfer.config import CacheConfig, Config, DiskCacheConfig, ModelConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.heap import IdleHeapTrim, _malloc_trim, release_free_heap
 from deepinfer.request import SamplingParams
+from tests.resident_pages import AVAILABLE, committed_bytes
 
 needs_glibc = pytest.mark.skipif(_malloc_trim() is None, reason="no malloc_trim (not glibc)")
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE
 
 
 @needs_glibc
+@pytest.mark.skipif(not AVAILABLE, reason="reads the blocks' pages from /proc")
 def test_trim_returns_the_pages_an_arena_keeps() -> None:
     """64 KiB blocks (under the mmap threshold) written on a thread of their own, all freed but
     the last (which pins the arena's top, so free() cannot shrink it): the freed 96 MiB stay
@@ -42,18 +37,20 @@ def test_trim_returns_the_pages_an_arena_keeps() -> None:
         blocks = [libc.malloc(size) for _ in range(count)]
         for block in blocks:
             ctypes.memset(block, 1, size)
-        measured["filled"] = _rss()
+        freed_blocks = [(block, size) for block in blocks[:-1]]
+        measured["filled"] = committed_bytes(freed_blocks)
         for block in blocks[:-1]:
             libc.free(block)
-        measured["freed"] = _rss()
+        measured["freed"] = committed_bytes(freed_blocks)
         assert release_free_heap()
-        measured["trimmed"] = _rss()
+        measured["trimmed"] = committed_bytes(freed_blocks)
         libc.free(blocks[-1])
 
     thread = threading.Thread(target=fill_and_free)
     thread.start()
     thread.join()
     freed = (count - 1) * size
+    assert measured["filled"] >= freed
     assert measured["filled"] - measured["freed"] < freed // 4  # free() kept them
     assert measured["freed"] - measured["trimmed"] > freed // 2  # the trim gave them back
 

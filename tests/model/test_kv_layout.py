@@ -3,10 +3,6 @@ blocks written), and reads as zeros everywhere until written."""
 
 from __future__ import annotations
 
-import gc
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,6 +13,7 @@ from deepinfer.model.kv_layout import (
     kv_bytes_per_block,
     reserve_zeros,
 )
+from tests.resident_pages import AVAILABLE, committed_bytes, tensor_range
 
 BLOCK_SIZE = 16
 MIB = 1 << 20
@@ -32,41 +29,36 @@ def arch(**overrides: object) -> ModelArch:
     return ModelArch(**fields)  # type: ignore[arg-type]
 
 
-def rss_bytes() -> int:
-    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+def committed(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return committed_bytes(tensor_range(t) for pair in caches for t in pair)
 
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc"
-)
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="reads the caches' pages from /proc")
 
 
 @pytest.mark.slow
 def test_a_large_cpu_pool_is_reserved_not_touched() -> None:
     a = arch()
     num_blocks = (1 << 30) // kv_bytes_per_block(a, BLOCK_SIZE, torch.bfloat16)
-    before = rss_bytes()
     caches = allocate_kv_caches(a, num_blocks, BLOCK_SIZE, torch.bfloat16, "cpu")
-    gc.collect()  # the caches own their memory: nothing else keeps it alive
-    assert rss_bytes() - before < 64 * MIB
+    assert committed(caches) == 0
     check_kv_caches(a, caches, torch.bfloat16)
     total = sum(k.numel() * k.element_size() * 2 for k, _ in caches)
     assert total >= (1 << 30) - kv_bytes_per_block(a, BLOCK_SIZE, torch.bfloat16)
     for k, v in caches:  # every byte reads as zero, and reading commits no memory
         assert k.is_contiguous() and not k.any() and not v.any()
-    assert rss_bytes() - before < 64 * MIB
+    assert committed(caches) == 0
 
 
 def test_written_blocks_hold_their_values_and_cost_about_their_size() -> None:
     a = arch()
     caches = allocate_kv_caches(a, 4096, BLOCK_SIZE, torch.float16, torch.device("cpu"))
-    before = rss_bytes()
+    assert committed(caches) == 0
     for layer, (k, v) in enumerate(caches):
         k[7].fill_(layer + 1)
         v[4095].fill_(-(layer + 1))
-    written = 2 * kv_bytes_per_block(a, BLOCK_SIZE, torch.float16)
-    assert rss_bytes() - before < written + 16 * MIB
+    written = kv_bytes_per_block(a, BLOCK_SIZE, torch.float16)  # a block's keys, another's values
+    assert written <= committed(caches) < written + 16 * MIB
     for layer, (k, v) in enumerate(caches):
         assert torch.all(k[7] == layer + 1) and torch.all(v[4095] == -(layer + 1))
         assert not k[:7].any() and not k[8:].any() and not v[:4095].any()
