@@ -1,15 +1,15 @@
 """Run from a source checkout: `deepinfer.kernels` is the checkout's own top-level kernels/.
 
 kernels/ lives at the top of the repository and is installed as `deepinfer.kernels` by the
-package-dir mapping in pyproject.toml: a wheel copies it into deepinfer/, and an editable install
-maps the name to the folder through setuptools' import hook. When the repository root comes first
-on sys.path (`python -m pytest`, `PYTHONPATH=.`), `deepinfer` is imported straight from ./deepinfer,
-which holds no kernels/; the editable hook then finds `deepinfer.kernels` only if this very
-checkout is the one installed, and otherwise resolves it to the installed copy (another checkout
-or worktree), or fails where nothing is installed. This finder, placed first on sys.meta_path only
-when `deepinfer` was imported from a checkout (pyproject.toml and kernels/ beside it, no
-deepinfer/kernels inside), maps that one name to the checkout's kernels/; its submodules follow
-from the package's `__path__`. In an installed wheel it is never placed.
+package-dir mapping in pyproject.toml: a wheel copies it into deepinfer/. It is a namespace package
+(no `__init__.py`), so that with the repository root on sys.path (`python -m pytest`,
+`PYTHONPATH=.`) an installed distribution named `kernels` (the Hub's, which transformers imports)
+still wins over the folder. setuptools' editable hook finds a mapped package only by its
+`__init__.py`, and where the root comes first on sys.path `deepinfer` is imported straight from
+./deepinfer, which holds no kernels/. This finder, placed first on sys.meta_path only when
+`deepinfer` was imported from a checkout (pyproject.toml and kernels/ beside it, no
+deepinfer/kernels inside), maps that one name to the checkout's kernels/ as a namespace package;
+its submodules follow from the package's `__path__`. In an installed wheel it is never placed.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import sys
 from collections.abc import Sequence
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
-from importlib.util import spec_from_file_location
 from pathlib import Path
 from types import ModuleType
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 KERNELS_DIR = PACKAGE_DIR.parent / "kernels"
+MARKER = "dispatch.py"
+"""The module every kernel family imports: a kernels/ folder without it is not ours."""
 
 
 class SourceKernelsFinder(MetaPathFinder):
@@ -34,16 +35,16 @@ class SourceKernelsFinder(MetaPathFinder):
     ) -> ModuleSpec | None:
         if fullname != "deepinfer.kernels":
             return None
-        return spec_from_file_location(
-            fullname, KERNELS_DIR / "__init__.py", submodule_search_locations=[str(KERNELS_DIR)]
-        )
+        spec = ModuleSpec(fullname, None, is_package=True)
+        spec.submodule_search_locations = [str(KERNELS_DIR)]
+        return spec
 
 
 def is_checkout() -> bool:
     """Whether `deepinfer` was imported from a source checkout rather than an installed wheel."""
     return (
         (PACKAGE_DIR.parent / "pyproject.toml").is_file()
-        and (KERNELS_DIR / "__init__.py").is_file()
+        and (KERNELS_DIR / MARKER).is_file()
         and not (PACKAGE_DIR / "kernels").exists()
     )
 

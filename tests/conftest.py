@@ -1,7 +1,5 @@
-import importlib
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,25 +26,6 @@ os.environ.setdefault("DEEPINFER_MODEL_DIR", str(_default_model_dir()))
 _user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
 os.environ.setdefault("DEEPINFER_NATIVE_DIR", str(Path(_user_cache) / "deepinfer" / "native"))
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="deepinfer-test-cache-")
-
-
-def _import_hub_kernels() -> None:
-    """transformers (5.25 on) imports the Hub's `kernels` distribution, and `python -m pytest`
-    puts the repository root first on sys.path, where kernels/ (a package at the top of the
-    repository, installed as deepinfer.kernels) would stand in for it: import the installed one,
-    with the root out of the path, first."""
-    root = Path(__file__).resolve().parents[1]
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
-    try:
-        importlib.import_module("kernels")
-    except ImportError:  # an older transformers, without the dependency
-        pass
-    finally:
-        sys.path[:] = saved
-
-
-_import_hub_kernels()
 
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 4, 2, 2, 49152

@@ -30,8 +30,8 @@ def test_packages_listed_are_the_folders_on_disk() -> None:
 def _package_of(path: Path) -> tuple[str, Path]:
     """The installed package a data file belongs to, and its path relative to that package."""
     folder = path.parent
-    while not (folder / "__init__.py").is_file():
-        folder = folder.parent
+    while not (folder / "__init__.py").is_file() and folder != ROOT / "kernels":
+        folder = folder.parent  # kernels/ itself is a namespace package (no __init__.py)
     parts = folder.relative_to(ROOT / "kernels").parts
     return ".".join(["deepinfer", "kernels", *parts]), path.relative_to(folder)
 

@@ -17,14 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_checkout_kernels_win_over_the_installed_ones() -> None:
     assert source_tree.is_checkout()
     assert sum(isinstance(f, source_tree.SourceKernelsFinder) for f in sys.meta_path) == 1
-    assert deepinfer.kernels.__file__ is not None
-    assert Path(deepinfer.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
+    assert [Path(p).resolve() for p in deepinfer.kernels.__path__] == [ROOT / "kernels"]
 
 
 def test_finder_maps_one_name_only() -> None:
     finder = source_tree.SourceKernelsFinder()
     spec = finder.find_spec("deepinfer.kernels", None)
-    assert spec is not None and spec.origin == str(ROOT / "kernels" / "__init__.py")
+    assert spec is not None and spec.loader is None  # a namespace package: no __init__.py
     assert spec.submodule_search_locations == [str(ROOT / "kernels")]
     for name in ("kernels", "deepinfer", "deepinfer.kernels.dispatch", "deepinfer.model"):
         assert finder.find_spec(name, None) is None
@@ -38,9 +37,10 @@ def test_install_is_idempotent() -> None:
 @pytest.mark.parametrize(
     ("files", "expected"),
     [
-        (["pyproject.toml", "kernels/__init__.py"], True),
-        (["pyproject.toml", "kernels/__init__.py", "deepinfer/kernels/__init__.py"], False),
-        (["kernels/__init__.py"], False),  # site-packages: another distribution's `kernels`
+        (["pyproject.toml", "kernels/dispatch.py"], True),
+        (["pyproject.toml", "kernels/dispatch.py", "deepinfer/kernels/dispatch.py"], False),
+        (["kernels/dispatch.py"], False),  # site-packages: another distribution's `kernels`
+        (["pyproject.toml", "kernels/__init__.py"], False),  # a `kernels` package, not ours
         (["pyproject.toml"], False),
     ],
 )

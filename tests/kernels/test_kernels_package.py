@@ -25,8 +25,8 @@ TRITON_MODULES = {
 
 
 def _kernel_modules() -> list[str]:
-    """Every module under kernels/, by its installed name (`deepinfer.kernels.<...>`)."""
-    names = []
+    """The package and every module under kernels/, by its installed name."""
+    names = ["deepinfer.kernels"]
     for path in sorted((ROOT / "kernels").rglob("*.py")):
         parts = path.relative_to(ROOT / "kernels").with_suffix("").parts
         names.append(
@@ -37,9 +37,8 @@ def _kernel_modules() -> list[str]:
 
 def test_deepinfer_kernels_is_the_repo_folder() -> None:
     assert deepinfer.kernels.__name__ == "deepinfer.kernels"
-    assert deepinfer.kernels.__file__ is not None
-    assert Path(deepinfer.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
-    for name in _kernel_modules():
+    assert [Path(p).resolve() for p in deepinfer.kernels.__path__] == [ROOT / "kernels"]
+    for name in _kernel_modules()[1:]:
         module = importlib.import_module(name)
         assert module.__file__ is not None
         assert Path(module.__file__).resolve().is_relative_to(ROOT / "kernels"), name
@@ -56,7 +55,7 @@ def test_no_top_level_kernels_module_of_ours_is_importable(tmp_path: Path) -> No
     code = (
         "import importlib, importlib.util, pathlib, sys\n"
         f"root = pathlib.Path({str(ROOT)!r})\n"
-        f"for name in {_kernel_modules()!r}:\n"
+        f"for name in {_kernel_modules()[1:]!r}:\n"
         "    module = importlib.import_module(name)\n"
         "    assert pathlib.Path(module.__file__).resolve().is_relative_to(root / 'kernels')\n"
         "import deepinfer.engine.core, deepinfer.api.app\n"
@@ -71,6 +70,25 @@ def test_no_top_level_kernels_module_of_ours_is_importable(tmp_path: Path) -> No
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert not hasattr(importlib.import_module("deepinfer.kernels"), "__version__")
+
+
+def test_an_installed_kernels_distribution_wins_over_the_folder() -> None:
+    """With the repository root first on sys.path (`python -m pytest`, `python -c` run there),
+    `import kernels` never finds the folder as a regular package: it is a namespace package, so
+    a `kernels` distribution anywhere on the path (transformers imports the Hub's) comes first."""
+    code = (
+        "import importlib.util, pathlib\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(spec.origin if spec is not None and spec.origin is not None else '')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    origin = proc.stdout.strip()
+    assert not origin or not Path(origin).resolve().is_relative_to(ROOT), origin
+    assert not (ROOT / "kernels" / "__init__.py").exists()
 
 
 def test_kernel_modules_import_only_torch_triton_and_stdlib() -> None:
