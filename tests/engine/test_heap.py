@@ -1,6 +1,6 @@
 """Freed heap given back to the OS: `malloc_trim` returns the free pages a thread's arena keeps
-(measured on the pages of the freed blocks), and the engine trims once after start and once per idle
-period after working, never while a lane has work."""
+(measured on the freed blocks' own pages), and the engine trims once after start and once per
+idle period after working, never while a lane has work."""
 
 from __future__ import annotations
 
