@@ -4,7 +4,7 @@ Function tools are flat (`{"type": "function", "name", "description", "parameter
 and rendered through the recipe's tool format as chat tools are (`{"type": "function",
 "function": {...}}`). `tool_choice` is none, auto, required or `{"type": "function", "name"}`;
 a forced choice is constrained decoding (`api/tools/grammar.py`). `text.format` json_schema and
-json_object are constraints on the whole answer.
+json_object constrain a text answer (with tools under `auto`: calls or that text).
 """
 
 from __future__ import annotations
