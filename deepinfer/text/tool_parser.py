@@ -8,10 +8,13 @@ other text is content. The split does not depend on how the answer is cut into p
   from then on its arguments stream as they arrive, up to the brace that closes the object.
   Then an optional `}` and `</tool_call>` are consumed; other text after them is content, less
   the whitespace that follows a closed call.
-- A block whose header is malformed (or cut off by the end of the answer) is content, verbatim.
+- A block whose header is malformed is content, verbatim.
+- The end of the answer (`max_tokens`, a stop string) never turns markup into content: a call cut
+  off before its header is complete is dropped, and so are a cut `</tool_call>` after a call and
+  a trailing proper prefix of `<tool_call>` (an answer ending in `<tool_` loses those characters).
 - Arguments are the model's text: a call cut off by the end of the answer, or whose arguments
   meet `<` outside a string, ends with the arguments it has (possibly not valid JSON, as
-  OpenAI's API documents).
+  OpenAI's API documents); `truncated` tells whether the last call was cut off.
 - With `max_calls`, later well-formed calls are consumed and dropped.
 """
 
@@ -139,6 +142,8 @@ class ToolCallParser:
         self._escaped = False
         self._after_call = False
         self._events: list[ParseEvent] = []
+        self.truncated = False
+        """The answer ended inside a reported call's arguments (set by `finish`)."""
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
@@ -196,9 +201,9 @@ class ToolCallParser:
             self._content(self._buf[:at])
             self._buf, self._state = self._buf[at + len(CALL_OPEN) :], _State.HEADER
             return
-        keep = 0 if final else _held_prefix(self._buf, CALL_OPEN)
+        keep = _held_prefix(self._buf, CALL_OPEN)
         self._content(self._buf[: len(self._buf) - keep])
-        self._buf = self._buf[len(self._buf) - keep :]
+        self._buf = "" if final else self._buf[len(self._buf) - keep :]
 
     def _header(self, final: bool) -> None:
         name, at, viable = parse_header(self._buf)
@@ -208,9 +213,11 @@ class ToolCallParser:
                 self._emit(CallDelta(self.num_calls - 1, name, ""))
             self._buf, self._state = self._buf[at:], _State.ARGS
             self._depth, self._in_string, self._escaped = 0, False, False
-        elif final or not viable or len(self._buf) > _MAX_HEADER_CHARS:
+        elif not viable or len(self._buf) > _MAX_HEADER_CHARS:
             self._content(CALL_OPEN)  # not a call: the block is content, scanned again
             self._state = _State.TEXT
+        elif final:  # a call cut off before its name: nothing to report
+            self._buf, self._state = "", _State.TEXT
 
     def _args(self, final: bool) -> None:
         end = self._scan(self._buf)
@@ -218,7 +225,8 @@ class ToolCallParser:
             self._arguments(self._buf)
             self._buf = ""
             return
-        end = len(self._buf) if end is None else end
+        if end is None:
+            end, self.truncated = len(self._buf), self._live
         self._arguments(self._buf[:end])
         self._buf, self._state = self._buf[end:], _State.AFTER
 
@@ -256,7 +264,8 @@ class ToolCallParser:
             self._buf, self._state = rest[len(CALL_CLOSE) :], _State.TEXT
             self._after_call = True
         elif final or not CALL_CLOSE.startswith(rest):
-            self._buf, self._state = rest, _State.TEXT
+            cut_close = final and CALL_CLOSE.startswith(rest)
+            self._buf, self._state = "" if cut_close else rest, _State.TEXT
 
 
 def parse_answer(text: str, max_calls: int | None = None) -> ParsedAnswer:

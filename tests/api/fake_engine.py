@@ -25,6 +25,7 @@ from deepinfer.errors import (
 )
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason, SamplingParams
+from deepinfer.sampling.grammar import grammar_text
 from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -283,11 +284,11 @@ class FakeEngine:
 
 
 def _check_parts(params: SamplingParams) -> None:
-    """The real engine probes each part of a grammar (a forced tool's schema) in a child process;
-    the fake checks them in process (its tests' schemas are small)."""
+    """The real engine probes each part of a grammar (a tool's schema, a response format) in a
+    child process; the fake checks them in process (its tests' schemas are small)."""
     spec = params.structured
     for part in spec.parts if spec is not None else ():
-        grammar = llg.LLMatcher.grammar_from_json_schema(part.source)
+        grammar = grammar_text(part.kind, part.source)
         error = llg.LLMatcher.validate_grammar(grammar)
         if error:
             raise InvalidRequestError(

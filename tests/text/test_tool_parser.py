@@ -73,13 +73,32 @@ def test_calls_content_and_arguments() -> None:
         '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
         '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',
         '<tool_call>\n{"name": "f"}\n</tool_call>',
-        '<tool_call>\n{"name": "h"',
-        "<tool_call>",
-        "<tool_call><tool_call>",
     ],
 )
 def test_malformed_calls_are_text(text: str) -> None:
     assert parse_answer(text) == ParsedAnswer(text, [])
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ('<tool_call>\n{"name": "h"', ParsedAnswer()),
+        ("<tool_call>", ParsedAnswer()),
+        ("text <tool_", ParsedAnswer("text ")),
+        ("<tool_call><tool_call>", ParsedAnswer("<tool_call>")),
+        (call("a", {}) + '\n<tool_call>\n{"name":', ParsedAnswer("", [ParsedCall("a", "{}")])),
+        (call("a", {}) + "\n<", ParsedAnswer("", [ParsedCall("a", "{}")])),
+        (call("a", {})[: -len("l>")], ParsedAnswer("", [ParsedCall("a", "{}")])),
+        ("Hi." + call("a", {})[:-1], ParsedAnswer("Hi.", [ParsedCall("a", "{}")])),
+    ],
+)
+def test_markup_cut_off_by_the_end_is_dropped(text: str, answer: ParsedAnswer) -> None:
+    """The end of the answer never turns unfinished markup into content; complete calls stay."""
+    parser = ToolCallParser()
+    assert collect_events([*parser.feed(text), *parser.finish()]) == answer
+    assert not parser.truncated
+    rng = random.Random(text)
+    assert all(split_parse(text, rng) == answer for _ in range(50))
 
 
 def test_arguments_stream_before_the_call_closes() -> None:
@@ -90,8 +109,10 @@ def test_arguments_stream_before_the_call_closes() -> None:
 
 
 def test_cut_off_call_keeps_its_arguments() -> None:
-    answer = parse_answer(ANSWERS[5])
-    assert answer.calls == [ParsedCall("cut", '{"a": "unfinished')]
+    parser = ToolCallParser()
+    answer = collect_events([*parser.feed(ANSWERS[5]), *parser.finish()])
+    assert answer == ParsedAnswer("", [ParsedCall("cut", '{"a": "unfinished')])
+    assert parser.truncated
 
 
 def test_max_calls_drops_later_calls() -> None:

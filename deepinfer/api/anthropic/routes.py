@@ -42,7 +42,7 @@ from deepinfer.api.http.sse import EventStreamResponse, event_frame, unless_disc
 from deepinfer.api.limits import check_anthropic
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.streams import collect
-from deepinfer.api.tools.grammar import forced_calls, recipe_format
+from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolStream
 from deepinfer.engine.types import Usage
 
@@ -83,7 +83,7 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             check_anthropic(req, ctx.limits)
             plan = anthropic_plan(req)
             ids = await ctx.encode_chat(chat_messages(req), None, tools=plan.specs)
-            params = forced_calls(sampling_params(req), plan, recipe_format(ctx.engine.recipe))
+            params = answer_constraint(sampling_params(req), plan, recipe_format(ctx.engine.recipe))
             mid = new_id("msg_")
             cache = cache_options(request, req.cache_salt, req.cache_retention)
             (stream,) = await ctx.submit_all([ids], [params], request_id=mid, cache=cache)

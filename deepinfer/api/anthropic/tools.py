@@ -23,6 +23,7 @@ from deepinfer.api.anthropic.schemas import (
 )
 from deepinfer.api.tools.plan import (
     EMPTY_PARAMETERS,
+    NO_TOOLS,
     ToolChoice,
     ToolPlan,
     ToolSchema,
@@ -43,7 +44,10 @@ Event = ContentBlockStart | ContentBlockDelta | ContentBlockStop
 
 def anthropic_plan(req: CountTokensRequest) -> ToolPlan:
     """`tools` (custom tools) and `tool_choice` (auto, none, any, tool); 400 naming the field.
-    `any` and `tool` are forced by constrained decoding."""
+    `any` and `tool` are forced by constrained decoding. A request without tools and tool choice
+    gets `NO_TOOLS` at once."""
+    if not req.tools and req.tool_choice is None:
+        return NO_TOOLS
     declared = [_spec(raw, i) for i, raw in enumerate(req.tools or ())]
     specs = tuple(spec for spec, _ in declared)
     schemas = tuple(schema for _, schema in declared)

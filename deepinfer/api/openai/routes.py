@@ -40,7 +40,7 @@ from deepinfer.api.openai.streams import chat_frames, completion_frames
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
-from deepinfer.api.tools.grammar import forced_calls, recipe_format
+from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
 
@@ -97,7 +97,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
                 raise invalid("top_logprobs", "needs logprobs: true")
             fmt = recipe_format(ctx.engine.recipe)
             params = [
-                forced_calls(
+                answer_constraint(
                     sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i), plan, fmt
                 )
                 for i in range(n)

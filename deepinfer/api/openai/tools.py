@@ -24,6 +24,7 @@ from deepinfer.api.openai.schemas import (
 )
 from deepinfer.api.tools.plan import (
     EMPTY_PARAMETERS,
+    NO_TOOLS,
     ToolChoice,
     ToolPlan,
     ToolSchema,
@@ -40,7 +41,10 @@ CALL_ID_PREFIX = "call_"
 
 def openai_plan(req: ChatCompletionRequest) -> ToolPlan:
     """`tools`, `tool_choice` (none, auto, required, named) and `parallel_tool_calls`; 400
-    naming the field. `required` and a named function are forced by constrained decoding."""
+    naming the field. `required` and a named function are forced by constrained decoding. A
+    request without tools and tool choice gets `NO_TOOLS` at once."""
+    if not req.tools and req.tool_choice is None:
+        return NO_TOOLS
     declared = [_spec(raw, i) for i, raw in enumerate(req.tools or ())]
     specs = tuple(spec for spec, _ in declared)
     schemas = tuple(schema for _, schema in declared)

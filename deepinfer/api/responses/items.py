@@ -60,11 +60,15 @@ class OutputItems:
             yield from self._event(e)
 
     def finish(self, status: str) -> Iterator[Any]:
-        """Close the open item (`incomplete` when the answer was cut off); an answer with no
-        item at all gets an empty message."""
+        """Close the open item: `incomplete` when the answer was cut off inside it (a message,
+        or a call's arguments), else `completed`; an answer with no item at all gets an empty
+        message."""
         if not self.items:
             yield from self._open_message()
-        yield from self._close("completed" if status == "completed" else "incomplete")
+        whole_call = isinstance(self._open, FunctionCall) and not (
+            self.tools is not None and self.tools.truncated
+        )
+        yield from self._close("completed" if status == "completed" or whole_call else "incomplete")
 
     def _event(self, e: ParseEvent) -> Iterator[Any]:
         if isinstance(e, ContentDelta):

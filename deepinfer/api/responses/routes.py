@@ -24,7 +24,7 @@ from deepinfer.api.responses.store import ResponseStore
 from deepinfer.api.responses.stream import Pending, response_events
 from deepinfer.api.responses.tools import responses_plan, text_format_spec
 from deepinfer.api.streams import collect
-from deepinfer.api.tools.grammar import forced_calls, recipe_format
+from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.config import DiskCacheConfig, Retention
 from deepinfer.errors import InvalidRequestError
 from deepinfer.request import SamplingParams
@@ -60,7 +60,7 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
             req = await ctx.read_json(request, ResponsesRequest)
             pending = await _prepare(ctx, store, request, req)
             params = _sampling_params(ctx, req, pending.num_prompt_ids)
-            params = forced_calls(params, pending.plan, recipe_format(ctx.engine.recipe))
+            params = answer_constraint(params, pending.plan, recipe_format(ctx.engine.recipe))
             cache = pending.cache
             (stream,) = await ctx.submit_all(
                 [pending.prompt_ids], [params], request_id=pending.response_id, cache=cache

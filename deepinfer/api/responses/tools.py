@@ -4,7 +4,7 @@ Function tools are flat (`{"type": "function", "name", "description", "parameter
 and rendered through the recipe's tool format as chat tools are (`{"type": "function",
 "function": {...}}`). `tool_choice` is none, auto, required or `{"type": "function", "name"}`;
 a forced choice is constrained decoding (`api/tools/grammar.py`). `text.format` json_schema and
-json_object are constraints on the whole answer.
+json_object constrain a text answer (with tools under `auto`: calls or that text).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import msgspec
 from deepinfer.api.responses.schemas import ResponsesRequest
 from deepinfer.api.tools.plan import (
     EMPTY_PARAMETERS,
+    NO_TOOLS,
     ToolChoice,
     ToolPlan,
     ToolSchema,
@@ -44,7 +45,10 @@ class NamedChoice(msgspec.Struct):
 
 
 def responses_plan(req: ResponsesRequest) -> ToolPlan:
-    """`tools`, `tool_choice` and `parallel_tool_calls`; 400 naming the field."""
+    """`tools`, `tool_choice` and `parallel_tool_calls`; 400 naming the field. A request without
+    tools and tool choice gets `NO_TOOLS` at once."""
+    if not req.tools and _absent(req.tool_choice):
+        return NO_TOOLS
     declared = [_spec(raw, i) for i, raw in enumerate(req.tools or ())]
     specs = tuple(spec for spec, _ in declared)
     schemas = tuple(schema for _, schema in declared)
@@ -78,8 +82,12 @@ def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     return spec, schema
 
 
+def _absent(raw: msgspec.Raw) -> bool:
+    return not len(raw) or bytes(raw).strip() == b"null"
+
+
 def _choice(raw: msgspec.Raw) -> ToolChoice:
-    if not len(raw) or bytes(raw).strip() == b"null":
+    if _absent(raw):
         return ToolChoice()
     choice = _decode(raw, str | NamedChoice, "tool_choice")
     if isinstance(choice, str):

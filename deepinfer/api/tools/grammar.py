@@ -1,14 +1,21 @@
-"""Forced tool choice by constrained decoding: the grammar of an answer that is only calls.
+"""Tools and a response format as one constraint on the answer, by constrained decoding.
 
-The grammar spells exactly the text the tool format renders and the parser reads back
+The calls' grammar spells exactly the text the tool format renders and the parser reads back
 (`text/tools.py`: `<tool_call>`, `call_head(name)`, the arguments, `CALL_TAIL`, `</tool_call>`,
 calls separated by `CALL_SEPARATOR`); markers the vocabulary holds as added tokens are those
 tokens. Each tool is one alternative, its arguments one instance of its `parameters` schema
 (compact JSON). One call without parallel calls, else one or more; the grammar ends after the
 last call, so the answer ends there (end of turn) and its finish reason is `tool_calls`.
 
-`auto` is never constrained, `strict: true` tools included: the model may answer in text, and a
-call it writes is parsed as written (its arguments are not checked against the schema).
+What applies, as OpenAI does it (`answer_constraint`):
+- a forced choice (`required`, `any`, a named tool): the calls' grammar. A response format
+  shapes a text answer, and a forced answer has none, so it is set aside (not a 400);
+- `auto` with a response format: one grammar, either calls (arguments valid for their schemas)
+  or a text answer matching the format (`%json`, a regex, a choice, or the client's grammar
+  nested with `%lark`), so a tool stays callable;
+- `auto` alone is not constrained, `strict: true` tools included: the model may answer in text,
+  and a call it writes is parsed as written (its arguments are not checked against the schema);
+- no tools (`none`, or none declared): the response format alone, if any.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.api.tools.plan import ToolPlan, ToolSchema, invalid
+import llguidance as llg
+
+from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.text.tools import (
     CALL_CLOSE,
@@ -31,6 +40,8 @@ from deepinfer.text.tools import (
 
 GRAMMAR_PARAM = "tool_choice"
 """The field a forced call's grammar is reported under."""
+ANY_OBJECT = '{"type": "object"}'
+"""The schema of `json_object`: any JSON object."""
 _COMPACT = {"whitespace_flexible": False}
 """Arguments as compact JSON: no unbounded runs of whitespace for a model to wander into."""
 
@@ -45,47 +56,80 @@ def _marker(fmt: ToolFormat, marker: str) -> str:
     return _literal(marker) if token_id is None else f"<[{token_id}]>"
 
 
-def _schema(tool: ToolSchema) -> str:
-    """The tool's schema with compact JSON unless it sets its own `x-guidance` options."""
-    schema: Any = json.loads(tool.parameters)
+def _compact(source: str) -> str:
+    """A JSON schema with compact JSON unless it sets its own `x-guidance` options."""
+    schema: Any = json.loads(source)
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
     return json.dumps(schema, ensure_ascii=False)
 
 
-def call_grammar(fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None) -> str:
-    """A Lark grammar (llguidance's dialect) of answers made of calls of `tools` only."""
-    assert tools, "a forced choice has at least one tool"
+def _call_rules(fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None) -> list[str]:
+    """The rules of `calls`: one call of `tools` without parallel calls, else one or more."""
+    assert tools, "calls need at least one tool"
+    separator = _literal(CALL_SEPARATOR)
     rules = [
-        "start: call" if max_calls == 1 else f"start: call ({_literal(CALL_SEPARATOR)} call)*",
+        "calls: call" if max_calls == 1 else f"calls: call ({separator} call)*",
         "call: " + " | ".join(f"call_{k}" for k in range(len(tools))),
     ]
     open_, close = _marker(fmt, CALL_OPEN), _marker(fmt, CALL_CLOSE)
     for k, tool in enumerate(tools):
         head, tail = _literal(call_head(tool.name)), _literal(CALL_TAIL)
-        rules.append(f"call_{k}: {open_} {head} %json {_schema(tool)} {tail} {close}")
-    return "\n".join(rules) + "\n"
+        rules.append(f"call_{k}: {open_} {head} %json {_compact(tool.parameters)} {tail} {close}")
+    return rules
+
+
+def call_grammar(fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None) -> str:
+    """A Lark grammar (llguidance's dialect) of answers made of calls of `tools` only."""
+    return "\n".join(["start: calls", *_call_rules(fmt, tools, max_calls)]) + "\n"
+
+
+def calls_or_text_grammar(
+    fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None, text: StructuredSpec
+) -> str:
+    """A Lark grammar of answers that are either calls of `tools` or a text matching `text`."""
+    rules = ["start: calls | text", f"text: {_text_rule(text)}"]
+    return "\n".join([*rules, *_call_rules(fmt, tools, max_calls)]) + "\n"
+
+
+def _text_rule(spec: StructuredSpec) -> str:
+    """The body of a Lark rule matching exactly what `spec` alone accepts."""
+    if spec.kind is StructuredKind.JSON_SCHEMA:
+        return f"%json {_compact(spec.source)}"
+    if spec.kind is StructuredKind.JSON_OBJECT:
+        return f"%json {_compact(ANY_OBJECT)}"
+    if spec.kind is StructuredKind.REGEX:
+        return f"/{llg.regex_to_lark(spec.source, '')}/"
+    if spec.kind is StructuredKind.CHOICE:
+        return " | ".join(_literal(choice) for choice in json.loads(spec.source))
+    return f"%lark {{\n{spec.source}\n}}"
 
 
 def schema_part(tool: ToolSchema) -> StructuredSpec:
     """A tool's schema as a piece of its call grammar: the engine checks it (in the grammar
     probe's child process, like every new grammar) and a refusal names `tool.param`."""
-    return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema(tool), tool.param)
+    return StructuredSpec(StructuredKind.JSON_SCHEMA, _compact(tool.parameters), tool.param)
 
 
-def forced_calls(params: SamplingParams, plan: ToolPlan, fmt: ToolFormat | None) -> SamplingParams:
-    """`params` constrained to the plan's forced calls (unchanged without a forced choice); 400
-    when another constraint is set too, or a schema cannot be compiled."""
-    if not plan.forced:
+def answer_constraint(
+    params: SamplingParams, plan: ToolPlan, fmt: ToolFormat | None
+) -> SamplingParams:
+    """`params` with the one constraint the plan's tools and its response format (`structured`)
+    make together (see the module's docstring); unchanged without tools. A schema that cannot
+    be compiled is refused at submit, naming its field."""
+    text = params.structured
+    if not plan.forced and (text is None or not plan.schemas):
         return params
-    if params.structured is not None:
-        raise invalid(
-            GRAMMAR_PARAM,
-            f"a forced tool call conflicts with {params.structured.param}: set only one",
-        )
-    grammar = call_grammar(fmt or ToolFormat(), plan.forced, plan.max_calls)
-    parts = tuple(schema_part(tool) for tool in plan.forced)
-    spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, GRAMMAR_PARAM, parts)
+    fmt = fmt or ToolFormat()
+    if plan.forced:
+        grammar = call_grammar(fmt, plan.forced, plan.max_calls)
+        parts = tuple(schema_part(tool) for tool in plan.forced)
+        spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, GRAMMAR_PARAM, parts)
+    else:
+        assert text is not None
+        grammar = calls_or_text_grammar(fmt, plan.schemas, plan.max_calls, text)
+        parts = (*(schema_part(tool) for tool in plan.schemas), text)
+        spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, text.param, parts)
     return dataclasses.replace(params, structured=spec)
 
 

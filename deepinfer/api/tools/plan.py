@@ -51,6 +51,8 @@ class ToolPlan:
     forced: tuple[ToolSchema, ...] = ()
     """Non-empty: the answer is only calls of these tools, by constrained decoding (`required`,
     `any`, or one named tool); empty: the model chooses freely (`auto`)."""
+    schemas: tuple[ToolSchema, ...] = ()
+    """Every declared tool's schema (for `auto` beside a response format: calls or the format)."""
 
     @property
     def parses_calls(self) -> bool:
@@ -90,8 +92,8 @@ def tool_plan(
         if not forced:
             names = ", ".join(repr(s.name) for s in schemas)
             raise invalid(choice.name_param, f"no tool is named {choice.name!r} (tools: {names})")
-        return ToolPlan(specs, 1, forced[:1])  # a named tool is called exactly once
-    return ToolPlan(specs, max_calls, forced)
+        return ToolPlan(specs, 1, forced[:1], schemas)  # a named tool is called exactly once
+    return ToolPlan(specs, max_calls, forced, schemas)
 
 
 def call_arguments(arguments: Any, param: str) -> str:
@@ -133,6 +135,11 @@ class ToolStream:
     @property
     def num_calls(self) -> int:
         return len(self.ids)
+
+    @property
+    def truncated(self) -> bool:
+        """The answer ended inside its last call's arguments (known once it finished)."""
+        return self._parser.truncated
 
     def answer(self, text: str) -> ParsedAnswer:
         """A whole answer at once (non-streaming), ids assigned as streaming would."""

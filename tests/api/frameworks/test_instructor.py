@@ -1,4 +1,5 @@
-"""instructor over the OpenAI SDK: a validated pydantic object in TOOLS, JSON and JSON_SCHEMA modes."""
+"""instructor over the OpenAI SDK: a validated pydantic object in TOOLS, JSON and JSON_SCHEMA modes,
+and in RESPONSES_TOOLS mode (a named tool and `text.format` with the same schema, together)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,20 @@ def test_mode_returns_a_validated_object(client: openai.OpenAI, mode: str) -> No
         messages=[{"role": "user", "content": question}],
     )
     assert isinstance(city, response_model)
+    assert all(str(value).strip() for value in city.model_dump().values())
+
+
+def test_responses_tools_mode_returns_a_validated_object(client: openai.OpenAI) -> None:
+    """RESPONSES_TOOLS sends a forced (named) tool and a `text.format` of the same schema in one
+    request: the answer is the call, read back as the object."""
+    patched = instructor.from_openai(client, mode=instructor.Mode.RESPONSES_TOOLS)
+    city = patched.responses.create(
+        model="smollm2",
+        response_model=City,
+        max_retries=0,
+        temperature=0,
+        max_tokens=96,
+        input=[{"role": "user", "content": "Which city is the capital of France?"}],
+    )
+    assert isinstance(city, City)
     assert all(str(value).strip() for value in city.model_dump().values())

@@ -92,3 +92,33 @@ async def test_responses_model(client: AsyncOpenAI, streamed: bool) -> None:
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 async def test_chat_completions_model(client: AsyncOpenAI, streamed: bool) -> None:
     await run_forced(OpenAIChatCompletionsModel(model="smollm2", openai_client=client), streamed)
+
+
+MARKUP = ("<tool_call", "tool_call>", "<tool_response", '{"name":')
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+async def test_forced_call_cut_by_max_tokens_leaks_no_markup(
+    client: AsyncOpenAI, streamed: bool
+) -> None:
+    """With a forced tool and parallel calls, this model repeats its call until max_tokens cuts
+    the next one: the cut answer is its complete calls only (no text), so the history the agent
+    sends back holds no call markup as an assistant message."""
+    ran: list[str] = []
+    hooks = Inputs()
+    agent = weather_agent(
+        OpenAIChatCompletionsModel(model="smollm2", openai_client=client), ran
+    ).clone(model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
+    question = "What is the weather in Paris?"
+    if streamed:
+        run = Runner.run_streamed(agent, question, hooks=hooks, max_turns=2)
+        async for _ in run.stream_events():
+            pass
+        first = run.raw_responses[0]
+    else:
+        first = (await Runner.run(agent, question, hooks=hooks, max_turns=2)).raw_responses[0]
+    assert [item.type for item in first.output] == ["function_call"], first.output
+    assert ran == ["Paris"] and len(hooks.calls) == 2
+    sent_back = [i for i in hooks.calls[1] if isinstance(i, dict) and i.get("role") == "assistant"]
+    assert not any(m in str(i) for i in sent_back for m in MARKUP), sent_back
+    assert FORECAST in str(hooks.calls[1])

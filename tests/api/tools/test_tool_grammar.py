@@ -1,5 +1,7 @@
-"""The forced-call grammar on SmolLM2's real vocabulary: it accepts exactly the text the tool
-format renders and the parser reads back, and refuses other names, bad arguments and text."""
+"""The call grammars on SmolLM2's real vocabulary: the forced one accepts exactly the text the
+tool format renders and the parser reads back, and refuses other names, bad arguments and text;
+under `auto` beside a response format, calls or a text the format alone accepts (as llguidance
+compiles the format on its own)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from deepinfer.api.http.errors import ApiError
-from deepinfer.api.tools.grammar import call_grammar, forced_calls
+from deepinfer.api.tools.grammar import answer_constraint, call_grammar, calls_or_text_grammar
 from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
@@ -114,7 +115,7 @@ def test_markers_held_as_tokens_are_spelled_as_those_tokens() -> None:
 def test_schema_the_library_refuses_names_its_field(compiler: ConstraintCompiler) -> None:
     """Each forced tool's schema is a part of the call grammar, probed on its own first."""
     bad = ToolSchema("f", json.dumps({"type": "frobnicate"}), "tools[3].function.parameters")
-    spec = forced_calls(SamplingParams(), ToolPlan(forced=(TOOLS[0], bad)), None).structured
+    spec = answer_constraint(SamplingParams(), ToolPlan(forced=(TOOLS[0], bad)), None).structured
     assert spec is not None
     assert [part.param for part in spec.parts] == [TOOLS[0].param, bad.param]
     with pytest.raises(InvalidRequestError) as info:
@@ -122,12 +123,87 @@ def test_schema_the_library_refuses_names_its_field(compiler: ConstraintCompiler
     assert info.value.param == "tools[3].function.parameters" and "frobnicate" in str(info.value)
 
 
-def test_forced_calls_sets_the_grammar_or_refuses_a_second_constraint() -> None:
-    plan = ToolPlan(forced=TOOLS[:1], max_calls=1)
-    assert forced_calls(SamplingParams(), ToolPlan(), None) == SamplingParams()
-    spec = forced_calls(SamplingParams(), plan, None).structured
+FORMAT = StructuredSpec(
+    StructuredKind.JSON_SCHEMA,
+    json.dumps({"type": "object", "properties": {"answer": {"type": "string"}},
+                "required": ["answer"], "additionalProperties": False}),
+    "response_format.json_schema.schema",
+)  # fmt: skip
+AUTO = ToolPlan(max_calls=None, schemas=TOOLS)
+
+
+def test_each_choice_and_format_make_one_constraint() -> None:
+    """Forced: the calls only (a format has no text answer to shape); auto: calls or the
+    format; auto alone and no tools: as the request asked."""
+    with_format = SamplingParams(structured=FORMAT)
+    forced = ToolPlan(max_calls=1, forced=TOOLS[:1], schemas=TOOLS)
+    spec = answer_constraint(with_format, forced, None).structured
     assert spec is not None and spec.kind is StructuredKind.GRAMMAR and spec.param == "tool_choice"
-    json_mode = SamplingParams(structured=StructuredSpec(StructuredKind.JSON_OBJECT, "", "rf"))
-    with pytest.raises(ApiError) as info:
-        forced_calls(json_mode, plan, None)
-    assert info.value.param == "tool_choice" and "rf" in str(info.value)
+    assert spec.source == call_grammar(ToolFormat(), TOOLS[:1], 1)
+    assert [part.param for part in spec.parts] == [TOOLS[0].param]
+    spec = answer_constraint(with_format, AUTO, None).structured
+    assert spec is not None and spec.kind is StructuredKind.GRAMMAR
+    assert spec.source == calls_or_text_grammar(ToolFormat(), TOOLS, None, FORMAT)
+    assert spec.param == FORMAT.param and spec.parts[-1] == FORMAT
+    assert [part.param for part in spec.parts[:-1]] == [t.param for t in TOOLS]
+    assert answer_constraint(SamplingParams(), AUTO, None) == SamplingParams()
+    assert answer_constraint(with_format, ToolPlan(), None) == with_format
+
+
+def auto_matcher(compiler: ConstraintCompiler, text: StructuredSpec) -> ConstraintMatcher:
+    spec = answer_constraint(SamplingParams(structured=text), AUTO, None).structured
+    assert spec is not None
+    compiler.compile(spec)
+    return compiler.matcher(spec)
+
+
+def test_auto_with_a_format_is_a_call_or_the_format(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer
+) -> None:
+    one = rendered(ToolCall("get_weather", '{"city":"Paris"}'))
+    two = rendered(ToolCall("get_weather", '{"city":"Paris"}'), ToolCall(TOOLS[1].name, '{"tz":1}'))
+    for text in (one, two, '{"answer":"Paris"}'):
+        assert accepts(auto_matcher(compiler, FORMAT), tokenizer, text), text
+    for text in (
+        '{"answer":3}',
+        '{"city":"Paris"}',
+        "It is sunny.",
+        one.replace('"Paris"', "3"),
+        one + '{"answer":"Paris"}',
+        '{"answer":"Paris"}' + one,
+    ):
+        assert not accepts(auto_matcher(compiler, FORMAT), tokenizer, text), text
+
+
+TEXT_FORMATS = [
+    (StructuredSpec(StructuredKind.JSON_OBJECT, "", "response_format"),
+     ['{"a":1}', "{}", '{"a": 1}', "[1]", '"a"', "text"]),
+    (StructuredSpec(StructuredKind.REGEX, r"(yes|no)/[0-9]{2}\n", "guided_regex"),
+     ["yes/12\n", "no/07\n", "yes/1\n", "maybe/12\n", "yes/12"]),
+    (StructuredSpec(StructuredKind.CHOICE, json.dumps(["red", 'say "}"']), "guided_choice"),
+     ["red", 'say "}"', "blue", "re"]),
+    (StructuredSpec(StructuredKind.GRAMMAR,
+                    'start: "{" n ("," n)* "}"\nn: /[0-9]+/  // a } in a comment\n',
+                    "structured_outputs.grammar"),
+     ["{1,22}", "{7}", "{}", "{1,}", "1"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "samples"), TEXT_FORMATS, ids=lambda v: getattr(v, "param", ""))
+def test_the_text_branch_accepts_what_the_format_alone_does(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer, text: StructuredSpec, samples: list[str]
+) -> None:
+    verdicts = [accepts(compiler.matcher(text), tokenizer, sample) for sample in samples]
+    assert any(verdicts) and not all(verdicts)
+    assert [accepts(auto_matcher(compiler, text), tokenizer, s) for s in samples] == verdicts
+    call = rendered(ToolCall("get_weather", '{"city":"Oslo"}'))
+    assert accepts(auto_matcher(compiler, text), tokenizer, call)
+
+
+def test_a_format_the_library_refuses_names_its_field(compiler: ConstraintCompiler) -> None:
+    bad = StructuredSpec(StructuredKind.REGEX, "(unclosed", "guided_regex")
+    spec = answer_constraint(SamplingParams(structured=bad), AUTO, None).structured
+    assert spec is not None
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(spec)
+    assert info.value.param == "guided_regex"

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -83,12 +84,12 @@ def test_openai_forced(oai: openai.OpenAI, choice: Any, parallel: bool | None, o
     assert calls
     if parallel is None and only is None:
         # Any number of calls: this model repeats its call until max_tokens cuts the last one
-        # (whose cut-off closing marker is then content).
+        # (a truncated call, or dropped if cut before its name; never content).
         assert choice0.finish_reason in ("tool_calls", "length") and len(calls) > 1
         calls = calls if choice0.finish_reason == "tool_calls" else calls[:-1]
     else:
         assert choice0.finish_reason == "tool_calls" and len(calls) == 1
-        assert not choice0.message.content
+    assert not choice0.message.content
     for c in calls:
         check_call(c.function.name, c.function.arguments, only)
     if choice0.finish_reason == "length":
@@ -173,3 +174,41 @@ def test_responses_parse_and_refused_schema(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(model="m", input="x", text={"format": fmt})
     assert info.value.body["param"] == "text.format.schema"  # type: ignore[index]
+
+
+class Answer(pydantic.BaseModel):
+    answer: str = pydantic.Field(max_length=12)
+
+
+class GetWeather(pydantic.BaseModel):
+    """Current weather in a city."""
+
+    city: str = pydantic.Field(max_length=12)
+
+
+def first_token_bias(real_server: LiveServer, text: str) -> dict[str, int]:
+    """A logit bias that makes `text`'s first token the likeliest at every step."""
+    body = {"model": "m", "prompt": text, "add_special_tokens": False}
+    ids = httpx.post(f"{real_server.url}/tokenize", json=body).json()["tokens"]
+    return {str(ids[0]): 100}
+
+
+@pytest.mark.parametrize("lead", ["<", "{"], ids=["call", "text"])
+def test_auto_with_a_format_is_a_call_or_the_format(
+    oai: openai.OpenAI, real_server: LiveServer, lead: str
+) -> None:
+    """Under `auto`, tools and a response format are one grammar: pushed towards `<` the model
+    calls the tool (arguments valid), towards `{` it answers in the format; `parse` reads both."""
+    r = oai.chat.completions.parse(
+        model="m", messages=USER, tools=[openai.pydantic_function_tool(GetWeather)],
+        response_format=Answer, parallel_tool_calls=False, temperature=0,
+        max_tokens=MAX_TOKENS, logit_bias=first_token_bias(real_server, lead),
+    )  # fmt: skip
+    choice = r.choices[0]
+    if lead == "<":
+        (tool_call,) = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert isinstance(tool_call.function.parsed_arguments, GetWeather)
+    else:
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        assert isinstance(choice.message.parsed, Answer)
