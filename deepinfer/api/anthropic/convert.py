@@ -53,6 +53,7 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     if req.system is not None:
         out.append(ChatMessage("system", _text(req.system, "system")))
+    declared: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise invalid(
@@ -62,7 +63,7 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
         if isinstance(m.content, str) or all(b.type == "text" for b in m.content):
             out.append(ChatMessage(m.role, _text(m.content, param)))
         else:
-            out += block_turns(m.role, m.content, param)
+            out += block_turns(m.role, m.content, param, declared)
     return out
 
 

@@ -230,3 +230,40 @@ def test_parse_on_the_real_model(real_server: LiveServer) -> None:
     assert m.stop_reason == "end_turn", m.content
     assert isinstance(m.parsed_output, City)
     City.model_validate_json(m.content[0].text)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("history", "needle"),
+    [
+        ([], "messages.0.content[0].tool_use_id: unexpected tool_use_id 'toolu_9'"),
+        (
+            [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}]},
+            ],
+            "messages.2.content[0].tool_use_id: unexpected tool_use_id 'toolu_9'",
+        ),
+    ],
+)  # fmt: skip
+def test_tool_result_of_an_undeclared_tool_use_is_400(
+    client: anthropic.Anthropic, history: list[Any], needle: str
+) -> None:
+    """A tool_result must answer a tool_use of an earlier assistant turn, as Anthropic checks;
+    answering a declared one is accepted."""
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "21 C"}]}  # fmt: skip
+    for count in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            if count:
+                client.messages.count_tokens(model="m", messages=[*history, result])
+            else:
+                client.messages.create(model="m", max_tokens=2, messages=[*history, result])
+        body = info.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["message"].startswith(needle)
+    if history:
+        answered = {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]}  # fmt: skip
+        m = client.messages.create(model="m", max_tokens=2, messages=[*history, answered])
+        assert m.stop_reason == "max_tokens"
