@@ -64,7 +64,7 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
             ctx.check_running()
             req = await ctx.read_json(request, ResponsesRequest)
             pending = await _prepare(ctx, store, request, req)
-            params = _sampling_params(ctx, req, pending.num_prompt_ids)
+            params = ctx.chat_sampling(_sampling_params(ctx, req, pending.num_prompt_ids))
             params = forced_calls(params, pending.plan, recipe_format(ctx.engine.recipe))
             cache = pending.cache
             (stream,) = await ctx.submit_all(
