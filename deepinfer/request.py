@@ -5,6 +5,7 @@ A leaf module: it imports nothing from deepinfer but `errors`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -122,6 +123,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def with_turn_stops(self, turn_stops: tuple[str, ...]) -> SamplingParams:
+        """These parameters for a chat answer: the recipe's `turn_stops` after the client's
+        stop strings, so a transcript's answer ends where its turn does (not under
+        `ignore_eos`, which asks for every token up to `max_tokens`)."""
+        extra = tuple(s for s in turn_stops if s not in self.stop)
+        if not extra or self.ignore_eos:
+            return self
+        return dataclasses.replace(self, stop=self.stop + extra)
 
     @property
     def needs_penalties(self) -> bool:

@@ -41,11 +41,13 @@ class StoredResponseLimits:
     max_stored_responses: int = 4096
     """Responses kept for `previous_response_id`, all tenants together."""
     max_stored_chars: int = 64 << 20
-    """Characters of conversation text the stored responses hold, all tenants together."""
+    """Characters of conversation text (and bytes of response JSON) the stored responses hold,
+    all tenants together."""
     max_stored_responses_per_tenant: int = 512
     """Responses one tenant keeps stored; its next one drops its own least recently used."""
     max_stored_chars_per_tenant: int = 8 << 20
-    """Characters of conversation text one tenant's stored responses hold."""
+    """Characters of conversation text (and bytes of response JSON) one tenant's stored
+    responses hold."""
 
     def __post_init__(self) -> None:
         for name, value in dataclasses.asdict(self).items():

@@ -76,6 +76,11 @@ class ApiContext:
             lambda: recipe.encode(messages, reasoning_effort=reasoning_effort, tools=tools),
         )
 
+    def chat_sampling(self, params: SamplingParams) -> SamplingParams:
+        """`params` for a chat answer: they stop at the recipe's turn stops too (a template-less
+        transcript's next-turn label)."""
+        return params.with_turn_stops(self.engine.recipe.turn_stops)
+
     def _check_fits(self, texts: Sequence[str], param: str) -> None:
         max_token_bytes = self.engine.tokenizer.max_token_bytes
         check_prompt_fits(texts, max_token_bytes, self.engine.max_model_len, param)

@@ -58,14 +58,16 @@ def _utf8_bytes(text: str) -> int:
 def check_openai_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     _check_messages(req.messages, limits)
     check_openai_sampling(req, limits)
-    _check_tools(req.tools, limits)
+    check_tools(req.tools, limits)
     _check_schema_bytes("response_format", len(req.response_format), limits)
 
 
 def check_anthropic(req: CountTokensRequest, limits: RequestLimits) -> None:
     """A Messages or count_tokens request."""
     _check_messages(req.messages, limits)
-    _check_tools(req.tools, limits)
+    check_tools(req.tools, limits)
+    if req.output_config is not None:
+        _check_schema_bytes("output_config.format", len(req.output_config.format), limits)
     if isinstance(req, MessagesRequest):
         _check_stops("stop_sequences", req.stop_sequences, limits)
         _check_schema_bytes("output_format", len(req.output_format), limits)
@@ -77,7 +79,7 @@ def check_responses(req: ResponsesRequest, limits: RequestLimits) -> None:
     if isinstance(req.input, list):
         n = limits.max_messages
         _check_count("input", req.input, n, f"{n} items", "max_messages")
-    _check_tools(req.tools, limits)
+    check_tools(req.tools, limits)
     fmt = None if req.text is None else req.text.format
     if fmt is not None:
         _check_schema_bytes("text.format.schema", len(fmt.schema_), limits)
@@ -121,7 +123,8 @@ def _check_stop_chars(param: str, stop: str, limits: RequestLimits) -> None:
         raise over_limit(param, accepted, "max_stop_string_chars", len(stop))
 
 
-def _check_tools(tools: list[msgspec.Raw] | None, limits: RequestLimits) -> None:
+def check_tools(tools: list[msgspec.Raw] | None, limits: RequestLimits) -> None:
+    """The number of tools and the bytes of their JSON."""
     n = limits.max_tools
     _check_count("tools", tools, n, f"{n} tools", "max_tools")
     if tools:

@@ -34,6 +34,11 @@ class TokenizerLike(Protocol):
 
 
 class RecipeLike(Protocol):
+    @property
+    def turn_stops(self) -> tuple[str, ...]:
+        """Text that begins another turn where no token ends one: chat answers stop there."""
+        ...
+
     def encode(
         self,
         messages: Sequence[ChatMessage],

@@ -35,7 +35,7 @@ from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.driver import EngineDriver, StepObserver
 from deepinfer.engine.frame_pacer import FramePacer
 from deepinfer.engine.process_settings import ProcessSettings
-from deepinfer.engine.prompts import Prompt, encode_prompt
+from deepinfer.engine.prompts import Prompt, encode_prompt, is_chat
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.stream_table import StreamTable
 from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
@@ -220,6 +220,8 @@ class AsyncEngine:
             reason = self.dead_reason
             raise EngineDeadError("the engine is not running" + (f": {reason}" if reason else ""))
         check_retention(cache_retention)
+        if is_chat(prompt):
+            params = params.with_turn_stops(self.recipe.turn_stops)
         ids = await self.encode_prompt(prompt, reasoning_effort)
         core = self.core
         waiting, max_waiting = core.scheduler.num_waiting, self.config.scheduler.max_waiting

@@ -16,6 +16,7 @@ import torch
 from deepinfer.cache.window_group import WindowSpec
 from deepinfer.config import Config
 from deepinfer.engine.kv_sizing import kv_cache_dtype, num_kv_blocks, split_kv_blocks, window_spec
+from deepinfer.environment import resolve_model
 from deepinfer.errors import ConfigError
 from deepinfer.model.kv_layout import (
     KVCaches,
@@ -99,7 +100,7 @@ def load_draft(config: Config, loaded: LoadedModel, device: torch.device) -> Loa
         return None
     if path is None:
         raise ConfigError("--speculative draft-model needs --draft-model PATH")
-    draft = load(config, Path(path), loaded.dtype, device, draft=True)
+    draft = load(config, resolve_model(Path(path)), loaded.dtype, device, draft=True)
     tokens, draft_tokens = _vocab(loaded), _vocab(draft)
     same_tokens = tokens is None or draft_tokens is None or tokens == draft_tokens
     if draft.arch.vocab_size != loaded.arch.vocab_size or not same_tokens:

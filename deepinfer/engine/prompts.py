@@ -43,6 +43,11 @@ def check_prompt_fits(
         raise PromptTooLongError(-(-num_bytes // max_token_bytes), max_model_len, param)
 
 
+def is_chat(prompt: Prompt) -> bool:
+    """Chat messages (encoded by the recipe), not text or token ids."""
+    return not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], ChatMessage)
+
+
 async def encode_prompt(
     recipe: ChatRecipe,
     prompt: Prompt,

@@ -24,7 +24,7 @@ import gguf
 import torch
 from torch import nn
 
-from deepinfer.environment import default_model_path
+from deepinfer.environment import default_model_path, resolve_model
 from deepinfer.errors import ModelLoadError
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
@@ -51,7 +51,7 @@ def is_null_model(path: Path) -> bool:
 def vocabulary_path(path: Path) -> Path:
     """The GGUF file whose vocabulary (and chat format) a null model serves."""
     text = str(path)
-    return Path(text[len(NULL_MODEL) + 1 :]) if ":" in text else default_model_path()
+    return resolve_model(Path(text[len(NULL_MODEL) + 1 :])) if ":" in text else default_model_path()
 
 
 def open_null_model(

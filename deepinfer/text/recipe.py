@@ -71,6 +71,9 @@ class ChatRecipe:
 
     end_of_turn_ids: frozenset[int]
     """Ids that end an assistant turn (generation stops on them)."""
+    turn_stops: tuple[str, ...] = ()
+    """Text that begins another turn where no token ends one (a transcript's `\nUser:`): a
+    chat answer stops there (`SamplingParams.with_turn_stops`)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -201,7 +204,15 @@ class ChatMLRecipe(ChatRecipe):
 class PlainRecipe(ChatRecipe):
     """No template (base models): `System: ...\\n\\nUser: ...\\n\\nAssistant:` as plain text.
 
-    There are no control tokens to protect; everything is content."""
+    There are no control tokens to protect; everything is content. A base model has no
+    end-of-turn token for chat and goes on writing the transcript, so a chat answer stops at the
+    next turn's label on a line of its own (`turn_stops`)."""
+
+    turn_stops = tuple(
+        f"{sep}{label}:" for label in ("User", "System", "Assistant") for sep in ("\n\n", "\n")
+    )
+    """The blank line before a label goes with it (among stops ending together, the longest
+    wins), so the answer ends with its own text."""
 
     _LABELS: ClassVar[dict[str, str]] = {
         "system": "System",

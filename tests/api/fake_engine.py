@@ -45,6 +45,8 @@ class FakeTokenizer:
 
 
 class FakeRecipe:
+    turn_stops: tuple[str, ...] = ()
+
     def __init__(self, tokenizer: FakeTokenizer) -> None:
         self.tok = tokenizer
 

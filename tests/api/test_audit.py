@@ -11,9 +11,12 @@ from typing import Any
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 
+from deepinfer.api.anthropic.schemas import AnthropicRefusedFields
+from deepinfer.api.openai.schemas import OpenAIRefusedFields
 from deepinfer.request import SamplingParams
 from tests.api.fake_engine import REPLY, FakeEngine
 from tests.api.live_server import LiveServer
@@ -45,6 +48,8 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
     ("continue_final_message", True, False),
     ("chat_template", "{{ messages }}", None),
     ("chat_template_kwargs", {"enable_thinking": True}, None),
+    ("moderation", {"model": "omni-moderation-latest"}, None),
+    ("prompt_cache_options", {"mode": "auto"}, None),
 ]
 
 ANTHROPIC_REFUSED: list[tuple[str, Any, Any]] = [
@@ -53,6 +58,9 @@ ANTHROPIC_REFUSED: list[tuple[str, Any, Any]] = [
     ("container", "container_1", None),
     ("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}], []),
     ("context_management", {"edits": []}, None),
+    ("diagnostics", {"previous_message_id": "msg_1"}, None),
+    ("inference_geo", "us", None),
+    ("speed", "fast", "standard"),
 ]
 
 
@@ -74,16 +82,28 @@ def test_openai_refused_field(
     assert post(fake_server, path, {**base, field: default}).status_code == 200
 
 
+def test_every_refused_field_is_tried() -> None:
+    """Each field declared as refused is sent by the tests above (by its wire name)."""
+    for struct, tried in [
+        (OpenAIRefusedFields, OPENAI_REFUSED),
+        (AnthropicRefusedFields, ANTHROPIC_REFUSED),
+    ]:
+        declared = {f.encode_name for f in msgspec.structs.fields(struct)}
+        assert declared == {field for field, _, _ in tried}, struct.__name__
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 @pytest.mark.parametrize(("field", "refused", "default"), ANTHROPIC_REFUSED)
 def test_anthropic_refused_field(
-    fake_server: LiveServer, field: str, refused: Any, default: Any
+    fake_server: LiveServer, path: str, field: str, refused: Any, default: Any
 ) -> None:
-    r = post(fake_server, "/v1/messages", {**MESSAGES, field: refused})
+    base = MESSAGES if path == "/v1/messages" else {"messages": MESSAGES["messages"]}
+    r = post(fake_server, path, {**base, field: refused})
     assert r.status_code == 400, r.text
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert body["error"]["message"].startswith(field)
-    assert post(fake_server, "/v1/messages", {**MESSAGES, field: default}).status_code == 200
+    assert post(fake_server, path, {**base, field: default}).status_code == 200
 
 
 def test_anthropic_metadata_user_id_only(fake_server: LiveServer) -> None:

@@ -7,6 +7,8 @@ length); the cache fills automatically, so `cache_creation_input_tokens` is 0.
 
 from __future__ import annotations
 
+import msgspec
+
 from deepinfer.api.anthropic.schemas import (
     ContentBlockIn,
     CountTokensRequest,
@@ -51,6 +53,7 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     if req.system is not None:
         out.append(ChatMessage("system", _text(req.system, "system")))
+    declared: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise invalid(
@@ -60,7 +63,7 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
         if isinstance(m.content, str) or all(b.type == "text" for b in m.content):
             out.append(ChatMessage(m.role, _text(m.content, param)))
         else:
-            out += block_turns(m.role, m.content, param)
+            out += block_turns(m.role, m.content, param, declared)
     return out
 
 
@@ -74,10 +77,15 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
             stop=tuple(req.stop_sequences or ()),
-            structured=anthropic_spec(req.output_format),
+            structured=anthropic_spec(req.output_format, config_format(req)),
         )
     except InvalidRequestError as exc:
         raise ApiError(ErrorKind.INVALID_REQUEST, exc.message, param=exc.param) from None
+
+
+def config_format(req: CountTokensRequest) -> msgspec.Raw:
+    """`output_config.format` as sent (empty: absent)."""
+    return msgspec.Raw() if req.output_config is None else req.output_config.format
 
 
 def stop_reason(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from deepinfer.api.anthropic.convert import (
     chat_messages,
+    config_format,
     delta_usage,
     sampling_params,
     stop_reason,
@@ -26,6 +28,7 @@ from deepinfer.api.anthropic.schemas import (
     StopDelta,
     TokenCount,
     check_refused,
+    reasoning_effort,
 )
 from deepinfer.api.anthropic.tools import (
     TOOL_ID_PREFIX,
@@ -44,6 +47,7 @@ from deepinfer.api.protocol import OutputStream
 from deepinfer.api.streams import collect
 from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolStream
+from deepinfer.api.tools.structured import anthropic_spec
 from deepinfer.engine.types import Usage
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -63,10 +67,13 @@ def _count_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, CountTokensRequest)
+            check_refused(req, None)
             check_anthropic(req, ctx.limits)
+            anthropic_spec(msgspec.Raw(), config_format(req))  # checked; it adds no tokens
             specs = anthropic_plan(req).specs
             messages = chat_messages(req)
-            ids = await ctx.encode_chat(messages, None, within_context=False, tools=specs)
+            effort = reasoning_effort(req)
+            ids = await ctx.encode_chat(messages, effort, within_context=False, tools=specs)
         except Exception as exc:
             return anthropic_error_response(exc)
         return json_response(TokenCount(len(ids)))
@@ -82,8 +89,10 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             check_refused(req, req.metadata)
             check_anthropic(req, ctx.limits)
             plan = anthropic_plan(req)
-            ids = await ctx.encode_chat(chat_messages(req), None, tools=plan.specs)
-            params = answer_constraint(sampling_params(req), plan, recipe_format(ctx.engine.recipe))
+            effort = reasoning_effort(req)
+            ids = await ctx.encode_chat(chat_messages(req), effort, tools=plan.specs)
+            params = ctx.chat_sampling(sampling_params(req))
+            params = answer_constraint(params, plan, recipe_format(ctx.engine.recipe))
             mid = new_id("msg_")
             cache = cache_options(request, req.cache_salt, req.cache_retention)
             (stream,) = await ctx.submit_all([ids], [params], request_id=mid, cache=cache)

@@ -1,5 +1,9 @@
 """Anthropic Messages API wire types (msgspec): requests, the message, and stream events; the
-request fields declared but not honoured, and their 400."""
+request fields declared but not honoured, and their 400.
+
+Every body field the official SDK sends is declared here: honoured, refused when set to a value
+that would need honouring (`check_refused`), or informational (`INFORMATIONAL_FIELDS`). Unknown
+fields are accepted and have no effect (docs/api.md, "Request fields")."""
 
 from __future__ import annotations
 
@@ -12,6 +16,13 @@ from deepinfer.api.http.errors import is_set, refuse_set, unsupported
 # ---- refused fields
 
 _TIERS = (None, "auto", "standard_only")
+_SPEEDS = (None, "standard")
+EFFORTS = ("low", "medium", "high")
+"""`output_config.effort` values honoured (as a reasoning effort line, like OpenAI's)."""
+
+INFORMATIONAL_FIELDS = frozenset({"model", "cache_control"})
+"""Accepted and without effect by design: one model is served under any name, and every full
+block is cached automatically (`cache_control`, top-level or on blocks)."""
 
 
 class ThinkingConfig(msgspec.Struct):
@@ -34,6 +45,17 @@ class AnthropicRefusedFields(msgspec.Struct):
     container: msgspec.Raw = msgspec.Raw()
     mcp_servers: list[msgspec.Raw] | None = None
     context_management: msgspec.Raw = msgspec.Raw()
+    diagnostics: msgspec.Raw = msgspec.Raw()
+    inference_geo: str | None = None
+    speed: str | None = None
+
+
+class OutputConfig(msgspec.Struct):
+    """`output_config`: `format` as `output_format` (structured output), `effort` low, medium or
+    high as a reasoning effort; the SDK's `messages.parse(output_format=Model)` sends this."""
+
+    format: msgspec.Raw = msgspec.Raw()
+    effort: str | None = None
 
 
 def check_refused(req: AnthropicRefusedFields, metadata: dict[str, Any] | None) -> None:
@@ -42,11 +64,15 @@ def check_refused(req: AnthropicRefusedFields, metadata: dict[str, Any] | None) 
         raise unsupported("thinking", "extended thinking is not supported; use 'disabled'")
     if req.service_tier not in _TIERS:
         raise unsupported("service_tier", "only 'auto' and 'standard_only' are supported")
+    if req.speed not in _SPEEDS:
+        raise unsupported("speed", "only 'standard' is supported")
     refuse_set(
         {
             "container": is_set(req.container),
             "mcp_servers": bool(req.mcp_servers),
             "context_management": is_set(req.context_management),
+            "diagnostics": is_set(req.diagnostics),
+            "inference_geo": req.inference_geo is not None,
         },
         "not supported by this server",
     )
@@ -96,6 +122,16 @@ class CountTokensRequest(AnthropicRefusedFields, kw_only=True):
     tools: list[msgspec.Raw] | None = None
     """Counted and sized against `max_tools` and `max_schema_bytes`, then decoded as `ToolIn`."""
     tool_choice: ToolChoiceIn | None = None
+    output_config: OutputConfig | None = None
+    cache_control: msgspec.Raw = msgspec.Raw()
+
+
+def reasoning_effort(req: CountTokensRequest) -> str | None:
+    """`output_config.effort` (low, medium, high), or None; other efforts are a 400."""
+    effort = None if req.output_config is None else req.output_config.effort
+    if effort not in (None, *EFFORTS):
+        raise unsupported("output_config.effort", f"must be one of {', '.join(EFFORTS)}")
+    return effort
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -109,7 +145,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     cache_salt: str | None = None
     cache_retention: str | None = None
     output_format: msgspec.Raw = msgspec.Raw()
-    """{"type": "json_schema", "schema": ...}: structured output (api/tools/structured.py)."""
+    """{"type": "json_schema", "schema": ...}: structured output (api/tools/structured.py), the
+    older spelling of `output_config.format`."""
 
 
 # ---- responses

@@ -91,9 +91,13 @@ def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     return spec, schema
 
 
-def block_turns(role: str, blocks: list[ContentBlockIn], param: str) -> list[ChatMessage]:
+def block_turns(
+    role: str, blocks: list[ContentBlockIn], param: str, declared: set[str]
+) -> list[ChatMessage]:
     """One message's blocks as turns: tool results are `tool` turns, texts and tool_use blocks
-    (assistant) make one turn, in the order written."""
+    (assistant) make one turn, in the order written. `declared` holds the ids of the earlier
+    turns' tool_use blocks: this message's are added, and a tool_result naming another id is a
+    400 (as Anthropic answers)."""
     out: list[ChatMessage] = []
     texts: list[str] = []
     calls: list[ToolCall] = []
@@ -105,11 +109,12 @@ def block_turns(role: str, blocks: list[ContentBlockIn], param: str) -> list[Cha
             if b.name is None or b.id is None:
                 raise invalid(at, "a tool_use block needs id and name")
             calls.append(ToolCall(b.name, call_arguments(b.input or {}, f"{at}.input"), b.id))
+            declared.add(b.id)
         elif b.type == "tool_result" and role == "user":
             if texts:
                 out.append(ChatMessage(role, "".join(texts)))
                 texts = []
-            out.append(_result(b, at))
+            out.append(_result(b, at, declared))
         elif b.type == "text":
             raise invalid(f"{at}.text", "a text block needs text")
         else:
@@ -119,9 +124,15 @@ def block_turns(role: str, blocks: list[ContentBlockIn], param: str) -> list[Cha
     return out
 
 
-def _result(b: ContentBlockIn, at: str) -> ChatMessage:
+def _result(b: ContentBlockIn, at: str, declared: set[str]) -> ChatMessage:
     if b.tool_use_id is None:
         raise invalid(f"{at}.tool_use_id", "a tool_result block needs tool_use_id")
+    if b.tool_use_id not in declared:
+        raise invalid(
+            f"{at}.tool_use_id",
+            f"unexpected tool_use_id {b.tool_use_id!r}: no earlier assistant tool_use block "
+            "has this id",
+        )
     content = b.content
     if content is None:
         text = ""

@@ -98,7 +98,11 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             fmt = recipe_format(ctx.engine.recipe)
             params = [
                 answer_constraint(
-                    sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i), plan, fmt
+                    ctx.chat_sampling(
+                        sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i)
+                    ),
+                    plan,
+                    fmt,
                 )
                 for i in range(n)
             ]

@@ -1,7 +1,9 @@
 """OpenAI wire types (msgspec): chat completions, completions, models; the request fields
 declared but not honoured, and their 400.
 
-Requests ignore unknown fields (clients send many); the vLLM extras that benchmark tools send
+Every body field the official SDK sends is declared: honoured, refused when set to a value that
+would need honouring (`check_refused`), or informational (`INFORMATIONAL_FIELDS`). Requests
+ignore unknown fields (clients send many); the vLLM extras that benchmark tools send
 (ignore_eos, min_tokens, top_k, min_p, repetition_penalty, stop_token_ids) are honoured.
 `response_format`, vLLM's guided fields and `logit_bias` constrain sampling
 (`api/tools/structured.py`); the raw ones are kept raw for the request limits first. `tools` are
@@ -19,6 +21,13 @@ from deepinfer.api.http.errors import is_set, refuse_set, unsupported
 # ---- refused fields
 
 _TIERS = (None, "auto", "default")
+
+INFORMATIONAL_FIELDS = frozenset(
+    {"model", "user", "metadata", "safety_identifier", "prompt_cache_key"}
+)
+"""Chat and completion fields accepted without effect by design: one model is served under any
+name; the server keeps no per-user state (`metadata` describes a stored completion, and
+nothing is stored); prefix caching is automatic and keyed by content."""
 
 
 class OpenAIRefusedFields(msgspec.Struct):
@@ -51,6 +60,8 @@ class OpenAIRefusedFields(msgspec.Struct):
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+    moderation: msgspec.Raw = msgspec.Raw()
+    prompt_cache_options: msgspec.Raw = msgspec.Raw()
 
 
 def check_refused(req: OpenAIRefusedFields) -> None:
@@ -75,6 +86,8 @@ def check_refused(req: OpenAIRefusedFields) -> None:
             "continue_final_message": bool(req.continue_final_message),
             "chat_template": req.chat_template is not None,
             "chat_template_kwargs": is_set(req.chat_template_kwargs),
+            "moderation": is_set(req.moderation),
+            "prompt_cache_options": is_set(req.prompt_cache_options),
         },
         "not supported by this server",
     )
@@ -153,6 +166,9 @@ class _SamplingFields(OpenAIRefusedFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    metadata: msgspec.Raw = msgspec.Raw()
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -1,5 +1,5 @@
-"""Token utilities in vLLM's shapes: POST /tokenize (a prompt, or chat messages through the
-recipe), POST /detokenize, and GET /v1/models/{id} (404 in OpenAI's envelope for another id).
+"""Token utilities in vLLM's shapes: POST /tokenize (a prompt, or chat messages and the tools
+they may call through the recipe, as chat completions encode them), POST /detokenize, and GET /v1/models/{id} (404 in OpenAI's envelope for another id).
 
 Counting is not generating: a prompt longer than the context is tokenized and counted all the
 same (the body size bounds the work); long texts are tokenized on the long-text thread.
@@ -27,14 +27,19 @@ from deepinfer.api.http.errors import (
     refuse_set,
     unsupported,
 )
-from deepinfer.api.limits import over_limit
+from deepinfer.api.limits import check_tools, over_limit
 from deepinfer.api.openai.convert import chat_messages
 from deepinfer.api.openai.schemas import ChatMessageIn, ModelCard
+from deepinfer.api.openai.tools import tool_specs
 from deepinfer.engine.prompts import off_loop
 from deepinfer.errors import InvalidRequestError
 
 Handler = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
+
+
+INFORMATIONAL_FIELDS = frozenset({"model"})
+"""Accepted without effect: one model is served, under any name."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -50,7 +55,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
-    tools: msgspec.Raw = msgspec.Raw()
+    tools: list[msgspec.Raw] | None = None
+    """Function tools in OpenAI's shape, with `messages`: rendered as chat completions do."""
     mm_processor_kwargs: msgspec.Raw = msgspec.Raw()
 
 
@@ -108,7 +114,6 @@ def _check_tokenize(req: TokenizeRequest) -> None:
             "continue_final_message": req.continue_final_message,
             "chat_template": req.chat_template is not None,
             "chat_template_kwargs": is_set(req.chat_template_kwargs),
-            "tools": is_set(req.tools),
             "mm_processor_kwargs": is_set(req.mm_processor_kwargs),
         },
         "not supported by this server",
@@ -117,6 +122,8 @@ def _check_tokenize(req: TokenizeRequest) -> None:
         raise unsupported("add_special_tokens", "the chat recipe adds the special tokens")
     if req.prompt is not None and not req.add_generation_prompt:
         raise unsupported("add_generation_prompt", "applies to `messages` only")
+    if req.prompt is not None and req.tools:
+        raise unsupported("tools", "apply to `messages` only")
 
 
 async def _token_ids(ctx: ApiContext, req: TokenizeRequest) -> list[int]:
@@ -129,10 +136,14 @@ async def _token_ids(ctx: ApiContext, req: TokenizeRequest) -> list[int]:
     n = ctx.limits.max_messages
     if len(req.messages) > n:
         raise over_limit("messages", f"{n} messages", "max_messages", len(req.messages))
+    check_tools(req.tools, ctx.limits)
     messages = chat_messages(req.messages)
-    size = sum(len(m.content) for m in messages)
+    tools = tool_specs(req.tools)
+    size = sum(len(m.content) for m in messages) + sum(len(t.definition) for t in tools)
     gen = req.add_generation_prompt
-    return await off_loop(size, lambda: recipe.encode(messages, add_generation_prompt=gen))
+    return await off_loop(
+        size, lambda: recipe.encode(messages, add_generation_prompt=gen, tools=tools)
+    )
 
 
 def _detokenize_handler(ctx: ApiContext) -> Handler:

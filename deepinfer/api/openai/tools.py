@@ -52,6 +52,11 @@ def openai_plan(req: ChatCompletionRequest) -> ToolPlan:
     return tool_plan(specs, schemas, _choice(req.tool_choice), max_calls)
 
 
+def tool_specs(tools: list[msgspec.Raw] | None) -> tuple[ToolSpec, ...]:
+    """Function tools as the recipe renders them (`/tokenize`); 400 naming a bad one."""
+    return tuple(_spec(raw, i)[0] for i, raw in enumerate(tools or ()))
+
+
 def _choice(choice: str | NamedToolChoice | None) -> ToolChoice:
     if choice is None or isinstance(choice, str):
         mode = choice or "auto"

@@ -21,6 +21,10 @@ MAX_METADATA_VALUE_CHARS = 512
 
 _EFFORTS = ("low", "medium", "high")
 
+INFORMATIONAL_FIELDS = frozenset({"model", "user", "safety_identifier", "prompt_cache_key"})
+"""Accepted without effect by design: one model is served, the server keeps no per-user state
+(`user` is echoed), caching is automatic and keyed by content."""
+
 
 def check_fields(req: ResponsesRequest) -> None:
     """400 naming the first field set to a value the server would have to honour but does not."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from deepinfer.api.http.cache_options import CacheOptions
 from deepinfer.api.http.errors import is_set
 from deepinfer.api.responses.convert import response_usage, status_of
@@ -87,19 +89,22 @@ class Pending:
         self, output: list[OutputItem], reason: FinishReason, usage: Usage, store: ResponseStore
     ) -> ResponseObject:
         """The final response object holding `output` (its items closed by the caller with
-        `status_of(reason)`); the conversation, reply included, is stored when asked."""
+        `status_of(reason)`); the conversation, reply included, and the object are stored when
+        asked."""
         status, incomplete = status_of(reason)
         if status == "failed":
             error = ResponseErrorOut("server_error", "generation was aborted")
             return self.response(status, [], usage, error=error)
+        response = self.response(status, output, usage, incomplete=incomplete)
         if self.req.store is not False:
             store.put(
                 self.response_id,
                 (*self.conversation, reply_message(output)),
                 salt=self.cache.salt,
                 retention=self.cache.retention,
+                body=msgspec.json.encode(response),
             )
-        return self.response(status, output, usage, incomplete=incomplete)
+        return response
 
 
 def reply_message(output: list[OutputItem]) -> ChatMessage:

@@ -1,5 +1,6 @@
 """OpenAI Responses API: POST /v1/responses (streaming and not), with `previous_response_id`
-continuing a stored conversation. Errors use OpenAI's envelope (the Responses API's own)."""
+continuing a stored conversation; GET and DELETE /v1/responses/{id} on a stored response.
+Errors use OpenAI's envelope (the Responses API's own)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from deepinfer.api.context import ApiContext, default_max_tokens, new_id
+from deepinfer.api.http.auth import presented_key
 from deepinfer.api.http.body import json_response
-from deepinfer.api.http.cache_options import cache_options
+from deepinfer.api.http.cache_options import cache_options, cache_salt
 from deepinfer.api.http.errors import ApiError, ErrorKind, openai_error_response
 from deepinfer.api.http.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.limits import check_responses
 from deepinfer.api.responses.convert import input_messages, invalid, prompt_messages, status_of
 from deepinfer.api.responses.fields import check_fields, reasoning_effort
 from deepinfer.api.responses.items import whole_answer
-from deepinfer.api.responses.schemas import ResponsesRequest
+from deepinfer.api.responses.schemas import DeletedResponse, ResponsesRequest
 from deepinfer.api.responses.store import ResponseStore
 from deepinfer.api.responses.stream import Pending, response_events
 from deepinfer.api.responses.tools import responses_plan, text_format_spec
@@ -41,7 +43,10 @@ def responses_routes(
     ctx: ApiContext, disk_cache: DiskCacheConfig, stored: StoredResponseLimits
 ) -> list[Route]:
     store = new_store(disk_cache, stored)
-    return [Route("/v1/responses", _create_handler(ctx, store), methods=["POST"])]
+    return [
+        Route("/v1/responses", _create_handler(ctx, store), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _stored_handler(store), methods=["GET", "DELETE"]),
+    ]
 
 
 def new_store(disk: DiskCacheConfig, stored: StoredResponseLimits) -> ResponseStore:
@@ -59,7 +64,7 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
             ctx.check_running()
             req = await ctx.read_json(request, ResponsesRequest)
             pending = await _prepare(ctx, store, request, req)
-            params = _sampling_params(ctx, req, pending.num_prompt_ids)
+            params = ctx.chat_sampling(_sampling_params(ctx, req, pending.num_prompt_ids))
             params = answer_constraint(params, pending.plan, recipe_format(ctx.engine.recipe))
             cache = pending.cache
             (stream,) = await ctx.submit_all(
@@ -82,6 +87,43 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
         return json_response(body)
 
     return create_response
+
+
+def _stored_handler(store: ResponseStore) -> Handler:
+    """GET: the stored response object, as its create call answered it; DELETE: forget it.
+    Unknown, expired, unstored (`store: false`, retention `none`) or another tenant's: 404. The
+    tenant is the API key's identity and the `cache_salt` query parameter, as at creation."""
+
+    async def stored(request: Request) -> Response:
+        response_id: str = request.path_params["response_id"]
+        try:
+            _check_retrieve_query(request)
+            salt = cache_salt(
+                presented_key(request.headers), request.query_params.get("cache_salt")
+            )
+            entry = store.get(response_id, salt)
+            if entry is None or not entry.body:
+                raise ApiError(
+                    ErrorKind.NOT_FOUND,
+                    f"no stored response with id {response_id!r}",
+                    param="response_id",
+                )
+        except Exception as exc:
+            return openai_error_response(exc)
+        if request.method == "DELETE":
+            store.delete(response_id, salt)
+            return json_response(DeletedResponse(response_id))
+        return Response(entry.body, media_type="application/json")
+
+    return stored
+
+
+def _check_retrieve_query(request: Request) -> None:
+    query = request.query_params
+    if query.get("stream", "false").lower() not in ("false", "0"):
+        raise invalid("stream", "a stored response is retrieved whole, not streamed")
+    if query.get("include"):
+        raise invalid("include", "not supported by this server")
 
 
 async def _prepare(

@@ -199,6 +199,14 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     service_tier: str = "default"
 
 
+class DeletedResponse(msgspec.Struct):
+    """What DELETE /v1/responses/{id} answers."""
+
+    id: str
+    object: str = "response.deleted"
+    deleted: bool = True
+
+
 # ---- stream events (each frame: `event: <type>` and the event as data)
 
 

@@ -1,5 +1,6 @@
-"""Stored responses, for `previous_response_id`: each response's whole conversation (its input,
-the history it continued, its reply), kept in memory for its retention class's lifetime.
+"""Stored responses, for `previous_response_id` and `GET /v1/responses/{id}`: each response's
+whole conversation (its input, the history it continued, its reply) and the response object as
+sent (its JSON), kept in memory for its retention class's lifetime.
 
 A response is visible only under the cache salt it was created with (tenant isolation: with
 `--api-key`, a key's responses are invisible to other keys), and the salt is its tenant. Bounded
@@ -27,11 +28,17 @@ class StoredResponse:
     salt: str | None
     expires_s: float
     """Deadline on the store's clock (monotonic seconds)."""
+    body: bytes = b""
+    """The response object's JSON, as the create call answered it."""
 
     @property
     def num_chars(self) -> int:
+        """What the store's character budgets count: the conversation's text and the bytes of
+        the response's JSON."""
         calls = sum(len(c.name) + len(c.arguments) for m in self.messages for c in m.tool_calls)
-        return calls + sum(len(m.content) + len(m.name or "") for m in self.messages)
+        return (
+            len(self.body) + calls + sum(len(m.content) + len(m.name or "") for m in self.messages)
+        )
 
 
 @dataclass
@@ -81,15 +88,16 @@ class ResponseStore:
         *,
         salt: str | None,
         retention: str | None,
+        body: bytes = b"",
     ) -> bool:
-        """Keep `messages` under `response_id`; False when the retention class keeps nothing or
+        """Keep `messages` (and the response's JSON `body`) under `response_id`; False when the retention class keeps nothing or
         the conversation alone exceeds a tenant's character budget. Drops the tenant's own least
         recently used responses past its bounds, then anyone's past the global bounds."""
         lifetime_s = self.lifetime_s(retention)
         if lifetime_s is None:
             return False
         limits = self._limits
-        entry = StoredResponse(messages, salt, self._clock() + lifetime_s)
+        entry = StoredResponse(messages, salt, self._clock() + lifetime_s, body)
         if entry.num_chars > min(limits.max_stored_chars, limits.max_stored_chars_per_tenant):
             return False
         self._drop(response_id)
@@ -118,6 +126,13 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         self._tenants[salt].response_ids.move_to_end(response_id)
         return entry
+
+    def delete(self, response_id: str, salt: str | None) -> bool:
+        """Drop the response if `get` would find it; False if it would not."""
+        if self.get(response_id, salt) is None:
+            return False
+        self._drop(response_id)
+        return True
 
     def _add(self, response_id: str, entry: StoredResponse) -> None:
         self._entries[response_id] = entry

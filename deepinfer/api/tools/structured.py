@@ -2,7 +2,8 @@
 
 OpenAI `response_format` (`text`, `json_object`, `json_schema` with `name`/`schema`/`strict`),
 vLLM's `guided_json` / `guided_regex` / `guided_choice` and `structured_outputs` ({json, regex,
-choice, grammar, json_object}), Anthropic's `output_format` ({"type": "json_schema", "schema"}).
+choice, grammar, json_object}), Anthropic's `output_config.format` (or `output_format`, its older
+spelling: {"type": "json_schema", "schema"}).
 At most one of them per request. Malformed input is a 400 naming the field; a schema the grammar
 library cannot compile is refused at submit (`InvalidRequestError`, also a 400).
 """
@@ -13,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from deepinfer.api.http.errors import ApiError, ErrorKind
+from deepinfer.api.http.errors import ApiError, ErrorKind, is_set
 from deepinfer.request import StructuredKind, StructuredSpec
 
 
@@ -142,16 +143,29 @@ def openai_spec(
     return found[0] if found else None
 
 
-def anthropic_spec(output_format: msgspec.Raw) -> StructuredSpec | None:
-    """Anthropic's `output_format` ({"type": "json_schema", "schema": {...}}), or None."""
-    if not len(output_format):
+def anthropic_spec(output_format: msgspec.Raw, config_format: msgspec.Raw) -> StructuredSpec | None:
+    """Anthropic's `output_config.format` or its older spelling `output_format` (each
+    {"type": "json_schema", "schema": {...}}), or None. Both may be sent only if they agree."""
+    old = _anthropic_format(output_format, "output_format")
+    new = _anthropic_format(config_format, "output_config.format")
+    if old is not None and new is not None and _json(old.source) != _json(new.source):
+        raise invalid("output_config.format", "differs from output_format: send one of them")
+    return new or old
+
+
+def _json(text: str) -> Any:
+    return msgspec.json.decode(text)
+
+
+def _anthropic_format(raw: msgspec.Raw, param: str) -> StructuredSpec | None:
+    if not is_set(raw):
         return None
-    fmt: _OutputFormat = _decode(output_format, _OutputFormat, "output_format")
+    fmt: _OutputFormat = _decode(raw, _OutputFormat, param)
     if fmt.type != "json_schema":
-        raise invalid("output_format.type", f"unsupported {fmt.type!r}; use 'json_schema'")
+        raise invalid(f"{param}.type", f"unsupported {fmt.type!r}; use 'json_schema'")
     if fmt.schema is None:
-        raise invalid("output_format.schema", "is required for type 'json_schema'")
-    return _schema_spec(fmt.schema, "output_format.schema")
+        raise invalid(f"{param}.schema", "is required for type 'json_schema'")
+    return _schema_spec(fmt.schema, f"{param}.schema")
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

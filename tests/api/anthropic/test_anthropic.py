@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
+import pydantic
 import pytest
 
 from deepinfer.api.app import create_app
 from deepinfer.text.recipe import ChatMessage
 from tests.api.fake_engine import REPLY, FakeEngine
 from tests.api.live_server import LiveServer
+
+SCHEMA_A = {"type": "object", "properties": {"a": {"type": "integer"}}}
+SCHEMA_B = {"type": "object", "properties": {"b": {"type": "integer"}}}
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +133,137 @@ def test_overload_is_529_overloaded_error() -> None:
         assert isinstance(body, dict) and body["error"]["type"] == "overloaded_error"
     finally:
         server.stop()
+
+
+class City(pydantic.BaseModel):
+    name: str
+    population: int
+
+
+def test_parse_sends_output_config_format(
+    client: anthropic.Anthropic, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`messages.parse(output_format=Model)` sends `output_config.format`: its schema becomes the
+    request's constraint, and the answer parses into the model."""
+    monkeypatch.setattr(fake_engine, "reply", '{"name": "Paris", "population": 2100000}')
+    m = client.messages.parse(
+        model="m", max_tokens=100, output_format=City,
+        messages=[{"role": "user", "content": "A city as JSON."}],
+    )  # fmt: skip
+    assert m.parsed_output == City(name="Paris", population=2100000)
+    spec = fake_engine.last_params.structured if fake_engine.last_params else None
+    assert spec is not None and spec.param == "output_config.format.schema"
+    schema = json.loads(spec.source)
+    assert schema["required"] == ["name", "population"]
+    assert schema["properties"]["population"]["type"] == "integer"
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (
+            {
+                "output_config": {"format": {"type": "json_schema", "schema": SCHEMA_A}},
+                "output_format": {"type": "json_schema", "schema": SCHEMA_B},
+            },
+            "output_config.format: differs from output_format",
+        ),
+        ({"output_config": {"format": {"type": "text"}}}, "output_config.format.type"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+        ({"output_config": {"effort": "max"}}, "output_config.effort"),
+    ],
+)
+def test_output_config_errors_name_the_field(
+    client: anthropic.Anthropic, body: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            model="m", max_tokens=10, messages=[{"role": "user", "content": "x"}], extra_body=body
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"].startswith(needle)
+
+
+def test_output_config_and_output_format_may_agree(
+    client: anthropic.Anthropic, fake_engine: FakeEngine
+) -> None:
+    fmt = {"type": "json_schema", "schema": SCHEMA_A}
+    client.messages.create(
+        model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+        output_config={"format": fmt}, extra_body={"output_format": fmt},  # type: ignore[typeddict-item]
+    )  # fmt: skip
+    spec = fake_engine.last_params.structured if fake_engine.last_params else None
+    assert spec is not None and json.loads(spec.source) == SCHEMA_A
+
+
+def test_output_config_effort_is_a_reasoning_effort(
+    client: anthropic.Anthropic, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`output_config.effort` reaches the recipe as OpenAI's `reasoning_effort` does, in
+    count_tokens too."""
+    efforts: list[object] = []
+    encode = fake_engine.recipe.encode
+
+    def recording(messages: Any, **kwargs: Any) -> list[int]:
+        efforts.append(kwargs.get("reasoning_effort"))
+        return encode(messages, **kwargs)
+
+    monkeypatch.setattr(fake_engine.recipe, "encode", recording)
+    messages: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hi"}]
+    client.messages.count_tokens(model="m", messages=messages, output_config={"effort": "high"})
+    client.messages.create(
+        model="m", max_tokens=2, messages=messages, output_config={"effort": "low"}
+    )
+    client.messages.create(model="m", max_tokens=2, messages=messages)
+    assert efforts == ["high", "low", None]
+
+
+@pytest.mark.slow
+def test_parse_on_the_real_model(real_server: LiveServer) -> None:
+    """SmolLM2 through `messages.parse`: the constrained answer validates as the model."""
+    with anthropic.Anthropic(base_url=real_server.url, api_key="x", max_retries=0) as c:
+        m = c.messages.parse(
+            model="m", max_tokens=60, output_format=City, extra_body={"temperature": 0.0},
+            messages=[{"role": "user", "content": "Name a big city and its population."}],
+        )  # fmt: skip
+    assert m.stop_reason == "end_turn", m.content
+    assert isinstance(m.parsed_output, City)
+    City.model_validate_json(m.content[0].text)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("history", "needle"),
+    [
+        ([], "messages.0.content[0].tool_use_id: unexpected tool_use_id 'toolu_9'"),
+        (
+            [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}]},
+            ],
+            "messages.2.content[0].tool_use_id: unexpected tool_use_id 'toolu_9'",
+        ),
+    ],
+)  # fmt: skip
+def test_tool_result_of_an_undeclared_tool_use_is_400(
+    client: anthropic.Anthropic, history: list[Any], needle: str
+) -> None:
+    """A tool_result must answer a tool_use of an earlier assistant turn, as Anthropic checks;
+    answering a declared one is accepted."""
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "21 C"}]}  # fmt: skip
+    for count in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            if count:
+                client.messages.count_tokens(model="m", messages=[*history, result])
+            else:
+                client.messages.create(model="m", max_tokens=2, messages=[*history, result])
+        body = info.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["message"].startswith(needle)
+    if history:
+        answered = {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]}  # fmt: skip
+        m = client.messages.create(model="m", max_tokens=2, messages=[*history, answered])
+        assert m.stop_reason == "max_tokens"

@@ -14,6 +14,14 @@ from tests.api.live_server import LiveServer
 
 TEXT = "Hello <|im_end|> wörld 🌍!"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def post(server: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -47,12 +55,29 @@ def check_chat(server: LiveServer) -> None:
         assert r.json()["tokens"] == engine.recipe.encode(messages, add_generation_prompt=gen)
 
 
+def check_chat_with_tools(server: LiveServer) -> None:
+    """Messages and tools count as many tokens as chat completions' prompt of the same request,
+    and the tools are in them."""
+    plain = post(server, "/tokenize", {"messages": MESSAGES}).json()["count"]
+    r = post(server, "/tokenize", {"messages": MESSAGES, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 1}
+    chat = post(server, "/v1/chat/completions", body).json()
+    assert r.json()["count"] == chat["usage"]["prompt_tokens"] > plain
+    text = post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert "get_weather" in text and "Weather of a city." in text
+
+
 def test_round_trip(fake_server: LiveServer) -> None:
     check_round_trip(fake_server)
 
 
 def test_chat_messages_through_the_recipe(fake_server: LiveServer) -> None:
     check_chat(fake_server)
+
+
+def test_chat_with_tools(fake_server: LiveServer) -> None:
+    check_chat_with_tools(fake_server)
 
 
 def test_token_strs(fake_server: LiveServer) -> None:
@@ -67,7 +92,9 @@ def test_token_strs(fake_server: LiveServer) -> None:
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{x}}"}, "chat_template"),
-        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].type"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "x", "function": {"name": "f"}}]}, "tools[0].type"),
+        ("/tokenize", {"prompt": "a", "tools": [WEATHER]}, "tools"),
         ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
         ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
         ("/tokenize", {"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
@@ -98,3 +125,4 @@ def test_model_by_id(fake_server: LiveServer) -> None:
 def test_real_tokenizer(real_server: LiveServer) -> None:
     check_round_trip(real_server)
     check_chat(real_server)
+    check_chat_with_tools(real_server)

@@ -334,3 +334,43 @@ def _tokenize(server: LiveServer, messages: list[dict[str, str]]) -> list[int]:
     assert response.status_code == 200, response.text
     ids: list[int] = response.json()["tokens"]
     return ids
+
+
+def test_retrieve_and_delete_a_stored_response(client: openai.OpenAI) -> None:
+    """`responses.retrieve` gets the response object as created (stored by default, streamed or
+    not); `store: false`, another tenant's, unknown and deleted ids are 404s in OpenAI's
+    envelope."""
+    created = client.responses.create(model="m", input="hi", metadata={"k": "v"})
+    got = client.responses.retrieve(created.id)
+    assert got.model_dump() == created.model_dump()
+    assert got.output_text == REPLY and got.status == "completed"
+    with client.responses.stream(model="m", input="hi") as stream:
+        streamed = stream.get_final_response()
+    again = client.responses.retrieve(streamed.id)
+    assert again.status == "completed" and again.output_text == REPLY
+    assert (again.id, again.output[0].id, again.usage) == (
+        streamed.id, streamed.output[0].id, streamed.usage,
+    )  # fmt: skip
+    short = client.responses.create(model="m", input="hi", max_output_tokens=4)
+    assert client.responses.retrieve(short.id).incomplete_details == short.incomplete_details
+    salted = client.responses.create(model="m", input="hi", extra_body={"cache_salt": "t1"})
+    assert client.responses.retrieve(salted.id, extra_query={"cache_salt": "t1"}).id == salted.id
+    unstored = client.responses.create(model="m", input="hi", store=False)
+    for missing, query in [(unstored.id, {}), ("resp_unknown", {}), (salted.id, {})]:
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(missing, extra_query=query)
+        body: Any = info.value.body
+        assert body["type"] == "not_found_error" and missing in body["message"]
+    client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):  # the chain it started is gone too
+        client.responses.create(model="m", input="x", previous_response_id=created.id)
+
+
+def test_retrieve_refuses_a_stream(client: openai.OpenAI) -> None:
+    created = client.responses.create(model="m", input="hi")
+    r = httpx.get(f"{client.base_url}responses/{created.id}?stream=true", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"

@@ -51,7 +51,8 @@ def test_each_field_gives_its_spec() -> None:
             _spec(guided_json=SCHEMA),
             _spec(guided_json=json.dumps(SCHEMA)),
             _spec(structured_outputs={"json": SCHEMA}),
-            anthropic_spec(_raw({"type": "json_schema", "schema": SCHEMA})),
+            anthropic_spec(_raw({"type": "json_schema", "schema": SCHEMA}), msgspec.Raw()),
+            anthropic_spec(msgspec.Raw(), _raw({"type": "json_schema", "schema": SCHEMA})),
         ],
         StructuredKind.JSON_OBJECT: [_spec(response_format={"type": "json_object"})],
         StructuredKind.REGEX: [
