@@ -16,6 +16,18 @@ class SampledToken(msgspec.Struct, frozen=True):
     """The top-n (token id, logprob) pairs, most likely first."""
 
 
+class PromptLogprob(msgspec.Struct, frozen=True):
+    """A prompt token's log-probability given the tokens before it: `log_softmax` of the raw
+    logits (no penalty, bias or temperature: the prompt was not sampled)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 + the number of tokens more likely than this one."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The top-n (token id, logprob) pairs, most likely first."""
+
+
 class RunnerOutput(msgspec.Struct, frozen=True):
     """What one forward step produced: one sampled token per chunk that had `sample=True`
     (from a worker's thread to the loop)."""
@@ -29,6 +41,9 @@ class RunnerOutput(msgspec.Struct, frozen=True):
     drafted: dict[str, int] = msgspec.field(default_factory=dict)
     """Drafts the worker made per request that asked for some (`num_worker_drafts`): what it
     verified, maybe fewer than asked."""
+    prompt_logprobs: dict[str, tuple[PromptLogprob, ...]] = msgspec.field(default_factory=dict)
+    """For a request asking for prompt logprobs whose first token this step sampled: those of
+    its prompt tokens after the first, in order (the prompt's every chunk, gathered)."""
 
 
 @message
@@ -42,6 +57,9 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    """On the first token's delta of a request asking for them: its prompt tokens' logprobs
+    after the first (`RunnerOutput.prompt_logprobs`); None on any other delta."""
 
     @property
     def finished(self) -> bool:

@@ -103,7 +103,10 @@ class SamplingParams:
     seed: int | None = None
     """Same seed, same output (for the same prompt and parameters)."""
     stop: tuple[str, ...] = ()
-    """Stop strings; the matched string is never part of the output."""
+    """Stop strings; the matched string is not part of the output (but see
+    `include_stop_str_in_output`)."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the output text."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end generation, besides the model's end-of-turn."""
     ignore_eos: bool = False
@@ -112,6 +115,10 @@ class SamplingParams:
     """End-of-turn and stop tokens are suppressed until this many tokens are generated."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob given the tokens before it, its rank, and this many
+    top alternatives (0..20); computed from the raw logits, every prompt position recomputed
+    (no prefix-cache hit for such a request)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before anything else."""
     structured: StructuredSpec | None = None
@@ -181,6 +188,11 @@ def _check_sampling(p: SamplingParams) -> None:
     _check(p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}")
     _check(p.min_tokens <= p.max_tokens, "min_tokens", "must not exceed max_tokens")
     _check(p.logprobs is None or 0 <= p.logprobs <= 20, "logprobs", "must be in [0, 20]")
+    _check(
+        p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= 20,
+        "prompt_logprobs",
+        "must be in [0, 20]",
+    )
     low_seed, high_seed = SEED_RANGE
     _check(
         p.seed is None or low_seed <= p.seed <= high_seed,
@@ -266,6 +278,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not yet made (no output token yet): every prompt
+        position is computed, none served from the prefix cache."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

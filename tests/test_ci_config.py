@@ -28,6 +28,7 @@ TEST_TOOLS = {
     "ruff": ".ci/run",
     "mypy": ".ci/run",
     "accelerate": "transformers loads a GGUF model only with it installed",
+    "lm-eval": "run as a process (`python -m lm_eval`) by tests/api/openai/test_lm_eval.py",
 }
 """Test-extra packages no test imports, and why they are there."""
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from deepinfer.api.protocol import OutputStream
 from deepinfer.engine.types import GenerationOutput, Usage
-from deepinfer.outputs import SampledToken
+from deepinfer.outputs import PromptLogprob, SampledToken
 from deepinfer.request import FinishReason
 
 
@@ -23,6 +23,8 @@ class Collected:
     finish_reason: FinishReason
     stop_reason: str | int | None
     usage: Usage
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    """The prompt's scores, when the request asked for them."""
 
 
 async def collect(stream: OutputStream) -> Collected:
@@ -31,11 +33,14 @@ async def collect(stream: OutputStream) -> Collected:
     token_ids: list[int] = []
     logprobs: list[SampledToken] = []
     last: GenerationOutput | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     try:
         async for out in stream:
             texts.append(out.text)
             token_ids.extend(out.token_ids)
             logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             last = out
     finally:
         await stream.aclose()
@@ -47,6 +52,7 @@ async def collect(stream: OutputStream) -> Collected:
         last.finish_reason,
         last.stop_reason,
         last.usage,
+        prompt_logprobs,
     )
 
 

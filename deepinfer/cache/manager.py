@@ -3,7 +3,8 @@
 Lifecycle of a request's blocks, driven by the scheduler:
 
 1. `get_computed_blocks(req)` on admission: the longest run of cached full blocks matching the
-   request's tokens (never all of them: the last token is always computed, to get logits).
+   request's tokens (never all of them: the last token is always computed, to get logits;
+   none for a request that needs its prompt's logits, `Request.needs_prompt_logits`).
 2. `allocate_slots(req, n, hit_blocks)`: take references on the hits and allocate blocks so that
    the first `num_computed + n` tokens have room. Returns False (changing nothing) when the pool
    is short: the scheduler then preempts or waits.
@@ -127,10 +128,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached prefix in full blocks, and where computing starts: its length in
         tokens (a multiple of the block size, at most `num_tokens - 1`), or with a window group
-        possibly before it (a stored window or a bounded replay). The blocks are not referenced
-        until `allocate_slots` takes them, which must follow before any other allocation."""
+        possibly before it (a stored window or a bounded replay). Nothing for a request that
+        needs its prompt logits (every position is computed). The blocks are not referenced until
+        `allocate_slots` takes them, which must follow before any other allocation."""
         rid = request.request_id
-        if not self.enable_prefix_caching or rid in self._blocks:
+        if not self.enable_prefix_caching or rid in self._blocks or request.needs_prompt_logits:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
@@ -246,6 +248,8 @@ class KVCacheManager:
         computed for another request right now (then wait for it and hit it instead)."""
         index = num_hit // self.block_size
         if not self._claims or index >= (request.num_tokens - 1) // self.block_size:
+            return False
+        if request.needs_prompt_logits:  # it would not hit them
             return False
         owner = self._claims.owner(self.block_hashes(request)[index])
         return owner is not None and owner != request.request_id

@@ -251,6 +251,7 @@ class AsyncEngine:
             self.abort,
             disk_cached_tokens=request.num_disk_cached_tokens,
             host_cached_tokens=request.num_host_cached_tokens,
+            include_stop=params.include_stop_str_in_output,
         )
         self.core.add_request(request)
         self._streams.open(stream)

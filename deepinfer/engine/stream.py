@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deepinfer.engine.types import GenerationOutput, Usage
-from deepinfer.outputs import SampledToken, TokenDelta
+from deepinfer.outputs import PromptLogprob, SampledToken, TokenDelta
 from deepinfer.request import FinishReason
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.stop import StopStringMatcher
@@ -27,6 +27,7 @@ class _Pending:
     """Ids after `text`, detokenized when the reader takes them (no stop strings to watch)."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 class RequestStream:
@@ -43,11 +44,14 @@ class RequestStream:
         *,
         disk_cached_tokens: int = 0,
         host_cached_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self._detok = detokenizer
         self._matcher = StopStringMatcher(stops) if stops else None
+        self._include_stop = include_stop
+        """Keep a matched stop string at the end of the text."""
         self._stop_token_ids = stop_token_ids
         self._on_abort = on_abort
         self._pending = _Pending()
@@ -112,6 +116,7 @@ class RequestStream:
                 delta,
                 token_ids=(token_id,),
                 logprobs=delta.logprobs[i : i + 1],
+                prompt_logprobs=delta.prompt_logprobs if i == 0 else None,
                 finish_reason=delta.finish_reason if i == n - 1 else None,
                 num_output_tokens=delta.num_output_tokens - (n - 1 - i),
             )
@@ -126,6 +131,8 @@ class RequestStream:
         p.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             p.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            p.prompt_logprobs = delta.prompt_logprobs
         text_ids: tuple[int, ...] = delta.token_ids
         if (
             delta.finish_reason is FinishReason.STOP
@@ -152,14 +159,15 @@ class RequestStream:
         assert self._matcher is not None
         result = self._matcher.push(text)
         self._pending.text.append(result.text_to_emit)
+        if result.matched is not None and self._include_stop:
+            self._pending.text.append(result.matched)
         return result.matched
 
     def _flush(self) -> None:
         assert self._matcher is not None
-        result = self._matcher.push(self._detok.flush())
-        self._pending.text.append(result.text_to_emit)
-        if result.matched is not None:
-            self._finish, self._stop_reason = FinishReason.STOP, result.matched
+        matched = self._match(self._detok.flush())
+        if matched is not None:
+            self._finish, self._stop_reason = FinishReason.STOP, matched
         else:
             self._pending.text.append(self._matcher.flush())
 
@@ -198,6 +206,7 @@ class RequestStream:
             self._finish,
             self._stop_reason if self._finish is not None else None,
             self._usage(),
+            p.prompt_logprobs,
         )
 
     def _usage(self) -> Usage:

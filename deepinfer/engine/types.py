@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.message import message
 from deepinfer.model.experts.placement import ExpertParallelStats
-from deepinfer.outputs import SampledToken
+from deepinfer.outputs import PromptLogprob, SampledToken
 from deepinfer.request import FinishReason
 from deepinfer.scheduler.admission import PrefillCounts
 from deepinfer.scheduler.prefill_types import PlannerStats
@@ -44,6 +44,9 @@ class GenerationOutput:
     stop_reason: str | int | None
     """The stop string or stop token id that ended generation, if any."""
     usage: Usage
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    """With the first output of a request asking for them: the logprobs of its prompt tokens
+    after the first (`SamplingParams.prompt_logprobs`); None in every other output."""
 
     @property
     def finished(self) -> bool:

@@ -34,8 +34,12 @@ class ForwardBatch:
     is_decode_only: bool
     """Every request has exactly one new token: use paged decode attention."""
     logits_indices: torch.Tensor  # [B_sample] int64, token rows to compute logits for
+    """The sampling rows in chunk order, then any prompt rows (`BatchChunk.num_prompt_logits`)
+    in chunk order: the rows of `num_prompt_logits` after the first `num_sampled`."""
     window_slot_mapping: torch.Tensor | None = None  # [T] int64, in the windowed pool
     window_block_tables: torch.Tensor | None = None  # [B, max_window_blocks] int32
+    num_prompt_logits: int = 0
+    """Rows at the end of `logits_indices` that are prompt positions, for prompt logprobs."""
 
     def group(self, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot mapping, block tables) of the full layers, or of the windowed ones."""
@@ -71,6 +75,9 @@ class BatchChunk:
     """The windowed layers' block table, where they have a pool of their own."""
     cached_until: int = 0
     """Positions before this keep their cached full-layer K/V (not written)."""
+    num_prompt_logits: int = 0
+    """Logits also for the chunk's first `num_prompt_logits` tokens (prompt logprobs), in
+    rows after every chunk's sampling rows."""
 
 
 def build_forward_batch(
@@ -103,6 +110,11 @@ def build_forward_batch(
         if c.sample
         for row in range(query_start_loc[b + 1] - c.num_logits, query_start_loc[b + 1])
     ]
+    prompt_rows = [
+        row
+        for b, c in enumerate(chunks)
+        for row in range(query_start_loc[b], query_start_loc[b] + c.num_prompt_logits)
+    ]
     context_lens = [c.start_position + n for c, n in zip(chunks, lengths, strict=True)]
     int32, int64 = torch.int32, torch.int64
     window = (
@@ -121,9 +133,10 @@ def build_forward_batch(
         query_start_loc=torch.tensor(query_start_loc, dtype=int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=int32, device=device),
         is_decode_only=max(lengths) == 1,
-        logits_indices=torch.tensor(sample_rows, dtype=int64, device=device),
+        logits_indices=torch.tensor(sample_rows + prompt_rows, dtype=int64, device=device),
         window_slot_mapping=window[0],
         window_block_tables=window[1],
+        num_prompt_logits=len(prompt_rows),
     )
 
 

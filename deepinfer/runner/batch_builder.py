@@ -63,11 +63,11 @@ def _batch_chunks(chunk: ScheduledChunk) -> list[BatchChunk]:
     tokens, start = chunk.token_ids(), chunk.start_position
     window, cached_until = chunk.window_block_ids, chunk.cached_until
     if not chunk.draft_token_ids:
-        return [
-            BatchChunk(
-                tokens, start, chunk.block_ids, chunk.sample, chunk.num_logits, window, cached_until
-            )
-        ]
+        sample, num_logits, num_prompt = chunk.sample, chunk.num_logits, chunk.num_prompt_logits
+        whole = BatchChunk(
+            tokens, start, chunk.block_ids, sample, num_logits, window, cached_until, num_prompt
+        )
+        return [whole]
     return [
         BatchChunk([t], start + j, chunk.block_ids, True, 1, window, cached_until)
         for j, t in enumerate(tokens)

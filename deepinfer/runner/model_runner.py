@@ -16,6 +16,7 @@ from deepinfer.model.protocol import CausalLM
 from deepinfer.outputs import RunnerOutput, SampledToken
 from deepinfer.request import Request
 from deepinfer.runner.batch_builder import decode_batch, schedule_to_batch
+from deepinfer.runner.prompt_logprobs import PromptLogprobTable
 from deepinfer.runner.speculative import DrawnStreams, verify_drafts
 from deepinfer.runner.step_graphs import StepGraphs
 from deepinfer.runner.worker_draft import WorkerDrafter
@@ -65,6 +66,8 @@ class ModelRunner:
         self.drafter = drafter
         """Makes the drafts of chunks that ask the worker for them (`--speculative layers` or
         `draft-model`)."""
+        self.prompt_logprobs = PromptLogprobTable()
+        """Prompt logprobs of requests that asked, gathered until their first token."""
 
     @torch.inference_mode()
     def execute(self, so: ScheduleOutput) -> RunnerOutput:
@@ -83,16 +86,17 @@ class ModelRunner:
             sampling = [c for c in so.chunks if c.sample]
             requests = [c.request for c in sampling for _ in range(c.num_logits)]
             with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
-                logits = self._forward(batch)  # [B_sample, V]
+                logits = self._forward(batch, so)  # [B_sample, V]
                 rows = [row for c in sampling for row in self._rows(c)]
                 streams = DrawnStreams.save(so.chunks, self._generators)
                 tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
             sampled, accepted = verify_drafts(so.chunks, tokens)
             streams.keep_used(accepted)
         else:
-            self._forward(batch)
+            self._forward(batch, so)
+        prompt = self.prompt_logprobs.take(so.chunks)
         elapsed = time.perf_counter() - start
-        return RunnerOutput(so.step, sampled, elapsed, accepted, drafted)
+        return RunnerOutput(so.step, sampled, elapsed, accepted, drafted, prompt)
 
     def _decode_step(self, so: ScheduleOutput, start: float) -> RunnerOutput:
         """A step of plain decodes (`ScheduleOutput.plain_decodes`), the common one under load:
@@ -108,15 +112,22 @@ class ModelRunner:
         )
         batch = decode_batch(so.chunks, requests, self.block_size, self.device)
         with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
-            logits = self._forward(batch)
+            logits = self._forward(batch, so)
             tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
         sampled = dict(zip(ids, tokens, strict=True))
         return RunnerOutput(so.step, sampled, time.perf_counter() - start)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
-            return logits
-        return self.model(batch)
+    def _forward(self, batch: ForwardBatch, so: ScheduleOutput) -> torch.Tensor:
+        """The sampling rows' logits `[B_sample, V]`; a step with prompt rows scores them into
+        `prompt_logprobs` on the way (eagerly: no graph was captured for extra rows)."""
+        if not batch.num_prompt_logits:
+            if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
+                return logits
+            return self.model(batch)
+        hidden = self.model.forward_hidden(batch)  # [B_sample + P, hidden]
+        num_sampled = hidden.shape[0] - batch.num_prompt_logits
+        self.prompt_logprobs.add(so.chunks, hidden[num_sampled:], self.model.compute_logits)
+        return self.model.compute_logits(hidden[:num_sampled])
 
     def _rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
         """The sampling rows of a sampling chunk: one, or with drafts one per position, each
@@ -207,6 +218,7 @@ class ModelRunner:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self._decode_rows.pop(rid, None)
+        self.prompt_logprobs.release(request_ids)
         self.matchers.release(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)

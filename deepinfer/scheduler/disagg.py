@@ -303,7 +303,8 @@ class DisaggScheduler(RequestTable):
         taken, reason = apply_sampling(chunk, out, kv, self.drafter, self.max_model_len)
         if reason is not None:
             self._finish(request, reason)
-        return token_delta(request, taken, reason)
+        prompt = out.prompt_logprobs.get(request.request_id) if out.prompt_logprobs else None
+        return token_delta(request, taken, reason, prompt)
 
     def _apply_deferred_aborts(self, so: ScheduleOutput) -> None:
         if not self._deferred_aborts:

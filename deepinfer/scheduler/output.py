@@ -74,6 +74,17 @@ class ScheduledChunk:
         """Rows of logits the chunk needs: its last token's, or with drafts one per position."""
         return 1 + self.num_drafts if self.sample else 0
 
+    @property
+    def num_prompt_logits(self) -> int:
+        """Rows of prompt logits the chunk computes besides its sampling rows: for a request
+        that needs them (`Request.needs_prompt_logits`), one per position whose next token is
+        a prompt token (0 for every other request, at the cost of one attribute test)."""
+        request = self.request
+        if not request.needs_prompt_logits:
+            return 0
+        end = min(self.end_position, request.num_prompt_tokens - 1)
+        return max(end - self.start_position, 0)
+
     def token_ids(self) -> list[int]:
         if self.draft_token_ids:
             start = self.start_position

@@ -200,7 +200,8 @@ class Scheduler(RequestTable):
             if reason is not None:
                 self._finish(request, reason)
                 finished = True
-            deltas.append(token_delta(request, taken, reason))
+            prompt = out.prompt_logprobs.get(request.request_id) if out.prompt_logprobs else None
+            deltas.append(token_delta(request, taken, reason, prompt))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas

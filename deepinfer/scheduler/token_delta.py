@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deepinfer.outputs import RunnerOutput, SampledToken, TokenDelta
+from deepinfer.outputs import PromptLogprob, RunnerOutput, SampledToken, TokenDelta
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler.stop import check_finished
 
@@ -31,10 +31,13 @@ def take_tokens(
 
 
 def token_delta(
-    request: Request, sampled: Sequence[SampledToken], reason: FinishReason | None
+    request: Request,
+    sampled: Sequence[SampledToken],
+    reason: FinishReason | None,
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None,
 ) -> TokenDelta:
     """The delta for the `sampled` tokens (one, or a step's verified run), already appended to
-    `request`'s outputs."""
+    `request`'s outputs; with the prompt's logprobs on a first token's delta that has them."""
     return TokenDelta(  # positional: one per request per step, keywords cost more
         request.request_id,
         (sampled[0].token_id,) if len(sampled) == 1 else tuple([s.token_id for s in sampled]),
@@ -43,4 +46,5 @@ def token_delta(
         len(request.prompt_token_ids),
         max(request.num_cached_tokens, 0),
         len(request.output_token_ids),
+        prompt_logprobs,
     )

@@ -91,8 +91,8 @@ class KVTiers:
         kv, host, disk = self._kv, self.host, self.disk
         if (host is None and disk is None) or not kv.enable_prefix_caching:
             return TierFill()
-        if request.retention == Retention.NONE:
-            return TierFill()
+        if request.retention == Retention.NONE or request.needs_prompt_logits:
+            return TierFill()  # nothing to keep, or no hit to serve
         hashes = self._blocks.prompt_hashes(request)
         fill = await self._fill_blocks_from_tiers(forward, request, hashes)
         await fill_window_from_disk(kv, self._blocks, disk, self.copies, forward, hashes)

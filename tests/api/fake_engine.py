@@ -23,7 +23,7 @@ from deepinfer.errors import (
     InvalidRequestError,
     OverloadedError,
 )
-from deepinfer.outputs import SampledToken
+from deepinfer.outputs import PromptLogprob, SampledToken
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.sampling.grammar import grammar_text
 from deepinfer.text.recipe import ChatMessage, ToolSpec
@@ -108,6 +108,7 @@ class FakeStream:
             out = GenerationOutput(
                 out.request_id, prev.text + out.text, prev.token_ids + out.token_ids,
                 prev.logprobs + out.logprobs, out.finish_reason, out.stop_reason, out.usage,
+                prev.prompt_logprobs or out.prompt_logprobs,
             )  # fmt: skip
             self.engine.num_merges += 1
         self.pending.append(out)
@@ -217,7 +218,8 @@ class FakeEngine:
         reply, stop_reason = self.reply, None
         for s in params.stop:
             if s in reply:
-                reply, stop_reason = reply[: reply.index(s)], s
+                end = reply.index(s) + (len(s) if params.include_stop_str_in_output else 0)
+                reply, stop_reason = reply[:end], s
         stream = FakeStream(rid, len(ids), self)
         self._reqs[rid] = _Req(rid, ids, params, self.tokenizer.encode(reply), stop_reason, stream)
         return stream
@@ -277,12 +279,27 @@ class FakeEngine:
         text = "" if token == 0 else self.tokenizer.decode([token])
         stop_reason = r.stop_reason if finish is FinishReason.STOP else None
         usage = Usage(len(r.prompt), r.num_output, r.cached)
-        r.stream.push(GenerationOutput(r.rid, text, (token,), lp, finish, stop_reason, usage))
+        scores = _prompt_scores(r.prompt, p.prompt_logprobs) if n == 0 else None
+        out = GenerationOutput(r.rid, text, (token,), lp, finish, stop_reason, usage, scores)
+        r.stream.push(out)
         if finish is not None:
             bs = self.block_size
             for k in range(1, len(r.prompt) // bs + 1):
                 self._seen_prefixes.add(tuple(r.prompt[: k * bs]))
             self._release(r)
+
+
+def _prompt_scores(prompt: list[int], num_top: int | None) -> tuple[PromptLogprob, ...] | None:
+    """Made-up prompt logprobs: token i + 1 scores -0.25 * (i + 1), the most likely of its
+    position, followed by the ids after it, each 1 less likely."""
+    if num_top is None:
+        return None
+    entries = []
+    for i, token in enumerate(prompt[1:]):
+        lp = -0.25 * (i + 1)
+        top = tuple((token + k, lp - k) for k in range(num_top))
+        entries.append(PromptLogprob(token, lp, 1, top))
+    return tuple(entries)
 
 
 def _check_parts(params: SamplingParams) -> None:

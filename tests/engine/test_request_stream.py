@@ -3,6 +3,8 @@ the run ends the stream at that token, exactly as one-token deltas would."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +12,7 @@ from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.types import GenerationOutput
 from deepinfer.environment import default_model_path
 from deepinfer.model.loading.gguf_loader import open_gguf
-from deepinfer.outputs import SampledToken, TokenDelta
+from deepinfer.outputs import PromptLogprob, SampledToken, TokenDelta
 from deepinfer.request import FinishReason
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.tokenizer import Tokenizer
@@ -48,6 +50,35 @@ async def test_a_stop_inside_a_run_ends_at_its_token() -> None:
     assert got.usage == want.usage and got.usage.completion_tokens == len(want.token_ids)
     assert got.logprobs == want.logprobs and len(got.logprobs) == len(got.token_ids)
     assert (got.finish_reason, got.stop_reason) == (FinishReason.STOP, stop)
+
+
+async def test_a_kept_stop_string_ends_the_text() -> None:
+    """`include_stop_str_in_output`: the text up to the stop and the stop itself, nothing after
+    it, whether the stop ends inside the text or at its very end."""
+    tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+    ids = tokenizer.encode("Hello there, world. The END is near, said the sign.")
+    for stop, want in (("END", "Hello there, world. The END"), ("sign.", None)):
+        detok = IncrementalDetokenizer(tokenizer)
+        stream = RequestStream(
+            "r", 3, detok, (stop,), frozenset(), lambda _: None, include_stop=True
+        )
+        stream.push(_delta(ids, 0, FinishReason.LENGTH))
+        out = await anext(stream)
+        assert out.text == (want or tokenizer.decode(ids))
+        assert (out.finish_reason, out.stop_reason) == (FinishReason.STOP, stop)
+
+
+async def test_prompt_logprobs_come_once_with_the_first_output() -> None:
+    tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+    stream = _stream(tokenizer, ())
+    scores = (PromptLogprob(7, -1.5, 2, ((8, -0.5),)),)
+    stream.push(dataclasses.replace(_delta([5], 0), prompt_logprobs=scores))
+    stream.push(_delta([6], 1, FinishReason.LENGTH))
+    out = await anext(stream)
+    assert out.prompt_logprobs == scores and out.token_ids == (5, 6)
+    plain = _stream(tokenizer, ())
+    plain.push(_delta([5], 0, FinishReason.LENGTH))
+    assert (await anext(plain)).prompt_logprobs is None
 
 
 async def test_without_stop_strings_a_run_is_one_delta() -> None:

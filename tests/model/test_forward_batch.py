@@ -61,6 +61,21 @@ def test_build_forward_batch_mixed_chunks() -> None:
     assert (batch.num_tokens, batch.num_requests) == (8, 3)
 
 
+def test_prompt_rows_follow_every_sampling_row() -> None:
+    """Prompt rows (prompt logprobs) come after all sampling rows, each chunk's in order, so
+    the sampler's rows stay the first `B_sample` whatever else is scored."""
+    chunks = [
+        BatchChunk([1, 2, 3], start_position=0, block_ids=[1], sample=False, num_prompt_logits=3),
+        BatchChunk([7], start_position=5, block_ids=[3, 9]),  # a decode
+        BatchChunk([4, 5, 6], start_position=3, block_ids=[2, 5], num_prompt_logits=2),
+    ]
+    batch = build_forward_batch(chunks, block_size=4)
+    assert batch.logits_indices.tolist() == [3, 6, 0, 1, 2, 4, 5]
+    assert batch.num_prompt_logits == 5
+    plain = build_forward_batch([dataclasses.replace(c, num_prompt_logits=0) for c in chunks], 4)
+    assert plain.logits_indices.tolist() == [3, 6] and plain.num_prompt_logits == 0
+
+
 def test_build_forward_batch_decode_only_and_errors() -> None:
     batch = build_forward_batch([BatchChunk([1], 0, [1]), BatchChunk([2], 9, [1, 2, 3])], 4)
     assert batch.is_decode_only and batch.logits_indices.tolist() == [0, 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import msgspec
@@ -94,7 +95,12 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def sampling_params(
-    req: _SamplingFields, *, max_tokens: int, logprobs: int | None, choice: int
+    req: _SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Build validated SamplingParams; choice i > 0 of a seeded request uses seed + i."""
     top_k = req.top_k if req.top_k is not None else 0
@@ -114,6 +120,8 @@ def sampling_params(
             ignore_eos=bool(req.ignore_eos),
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logit_bias=logit_bias_pairs(req.logit_bias),
             structured=openai_spec(
                 response_format=getattr(req, "response_format", msgspec.Raw()),
@@ -129,6 +137,12 @@ def sampling_params(
 
 def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else _FINISH[reason]
+
+
+def no_output(usage: Usage) -> Usage:
+    """The usage of a request whose output is not returned (`max_tokens: 0` with `echo`: the
+    engine sampled one token to finish the prompt's step)."""
+    return dataclasses.replace(usage, completion_tokens=0)
 
 
 def usage_out(usage: Usage) -> UsageOut:
@@ -165,8 +179,8 @@ def chat_logprobs(
         tops: list[TopLogprob] = []
         for tid, lp in t.top_logprobs:
             top_text, top_raw = _piece(tokenizer, tid)
-            tops.append(TopLogprob(top_text, _finite(lp), top_raw))
-        content.append(TokenLogprob(text, _finite(t.logprob), raw, tops))
+            tops.append(TopLogprob(top_text, finite_logprob(lp), top_raw))
+        content.append(TokenLogprob(text, finite_logprob(t.logprob), raw, tops))
     return ChoiceLogprobs(content=content)
 
 
@@ -182,14 +196,14 @@ def completion_logprobs(
         out.tokens.append(text)
         out.token_logprobs.append(t.logprob)
         out.top_logprobs.append(
-            {tokenizer.decode([tid]): _finite(lp) for tid, lp in t.top_logprobs}
+            {tokenizer.decode([tid]): finite_logprob(lp) for tid, lp in t.top_logprobs}
         )
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out
 
 
-def _finite(logprob: float | None) -> float:
+def finite_logprob(logprob: float | None) -> float:
     """JSON has no -inf: clamp like OpenAI does (-9999.0)."""
     if logprob is None or logprob != logprob or logprob < -9999.0:
         return -9999.0

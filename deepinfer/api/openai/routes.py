@@ -18,12 +18,13 @@ from deepinfer.api.limits import check_openai_chat, check_openai_sampling
 from deepinfer.api.openai.convert import (
     chat_logprobs,
     chat_messages,
-    completion_logprobs,
     finish_reason,
     invalid,
+    no_output,
     sampling_params,
     usage_out,
 )
+from deepinfer.api.openai.prompt_logprobs import ChoiceText, PromptView, vllm_prompt_logprobs
 from deepinfer.api.openai.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -95,11 +96,20 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             top = (req.top_logprobs or 0) if req.logprobs else None
             if req.top_logprobs is not None and not req.logprobs:
                 raise invalid("top_logprobs", "needs logprobs: true")
+            if req.prompt_logprobs is not None and req.stream:
+                raise invalid("prompt_logprobs", "not supported with stream: true on chat")
             fmt = recipe_format(ctx.engine.recipe)
+            scored = req.prompt_logprobs
             params = [
                 answer_constraint(
                     ctx.chat_sampling(
-                        sampling_params(req, max_tokens=max_tokens, logprobs=top, choice=i)
+                        sampling_params(
+                            req,
+                            max_tokens=max_tokens,
+                            logprobs=top,
+                            choice=i,
+                            prompt_logprobs=scored,
+                        )
                     ),
                     plan,
                     fmt,
@@ -132,16 +142,14 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             for i, r in enumerate(results)
         ]
         usage = usage_out(total_usage([r.usage for r in results], 1))
-        return json_response(
-            ChatCompletion(
-                rid,
-                created,
-                ctx.model_name,
-                choices,
-                usage,
-                system_fingerprint=ctx.engine.system_fingerprint,
-            )
-        )
+        answer = ChatCompletion(
+            rid, created, ctx.model_name, choices, usage,
+            system_fingerprint=ctx.engine.system_fingerprint,
+        )  # fmt: skip
+        if req.prompt_logprobs is not None:
+            entries = results[0].prompt_logprobs or ()
+            answer.prompt_logprobs = vllm_prompt_logprobs(tok, entries, req.prompt_logprobs)
+        return json_response(answer)
 
     return chat_completions
 
@@ -191,18 +199,19 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             req = await ctx.read_json(request, CompletionRequest)
             check_refused(req)
             check_openai_sampling(req, ctx.limits)
-            if req.echo:
-                raise invalid("echo", "echo is not supported")
             if req.suffix:
                 raise invalid("suffix", "suffix is not supported")
-            prompts = [
-                p if isinstance(p, list) else await ctx.encode_text(p)
-                for p in _completion_prompts(ctx, req.prompt)
-            ]
+            items = _completion_prompts(ctx, req.prompt)
+            prompts = [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
             n = check_choices(req.n)
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            views = _prompt_views(ctx, req, items, prompts, max_tokens)
+            scored = _num_prompt_scores(req)
+            lp, engine_max = req.logprobs, max_tokens or 1  # 0: the prompt's scores alone
             params = [
-                sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+                sampling_params(
+                    req, max_tokens=engine_max, logprobs=lp, choice=i, prompt_logprobs=scored
+                )
                 for _ in prompts
                 for i in range(n)
             ]
@@ -217,12 +226,14 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             return openai_error_response(exc)
         created = int(time.time())
         want_lp = req.logprobs is not None
+        tok = ctx.engine.tokenizer
+        texts = [ChoiceText(tok, views[i // n], want_lp) for i in range(len(streams))]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             frames = completion_frames(
-                ctx, rid, created, streams, len(prompts), include_usage, want_lp,
-                usage_every_chunk=every,
+                ctx, rid, created, streams, len(prompts), include_usage, texts,
+                usage_every_chunk=every, drop_output=max_tokens == 0,
             )  # fmt: skip
             return EventStreamResponse(frames, lambda: close_all(streams))
         try:
@@ -231,17 +242,13 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             return openai_error_response(exc)
         if results is None:
             return Response(status_code=CLIENT_CLOSED)
-        tok = ctx.engine.tokenizer
-        choices = [
-            CompletionChoice(
-                index=i,
-                text=r.text,
-                finish_reason=finish_reason(r.finish_reason),
-                logprobs=completion_logprobs(tok, r.logprobs, 0) if want_lp else None,
-            )
-            for i, r in enumerate(results)
-        ]
-        usage = usage_out(total_usage([r.usage for r in results], len(prompts)))
+        choices = []
+        for i, r in enumerate(results):
+            text, logprobs, scores = texts[i].next(r.text, r.logprobs, r.prompt_logprobs)
+            reason = "length" if max_tokens == 0 else finish_reason(r.finish_reason)
+            choices.append(CompletionChoice(i, text, reason, logprobs, scores))
+        usages = [no_output(r.usage) if max_tokens == 0 else r.usage for r in results]
+        usage = usage_out(total_usage(usages, len(prompts)))
         return json_response(
             Completion(
                 rid,
@@ -254,3 +261,35 @@ def _completion_handler(ctx: ApiContext) -> Handler:
         )
 
     return completions
+
+
+def _prompt_views(
+    ctx: ApiContext,
+    req: CompletionRequest,
+    items: list[str | list[int]],
+    prompts: list[list[int]],
+    max_tokens: int,
+) -> list[PromptView]:
+    """What each prompt's choices show of it; `max_tokens: 0` only with `echo` (the prompt's
+    scores alone, as lm-evaluation-harness asks for them)."""
+    if max_tokens == 0 and not req.echo:
+        raise invalid("max_tokens", "must be at least 1 (0 only with echo: true)")
+    tok = ctx.engine.tokenizer
+    return [
+        PromptView(
+            text=item if isinstance(item, str) else tok.decode(ids),
+            ids=ids,
+            echo=bool(req.echo),
+            num_top=req.logprobs if req.echo else None,
+            num_prompt_top=req.prompt_logprobs,
+            drop_output=max_tokens == 0,
+        )
+        for item, ids in zip(items, prompts, strict=True)
+    ]
+
+
+def _num_prompt_scores(req: CompletionRequest) -> int | None:
+    """Alternatives to score per prompt token: the most `echo` with `logprobs` and
+    `prompt_logprobs` ask for (None: no prompt scores)."""
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None

@@ -41,10 +41,8 @@ class OpenAIRefusedFields(msgspec.Struct):
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     service_tier: str | None = None
     store: bool | None = None
@@ -71,10 +69,8 @@ def check_refused(req: OpenAIRefusedFields) -> None:
             "best_of": req.best_of not in (None, 1),
             "use_beam_search": bool(req.use_beam_search),
             "length_penalty": req.length_penalty not in (None, 1.0),
-            "include_stop_str_in_output": bool(req.include_stop_str_in_output),
             "skip_special_tokens": req.skip_special_tokens is False,
             "spaces_between_special_tokens": req.spaces_between_special_tokens is False,
-            "prompt_logprobs": req.prompt_logprobs is not None,
             "truncate_prompt_tokens": req.truncate_prompt_tokens is not None,
             "store": bool(req.store),
             "audio": is_set(req.audio),
@@ -184,6 +180,10 @@ class _SamplingFields(OpenAIRefusedFields):
     guided_choice: list[str] | None = None
     structured_outputs: msgspec.Raw = msgspec.Raw()
     """vLLM's constraints (api/tools/structured.py), sized against `max_schema_bytes`."""
+    include_stop_str_in_output: bool | None = None
+    """vLLM's: keep the matched stop string at the end of the text."""
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's logprob, rank and this many alternatives (0..20)."""
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -284,6 +284,8 @@ class ChatCompletion(msgspec.Struct):
     usage: UsageOut
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET
+    """vLLM's place for them in a chat answer: the response's, present when asked for."""
 
 
 class FunctionChunk(msgspec.Struct, omit_defaults=True):
@@ -324,10 +326,25 @@ class ChatCompletionChunk(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
+    """The legacy shape; with `echo` the prompt's tokens come first, the first of them with
+    `null` logprobs (nothing before it to condition on)."""
+
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptTokenLogprob(msgspec.Struct):
+    """vLLM's entry of `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobsOut = list[dict[str, PromptTokenLogprob] | None]
+"""vLLM's `prompt_logprobs`: one entry per prompt token, `null` for the first."""
 
 
 class CompletionChoice(msgspec.Struct):
@@ -335,6 +352,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET
+    """Present when the request asked for `prompt_logprobs`."""
 
 
 class Completion(msgspec.Struct):

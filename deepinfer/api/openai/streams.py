@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+import msgspec
+
 from deepinfer.api.context import ApiContext
 from deepinfer.api.http.errors import openai_payload, to_api_error
 from deepinfer.api.http.sse import DONE_FRAME, data_frame
 from deepinfer.api.openai.convert import (
     chat_logprobs,
-    completion_logprobs,
     finish_reason,
+    no_output,
     usage_out,
 )
+from deepinfer.api.openai.prompt_logprobs import ChoiceText
 from deepinfer.api.openai.schemas import (
     ChatCompletionChunk,
     ChoiceLogprobs,
@@ -100,21 +103,25 @@ async def completion_frames(
     streams: Sequence[OutputStream],
     num_prompts: int,
     include_usage: bool,
-    want_logprobs: bool,
+    texts: Sequence[ChoiceText],
     *,
     usage_every_chunk: bool = False,
+    drop_output: bool = False,
 ) -> AsyncIterator[bytes]:
-    """`usage_every_chunk` (vLLM's `continuous_usage_stats`): each chunk carries the usage so far."""
-    model, tok, fp = ctx.model_name, ctx.engine.tokenizer, ctx.engine.system_fingerprint
+    """`texts[i]` makes choice i's text and logprobs (the echoed prompt first);
+    `usage_every_chunk` (vLLM's `continuous_usage_stats`): each chunk carries the usage so far;
+    `drop_output` (`max_tokens: 0`): the prompt's part alone, finished by `length`."""
+    model, fp = ctx.model_name, ctx.engine.system_fingerprint
     usages: list[Usage] = [Usage(s.num_prompt_tokens, 0, 0) for s in streams]
-    offsets = [0] * len(streams)
     try:
         async for i, out in merge(streams):
-            usages[i] = out.usage
-            lp = completion_logprobs(tok, out.logprobs, offsets[i]) if want_logprobs else None
-            offsets[i] += len(out.text)
-            if out.text or lp is not None or out.finished:
-                choice = CompletionChoice(i, out.text, finish_reason(out.finish_reason), lp)
+            usages[i] = no_output(out.usage) if drop_output else out.usage
+            text, lp, scores = texts[i].next(out.text, out.logprobs, out.prompt_logprobs)
+            reason = finish_reason(out.finish_reason)
+            if drop_output and reason is not None:
+                reason = "length"
+            if text or lp is not None or out.finished or scores is not msgspec.UNSET:
+                choice = CompletionChoice(i, text, reason, lp, scores)
                 so_far = usage_out(total_usage(usages, num_prompts)) if usage_every_chunk else None
                 yield data_frame(
                     Completion(rid, created, model, [choice], so_far, system_fingerprint=fp)

@@ -192,7 +192,7 @@ def test_malformed_json_and_bad_prompts(fake_server: LiveServer) -> None:
         ("/v1/completions", b'{"prompt": [1, "a"]}'),
         ("/v1/completions", b'{"prompt": [-5]}'),
         ("/v1/completions", b'{"prompt": ""}'),
-        ("/v1/completions", b'{"prompt": "x", "echo": true}'),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}'),
     ]:
         r = httpx.post(
             fake_server.url + path, content=body, headers={"content-type": "application/json"}
