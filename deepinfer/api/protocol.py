@@ -41,9 +41,11 @@ class RecipeLike(Protocol):
         add_generation_prompt: bool = True,
         reasoning_effort: Any = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
-        """Prompt ids for chat messages and the tools they may call (injection-safe); raises
-        InvalidRequestError."""
+        """Prompt ids for chat messages and the tools they may call (injection-safe), the final
+        assistant message left open with `continue_final_message`; raises InvalidRequestError."""
         ...
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -22,6 +22,8 @@ Every family puts BOS first (its templates write `bos_token`). Rules:
   that ends with the assistant, never show it); an assistant turn is " " + content.strip() + EOS.
   The generation prompt is the last `[INST]` turn itself. `[INST]` and `[/INST]` must be control
   tokens (in older vocabularies they are plain text, and a typed one could not be told apart).
+- Prefill (`continue_final_message`): the final assistant turn as above without what closes it
+  (`<|eot_id|>`; `<end_of_turn>` "\\n"; EOS), its content trimmed as the templates trim it.
 
 Gemma and Mistral take user and assistant turns alternating, starting with the user (their
 templates raise otherwise): anything else is an `InvalidRequestError` naming the message. Tool
@@ -85,6 +87,9 @@ class FamilyRecipe(ChatRecipe):
     """A format whose markers are all control tokens and whose prompt starts with BOS."""
 
     family = ""
+    num_turn_end_pieces = 1
+    """Pieces that close a turn (its end marker and what follows it): left off the final turn
+    when it is continued."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)
@@ -99,6 +104,8 @@ class FamilyRecipe(ChatRecipe):
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         why = (
             f"deepinfer writes tool calls in ChatML only, not in this model's {self.family} format"
@@ -111,8 +118,12 @@ class FamilyRecipe(ChatRecipe):
                     f"not in this model's {self.family} format",
                     param=f"messages[{i}].role",
                 )
+        if continue_final_message:
+            self._check_prefill(turns)
         pieces = self.pieces(self._with_effort(system, reasoning_effort), turns)
-        if add_generation_prompt:
+        if continue_final_message:  # the last turn stays open
+            del pieces[len(pieces) - self.num_turn_end_pieces :]
+        elif add_generation_prompt:
             pieces += self.generation_prompt()
         return self._encode_pieces([self.bos_id, *pieces])
 
@@ -176,6 +187,7 @@ class Llama3Recipe(FamilyRecipe):
 
 class GemmaRecipe(FamilyRecipe):
     family = "Gemma"
+    num_turn_end_pieces = 2
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)

@@ -54,6 +54,8 @@ class FakeRecipe:
         add_generation_prompt: bool = True,
         reasoning_effort: Any = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         ids: list[int] = []
         if tools:
@@ -67,7 +69,11 @@ class FakeRecipe:
             calls = "".join(f"\n{c.name}({c.arguments})" for c in m.tool_calls)
             body = f"{m.role}\n{m.content}{calls}"
             ids += [1, *self.tok.encode(body), 2, *self.tok.encode("\n")]
-        if add_generation_prompt:
+        if continue_final_message:  # the final turn left open (a prefill)
+            if not messages or messages[-1].role != "assistant":
+                raise InvalidRequestError("no assistant message to continue", "messages")
+            del ids[-2:]
+        elif add_generation_prompt:
             ids += [1, *self.tok.encode("assistant\n")]
         return ids
 

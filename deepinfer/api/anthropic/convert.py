@@ -16,6 +16,7 @@ from deepinfer.api.anthropic.schemas import (
 )
 from deepinfer.api.anthropic.tools import block_turns
 from deepinfer.api.http.errors import ApiError, ErrorKind
+from deepinfer.api.prompt_options import PromptOptions
 from deepinfer.api.tools.structured import anthropic_spec
 from deepinfer.engine.types import Usage
 from deepinfer.errors import InvalidRequestError
@@ -62,6 +63,20 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
         else:
             out += block_turns(m.role, m.content, param)
     return out
+
+
+def prompt_options(req: CountTokensRequest, messages: list[ChatMessage]) -> PromptOptions:
+    """A trailing assistant message is a prefill: the answer continues it (Anthropic's rule,
+    and its 400 for trailing whitespace there, which a continuation could not follow)."""
+    if not req.messages or req.messages[-1].role != "assistant":
+        return PromptOptions()
+    last = messages[-1]
+    if last.role != "assistant" or last.tool_calls:  # a turn of calls is closed as before
+        return PromptOptions()
+    if last.content != last.content.rstrip():
+        param = f"messages.{len(req.messages) - 1}.content"
+        raise invalid(param, "final assistant content cannot end with trailing whitespace")
+    return PromptOptions(add_generation_prompt=False, continue_final_message=True)
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:

@@ -11,6 +11,7 @@ from starlette.routing import Route
 from deepinfer.api.anthropic.convert import (
     chat_messages,
     delta_usage,
+    prompt_options,
     sampling_params,
     stop_reason,
     usage_out,
@@ -66,7 +67,10 @@ def _count_handler(ctx: ApiContext) -> Handler:
             check_anthropic(req, ctx.limits)
             specs = anthropic_plan(req).specs
             messages = chat_messages(req)
-            ids = await ctx.encode_chat(messages, None, within_context=False, tools=specs)
+            options = prompt_options(req, messages)
+            ids = await ctx.encode_chat(
+                messages, None, within_context=False, tools=specs, options=options
+            )
         except Exception as exc:
             return anthropic_error_response(exc)
         return json_response(TokenCount(len(ids)))
@@ -82,7 +86,9 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             check_refused(req, req.metadata)
             check_anthropic(req, ctx.limits)
             plan = anthropic_plan(req)
-            ids = await ctx.encode_chat(chat_messages(req), None, tools=plan.specs)
+            messages = chat_messages(req)
+            options = prompt_options(req, messages)
+            ids = await ctx.encode_chat(messages, None, tools=plan.specs, options=options)
             params = forced_calls(sampling_params(req), plan, recipe_format(ctx.engine.recipe))
             mid = new_id("msg_")
             cache = cache_options(request, req.cache_salt, req.cache_retention)

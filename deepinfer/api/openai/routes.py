@@ -38,6 +38,7 @@ from deepinfer.api.openai.schemas import (
 )
 from deepinfer.api.openai.streams import chat_frames, completion_frames
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
+from deepinfer.api.prompt_options import openai_prompt_options
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
 from deepinfer.api.tools.grammar import forced_calls, recipe_format
@@ -81,12 +82,17 @@ def _chat_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, ChatCompletionRequest)
-            check_refused(req)
+            check_refused(req, chat=True)
             check_openai_chat(req, ctx.limits)
             messages = chat_messages(req.messages)
+            options = openai_prompt_options(
+                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+            )
             plan = openai_plan(req)
             n = check_choices(req.n)
-            ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs)
+            ids = await ctx.encode_chat(
+                messages, req.reasoning_effort, tools=plan.specs, options=options
+            )
             max_tokens = req.max_completion_tokens
             if max_tokens is None:
                 max_tokens = req.max_tokens
