@@ -45,6 +45,12 @@ from deepinfer.text.recipe import (
     PlainRecipe,
     ReasoningEffort,
 )
+from deepinfer.text.recipe_reasoning import (
+    DeepSeekR1Recipe,
+    Qwen3Recipe,
+    is_qwen3_template,
+    is_r1_template,
+)
 from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.text.tools import Piece, join_pieces
 
@@ -63,11 +69,15 @@ def _control_ids(tokenizer: Tokenizer, family: str, names: Sequence[str]) -> lis
 
 def recipe_for(tokenizer: Tokenizer) -> ChatRecipe:
     """The recipe for the tokenizer's chat template, its family read from the markers the
-    template writes: ChatML (`recipe.py`), Llama 3, Gemma, Mistral, or plain text when there is
-    no template. Other templates raise `ModelLoadError` rather than being guessed at."""
+    template writes: Qwen3 and DeepSeek-R1-distill (`recipe_reasoning.py`), ChatML
+    (`recipe.py`), Llama 3, Gemma, Mistral, or plain text when there is no template. Other templates raise `ModelLoadError` rather than being guessed at."""
     template = tokenizer.chat_template
     if template is None or not template.strip():
         return PlainRecipe(tokenizer)
+    if is_qwen3_template(template):
+        return Qwen3Recipe(tokenizer)
+    if is_r1_template(template):
+        return DeepSeekR1Recipe(tokenizer)
     if IM_START in template and IM_END in template:
         return ChatMLRecipe(tokenizer)
     if "<|start_header_id|>" in template and "<|eot_id|>" in template:
@@ -78,7 +88,8 @@ def recipe_for(tokenizer: Tokenizer) -> ChatRecipe:
         return MistralRecipe(tokenizer)
     raise ModelLoadError(
         "unsupported chat template: deepinfer's injection-safe encoder knows ChatML "
-        "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2), Llama 3 (<|start_header_id|>), "
+        "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2; Qwen3 with think blocks), "
+        "DeepSeek-R1-distill (<｜User｜>/<｜Assistant｜>), Llama 3 (<|start_header_id|>), "
         "Gemma (<start_of_turn>), Mistral ([INST]) and models without a template"
     )
 
