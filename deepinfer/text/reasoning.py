@@ -131,6 +131,12 @@ class ReasoningSplitter:
             self._cross(mark[2], events)
         return events
 
+    def feed_parts(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
+        """`feed`, as (reasoning, content) text of this delta (reasoning always comes first)."""
+        events = self.feed(text, token_ids)
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        return reasoning, "".join(e.text for e in events if isinstance(e, AnswerDelta))
+
     def _find_markers(self, token_ids: Sequence[int]) -> None:
         for k, token_id in enumerate(token_ids):
             if token_id not in (self.fmt.open_id, self.fmt.close_id):

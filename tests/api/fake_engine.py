@@ -25,27 +25,41 @@ from deepinfer.errors import (
 )
 from deepinfer.outputs import SampledToken
 from deepinfer.request import FinishReason, SamplingParams
+from deepinfer.text.reasoning import ReasoningFormat
 from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK_OPEN_ID, THINK_CLOSE_ID = 0x110000 + 3, 0x110000 + 4
+THINK = {THINK_OPEN_ID: "<think>", THINK_CLOSE_ID: "</think>"}
+"""Think markers past the characters, for a recipe given a `ReasoningFormat` (`reasoning`):
+a scripted reply spells them `\x00<think>` / `\x00</think>` (`reply_ids`)."""
 REPLY = "Hello there! I am a fake model, replying one character per step. "
 
 
 class FakeTokenizer:
-    vocab_size = len(SPECIALS) + 0x110000
+    vocab_size = len(SPECIALS) + 0x110000 + len(THINK)
     max_token_bytes: int | None = None
     """No untokenized refusals: API tests send prompts of any size through."""
 
     def encode(self, text: str) -> list[int]:
         return [len(SPECIALS) + ord(c) for c in text]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(SPECIALS[i] if i < len(SPECIALS) else chr(i - len(SPECIALS)) for i in ids)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(
+            ("" if skip_special_tokens else SPECIALS[i]) if i < len(SPECIALS) else self.text(i)
+            for i in ids
+        )
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return THINK.get(token_id) or chr(token_id - len(SPECIALS))
 
 
 class FakeRecipe:
     def __init__(self, tokenizer: FakeTokenizer) -> None:
         self.tok = tokenizer
+        self.reasoning: ReasoningFormat | None = None
+        """Set by a test: answers are split by the think-marker ids (`THINK`)."""
 
     def encode(
         self,
@@ -222,7 +236,9 @@ class FakeEngine:
             if s in reply:
                 reply, stop_reason = reply[: reply.index(s)], s
         stream = FakeStream(rid, len(ids), self)
-        self._reqs[rid] = _Req(rid, ids, params, self.tokenizer.encode(reply), stop_reason, stream)
+        self._reqs[rid] = _Req(
+            rid, ids, params, reply_ids(self.tokenizer, reply), stop_reason, stream
+        )
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -286,6 +302,18 @@ class FakeEngine:
             for k in range(1, len(r.prompt) // bs + 1):
                 self._seen_prefixes.add(tuple(r.prompt[: k * bs]))
             self._release(r)
+
+
+def reply_ids(tok: FakeTokenizer, reply: str) -> list[int]:
+    """A scripted reply's ids: `\x00<think>` and `\x00</think>` are the marker ids."""
+    ids: list[int] = []
+    for k, part in enumerate(reply.split("\x00")):
+        marker = next((i for i, t in THINK.items() if k and part.startswith(t)), None)
+        if marker is not None:
+            ids.append(marker)
+            part = part[len(THINK[marker]) :]
+        ids += tok.encode(part)
+    return ids
 
 
 def _check_parts(params: SamplingParams) -> None:

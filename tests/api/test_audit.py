@@ -51,7 +51,6 @@ COMPLETION_REFUSED: list[tuple[str, Any, Any]] = [
 ]
 
 ANTHROPIC_REFUSED: list[tuple[str, Any, Any]] = [
-    ("thinking", {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}),
     ("service_tier", "priority", "auto"),
     ("container", "container_1", None),
     ("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}], []),

@@ -67,16 +67,18 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
 
 def prompt_options(req: CountTokensRequest, messages: list[ChatMessage]) -> PromptOptions:
     """A trailing assistant message is a prefill: the answer continues it (Anthropic's rule,
-    and its 400 for trailing whitespace there, which a continuation could not follow)."""
+    and its 400 for trailing whitespace there, which a continuation could not follow).
+    `thinking` is a reasoning model's switch (absent: the model's default)."""
+    thinking = None if req.thinking is None else req.thinking.type == "enabled"
     if not req.messages or req.messages[-1].role != "assistant":
-        return PromptOptions()
+        return PromptOptions(enable_thinking=thinking)
     last = messages[-1]
     if last.role != "assistant" or last.tool_calls:  # a turn of calls is closed as before
-        return PromptOptions()
+        return PromptOptions(enable_thinking=thinking)
     if last.content != last.content.rstrip():
         param = f"messages.{len(req.messages) - 1}.content"
         raise invalid(param, "final assistant content cannot end with trailing whitespace")
-    return PromptOptions(add_generation_prompt=False, continue_final_message=True)
+    return PromptOptions(False, True, thinking)
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:

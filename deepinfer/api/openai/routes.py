@@ -40,10 +40,12 @@ from deepinfer.api.openai.streams import chat_frames, completion_frames
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
 from deepinfer.api.prompt_options import openai_prompt_options
 from deepinfer.api.protocol import OutputStream
+from deepinfer.api.reasoning import reasoning_plan
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
 from deepinfer.api.tools.grammar import forced_calls, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
+from deepinfer.text.reasoning import ReasoningSplitter
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -101,6 +103,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             top = (req.top_logprobs or 0) if req.logprobs else None
             if req.top_logprobs is not None and not req.logprobs:
                 raise invalid("top_logprobs", "needs logprobs: true")
+            reasoning = reasoning_plan(ctx.engine.recipe, options)
             fmt = recipe_format(ctx.engine.recipe)
             params = [
                 forced_calls(
@@ -119,7 +122,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             frames = chat_frames(
                 ctx, rid, created, streams, include_usage, top is not None,
-                usage_every_chunk=every, plan=plan,
+                usage_every_chunk=every, plan=plan, reasoning=reasoning,
             )  # fmt: skip
             return EventStreamResponse(frames, lambda: close_all(streams))
         try:
@@ -130,9 +133,12 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             return Response(status_code=CLIENT_CLOSED)
         tok = ctx.engine.tokenizer
         choices = [
-            _chat_choice(i, r, plan, chat_logprobs(tok, r.logprobs) if top is not None else None)
+            _chat_choice(
+                i, r, plan, chat_logprobs(tok, r.logprobs) if top is not None else None,
+                reasoning.splitter(tok),
+            )
             for i, r in enumerate(results)
-        ]
+        ]  # fmt: skip
         usage = usage_out(total_usage([r.usage for r in results], 1))
         return json_response(
             ChatCompletion(
@@ -149,11 +155,21 @@ def _chat_handler(ctx: ApiContext) -> Handler:
 
 
 def _chat_choice(
-    index: int, result: Collected, plan: ToolPlan, logprobs: ChoiceLogprobs | None
+    index: int,
+    result: Collected,
+    plan: ToolPlan,
+    logprobs: ChoiceLogprobs | None,
+    splitter: ReasoningSplitter | None,
 ) -> ChatChoice:
-    """A whole answer as a choice: calls parsed when the request has tools."""
+    """A whole answer as a choice: its think block as `reasoning_content`, calls parsed from
+    the rest when the request has tools."""
     stream = ToolStream(plan, CALL_ID_PREFIX) if plan.parses_calls else None
-    message = answer_message(result.text, stream)
+    text, reasoning = result.text, None
+    if splitter is not None:
+        reasoning, text = splitter.feed_parts(result.text, result.token_ids)
+        reasoning = reasoning if splitter.has_block else None
+    message = answer_message(text, stream)
+    message.reasoning_content = reasoning
     reason = finish_reason(result.finish_reason) or "stop"
     if stream is not None and called(result.finish_reason, stream.num_calls):
         reason = "tool_calls"

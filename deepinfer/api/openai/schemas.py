@@ -253,6 +253,8 @@ class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    """A reasoning model's think block (vLLM's and DeepSeek's field); null without one."""
 
 
 class ChatChoice(msgspec.Struct):
@@ -289,6 +291,7 @@ class ToolCallChunk(msgspec.Struct, omit_defaults=True):
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallChunk] | None = None
 
 
