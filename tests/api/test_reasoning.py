@@ -131,3 +131,30 @@ def test_anthropic_thinking_is_checked(
     ):
         c.messages.create(model="m", max_tokens=2000, messages=HI, thinking=thinking)  # type: ignore[arg-type]
     assert field in str(raised.value)
+
+
+def test_responses_reasoning_items(
+    fake_server: LiveServer, fake_engine: FakeEngine, reasoning_model: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(fake_engine, "reply", REASONED)
+    with openai_client(fake_server) as c:
+        response = c.responses.create(model="m", input="hi", max_output_tokens=200)
+        events = list(c.responses.create(model="m", input="hi", stream=True))
+        follow_up = c.responses.create(
+            model="m",
+            input=[*response.output, {"role": "user", "content": "and?"}],  # type: ignore[list-item]
+        )
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    reasoning = response.output[0]
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.content is not None and reasoning.content[0].text == "The user greets me."
+    assert response.output_text == "Hello! <think>not reasoning</think>"
+    kinds = [e.type for e in events]
+    assert kinds.count("response.reasoning_text.delta") > 1
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    done = events[-1]
+    assert done.type == "response.completed"
+    assert [item.type for item in done.response.output] == ["reasoning", "message"]
+    assert done.response.output_text == response.output_text
+    assert follow_up.output_text == response.output_text
