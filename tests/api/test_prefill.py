@@ -136,3 +136,26 @@ def test_anthropic_prefill_with_trailing_whitespace_is_refused(fake_server: Live
     ):
         c.messages.create(model="m", max_tokens=20, messages=messages)
     assert "messages.1.content" in str(raised.value) and "trailing whitespace" in str(raised.value)
+
+
+@pytest.mark.slow
+def test_prefill_on_the_real_engine(real_server: LiveServer) -> None:
+    """SmolLM2, greedy: the continued chat answers exactly as a completion of the recipe's open
+    final turn does, through both SDKs."""
+    engine: Any = real_server.config.app.state.engine
+    turns = [ChatMessage("user", "Name a fruit."), ChatMessage("assistant", "A fruit I like is")]
+    prompt = engine.recipe.encode(turns, add_generation_prompt=False, continue_final_message=True)
+    messages: Any = [{"role": m.role, "content": m.content} for m in turns]
+    with openai.OpenAI(base_url=real_server.url + "/v1", api_key="x", max_retries=0) as c:
+        reference = c.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0)
+        chat = c.chat.completions.create(
+            model="m", messages=messages, max_tokens=8, temperature=0, extra_body=PREFILL
+        )
+    with anthropic.Anthropic(base_url=real_server.url, api_key="x", max_retries=0) as a:
+        message = a.messages.create(
+            model="m", messages=messages, max_tokens=8, extra_body={"temperature": 0}
+        )
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt)
+    assert chat.choices[0].message.content == reference.choices[0].text
+    assert message.content[0].type == "text"
+    assert message.content[0].text == reference.choices[0].text

@@ -198,3 +198,21 @@ def test_r1_refuses_tools(r1: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError) as raised:
         recipe.encode([ChatMessage("user", "u"), ChatMessage("tool", "t")])
     assert raised.value.param == "messages[1].role"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_reasoning_effort_line(family: str, qwen3: Tokenizer, r1: Tokenizer) -> None:
+    """`reasoning_effort` is the recipe's line in the system prompt, as a system message
+    holding it renders through the template."""
+    tok = qwen3 if family == "qwen3" else r1
+    recipe = recipe_for(tok)
+    user = ChatMessage("user", "hi")
+    for system in (None, "Be brief."):
+        given = [] if system is None else [ChatMessage("system", system)]
+        line = "Reasoning effort: high."
+        expected_system = line if system is None else f"{system}\n\n{line}"
+        expected = render(
+            tok, [ChatMessage("system", expected_system), user], add_generation_prompt=True
+        )
+        assert recipe.encode([*given, user], reasoning_effort="high") == expected
