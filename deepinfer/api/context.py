@@ -15,6 +15,7 @@ from deepinfer.api.http.cache_options import CacheOptions
 from deepinfer.api.http.errors import ApiError, ErrorKind
 from deepinfer.api.limits import check_sequences
 from deepinfer.api.ops.metrics import ApiMetrics
+from deepinfer.api.prompt_options import DEFAULT_PROMPT, PromptOptions
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
 from deepinfer.engine.prompts import check_prompt_fits, off_loop
@@ -62,9 +63,11 @@ class ApiContext:
         *,
         within_context: bool = True,
         tools: Sequence[ToolSpec] = (),
+        options: PromptOptions = DEFAULT_PROMPT,
     ) -> list[int]:
-        """Ids of a conversation (and the tools it may call); with `within_context`, one that
-        cannot fit the context is refused untokenized (token counting passes False)."""
+        """Ids of a conversation (and the tools it may call), ending as `options` say; with
+        `within_context`, one that cannot fit the context is refused untokenized (token
+        counting passes False)."""
         texts = [m.content for m in messages] + [m.name for m in messages if m.name]
         texts += [c.arguments for m in messages for c in m.tool_calls]
         texts += [t.definition for t in tools]
@@ -73,7 +76,14 @@ class ApiContext:
         recipe = self.engine.recipe
         return await off_loop(
             sum(len(t) for t in texts),
-            lambda: recipe.encode(messages, reasoning_effort=reasoning_effort, tools=tools),
+            lambda: recipe.encode(
+                messages,
+                add_generation_prompt=options.add_generation_prompt,
+                reasoning_effort=reasoning_effort,
+                tools=tools,
+                continue_final_message=options.continue_final_message,
+                enable_thinking=options.enable_thinking,
+            ),
         )
 
     def chat_sampling(self, params: SamplingParams) -> SamplingParams:

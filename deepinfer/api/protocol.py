@@ -21,7 +21,10 @@ class TokenizerLike(Protocol):
         """Token ids of `text`; special-token markers typed in the text are plain text."""
         ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; with `skip_special_tokens`, as the engine's answers are (control
+        tokens dropped)."""
+        ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -46,9 +49,11 @@ class RecipeLike(Protocol):
         add_generation_prompt: bool = True,
         reasoning_effort: Any = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
-        """Prompt ids for chat messages and the tools they may call (injection-safe); raises
-        InvalidRequestError."""
+        """Prompt ids for chat messages and the tools they may call (injection-safe), the final
+        assistant message left open with `continue_final_message`; raises InvalidRequestError."""
         ...
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -22,6 +22,13 @@ Rendering rules (ChatML):
 - Tools: a conversation with tool definitions, calls or results is rendered in the model's tool
   format (`tools.py`, read from the template once): the same turns, with the markers it writes
   as ids where the vocabulary has them, and no text able to spell one.
+- Prefill (`continue_final_message`): the conversation ends with an assistant turn that is left
+  open, its end marker (and what follows it) not written, so the answer continues its text; no
+  generation prompt follows. This is what transformers' `apply_chat_template(...,
+  continue_final_message=True)` renders: the template's text up to the end of the final content
+  (trimmed where the template trims it).
+- Thinking (`enable_thinking`): read by the families whose template has the switch
+  (`recipe_reasoning.py`); the others ignore it, as their templates do.
 """
 
 from __future__ import annotations
@@ -87,9 +94,11 @@ class ChatRecipe:
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         """Prompt ids for `messages` (and the tools the model may call), ending with the
-        assistant header when asked."""
+        assistant header when asked, or inside the final assistant turn when continuing it."""
         raise NotImplementedError
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -110,6 +119,17 @@ class ChatRecipe:
                     param=f"messages[{i}].role",
                 )
         return list(messages)
+
+    @staticmethod
+    def _check_prefill(messages: Sequence[ChatMessage]) -> None:
+        """A conversation to continue ends with an assistant turn that calls no tools."""
+        last = messages[-1] if messages else None
+        if last is None or last.role != "assistant" or last.tool_calls:
+            raise InvalidRequestError(
+                "messages: continue_final_message needs the last message to be an assistant "
+                "message with text (no tool calls) to continue",
+                param="messages",
+            )
 
     def _without_tools(
         self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], why: str
@@ -170,8 +190,12 @@ class ChatMLRecipe(ChatRecipe):
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         turns = self._validated(messages)
+        if continue_final_message:
+            self._check_prefill(turns)
         system: str | None = None
         if turns and turns[0].role == "system":
             system = self._body(turns.pop(0))
@@ -187,7 +211,9 @@ class ChatMLRecipe(ChatRecipe):
         ids = self._bos()
         for encoded in self._encode_turns(rendered):
             ids += [self.im_start_id, *encoded, self.im_end_id, *self.newline_ids]
-        if add_generation_prompt:
+        if continue_final_message:  # the last turn stays open
+            del ids[-1 - len(self.newline_ids) :]
+        elif add_generation_prompt:
             ids += [self.im_start_id, *self.tokenizer.encode("assistant\n")]
         return ids
 
@@ -228,13 +254,17 @@ class PlainRecipe(ChatRecipe):
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         system, turns = self._without_tools(
             messages, tools, "this model has no chat template, so no tool format"
         )
+        if continue_final_message:
+            self._check_prefill(turns)
         system = self._with_effort(system, reasoning_effort)
         parts = [] if system is None else [f"System: {system}"]
         parts += [f"{self._LABELS[m.role]}: {self._body(m)}" for m in turns]
-        if add_generation_prompt:
+        if add_generation_prompt and not continue_final_message:
             parts.append("Assistant:")
         return self._bos() + self.tokenizer.encode("\n\n".join(parts))

@@ -22,6 +22,8 @@ Every family puts BOS first (its templates write `bos_token`). Rules:
   that ends with the assistant, never show it); an assistant turn is " " + content.strip() + EOS.
   The generation prompt is the last `[INST]` turn itself. `[INST]` and `[/INST]` must be control
   tokens (in older vocabularies they are plain text, and a typed one could not be told apart).
+- Prefill (`continue_final_message`): the final assistant turn as above without what closes it
+  (`<|eot_id|>`; `<end_of_turn>` "\\n"; EOS), its content trimmed as the templates trim it.
 
 Gemma and Mistral take user and assistant turns alternating, starting with the user (their
 templates raise otherwise): anything else is an `InvalidRequestError` naming the message. Tool
@@ -43,6 +45,12 @@ from deepinfer.text.recipe import (
     PlainRecipe,
     ReasoningEffort,
 )
+from deepinfer.text.recipe_reasoning import (
+    DeepSeekR1Recipe,
+    Qwen3Recipe,
+    is_qwen3_template,
+    is_r1_template,
+)
 from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.text.tools import Piece, join_pieces
 
@@ -61,11 +69,15 @@ def _control_ids(tokenizer: Tokenizer, family: str, names: Sequence[str]) -> lis
 
 def recipe_for(tokenizer: Tokenizer) -> ChatRecipe:
     """The recipe for the tokenizer's chat template, its family read from the markers the
-    template writes: ChatML (`recipe.py`), Llama 3, Gemma, Mistral, or plain text when there is
-    no template. Other templates raise `ModelLoadError` rather than being guessed at."""
+    template writes: Qwen3 and DeepSeek-R1-distill (`recipe_reasoning.py`), ChatML
+    (`recipe.py`), Llama 3, Gemma, Mistral, or plain text when there is no template. Other templates raise `ModelLoadError` rather than being guessed at."""
     template = tokenizer.chat_template
     if template is None or not template.strip():
         return PlainRecipe(tokenizer)
+    if is_qwen3_template(template):
+        return Qwen3Recipe(tokenizer)
+    if is_r1_template(template):
+        return DeepSeekR1Recipe(tokenizer)
     if IM_START in template and IM_END in template:
         return ChatMLRecipe(tokenizer)
     if "<|start_header_id|>" in template and "<|eot_id|>" in template:
@@ -76,7 +88,8 @@ def recipe_for(tokenizer: Tokenizer) -> ChatRecipe:
         return MistralRecipe(tokenizer)
     raise ModelLoadError(
         "unsupported chat template: deepinfer's injection-safe encoder knows ChatML "
-        "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2), Llama 3 (<|start_header_id|>), "
+        "(<|im_start|>/<|im_end|>, e.g. SmolLM2, Qwen2; Qwen3 with think blocks), "
+        "DeepSeek-R1-distill (<｜User｜>/<｜Assistant｜>), Llama 3 (<|start_header_id|>), "
         "Gemma (<start_of_turn>), Mistral ([INST]) and models without a template"
     )
 
@@ -85,6 +98,9 @@ class FamilyRecipe(ChatRecipe):
     """A format whose markers are all control tokens and whose prompt starts with BOS."""
 
     family = ""
+    num_turn_end_pieces = 1
+    """Pieces that close a turn (its end marker and what follows it): left off the final turn
+    when it is continued."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)
@@ -99,6 +115,8 @@ class FamilyRecipe(ChatRecipe):
         add_generation_prompt: bool = True,
         reasoning_effort: ReasoningEffort | None = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         why = (
             f"deepinfer writes tool calls in ChatML only, not in this model's {self.family} format"
@@ -111,8 +129,12 @@ class FamilyRecipe(ChatRecipe):
                     f"not in this model's {self.family} format",
                     param=f"messages[{i}].role",
                 )
+        if continue_final_message:
+            self._check_prefill(turns)
         pieces = self.pieces(self._with_effort(system, reasoning_effort), turns)
-        if add_generation_prompt:
+        if continue_final_message:  # the last turn stays open
+            del pieces[len(pieces) - self.num_turn_end_pieces :]
+        elif add_generation_prompt:
             pieces += self.generation_prompt()
         return self._encode_pieces([self.bos_id, *pieces])
 
@@ -176,6 +198,7 @@ class Llama3Recipe(FamilyRecipe):
 
 class GemmaRecipe(FamilyRecipe):
     family = "Gemma"
+    num_turn_end_pieces = 2
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)

@@ -26,22 +26,34 @@ from deepinfer.errors import (
 from deepinfer.outputs import PromptLogprob, SampledToken
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.sampling.grammar import grammar_text
+from deepinfer.text.reasoning import ReasoningFormat
 from deepinfer.text.recipe import ChatMessage, ToolSpec
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK_OPEN_ID, THINK_CLOSE_ID = 0x110000 + 3, 0x110000 + 4
+THINK = {THINK_OPEN_ID: "<think>", THINK_CLOSE_ID: "</think>"}
+"""Think markers past the characters, for a recipe given a `ReasoningFormat` (`reasoning`):
+a scripted reply spells them `\x00<think>` / `\x00</think>` (`reply_ids`)."""
 REPLY = "Hello there! I am a fake model, replying one character per step. "
 
 
 class FakeTokenizer:
-    vocab_size = len(SPECIALS) + 0x110000
+    vocab_size = len(SPECIALS) + 0x110000 + len(THINK)
     max_token_bytes: int | None = None
     """No untokenized refusals: API tests send prompts of any size through."""
 
     def encode(self, text: str) -> list[int]:
         return [len(SPECIALS) + ord(c) for c in text]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(SPECIALS[i] if i < len(SPECIALS) else chr(i - len(SPECIALS)) for i in ids)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(
+            ("" if skip_special_tokens else SPECIALS[i]) if i < len(SPECIALS) else self.text(i)
+            for i in ids
+        )
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return THINK.get(token_id) or chr(token_id - len(SPECIALS))
 
 
 class FakeRecipe:
@@ -49,6 +61,8 @@ class FakeRecipe:
 
     def __init__(self, tokenizer: FakeTokenizer) -> None:
         self.tok = tokenizer
+        self.reasoning: ReasoningFormat | None = None
+        """Set by a test: answers are split by the think-marker ids (`THINK`)."""
 
     def encode(
         self,
@@ -57,6 +71,8 @@ class FakeRecipe:
         add_generation_prompt: bool = True,
         reasoning_effort: Any = None,
         tools: Sequence[ToolSpec] = (),
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         ids: list[int] = []
         if tools:
@@ -70,7 +86,11 @@ class FakeRecipe:
             calls = "".join(f"\n{c.name}({c.arguments})" for c in m.tool_calls)
             body = f"{m.role}\n{m.content}{calls}"
             ids += [1, *self.tok.encode(body), 2, *self.tok.encode("\n")]
-        if add_generation_prompt:
+        if continue_final_message:  # the final turn left open (a prefill)
+            if not messages or messages[-1].role != "assistant":
+                raise InvalidRequestError("no assistant message to continue", "messages")
+            del ids[-2:]
+        elif add_generation_prompt:
             ids += [1, *self.tok.encode("assistant\n")]
         return ids
 
@@ -221,7 +241,9 @@ class FakeEngine:
                 end = reply.index(s) + (len(s) if params.include_stop_str_in_output else 0)
                 reply, stop_reason = reply[:end], s
         stream = FakeStream(rid, len(ids), self)
-        self._reqs[rid] = _Req(rid, ids, params, self.tokenizer.encode(reply), stop_reason, stream)
+        self._reqs[rid] = _Req(
+            rid, ids, params, reply_ids(self.tokenizer, reply), stop_reason, stream
+        )
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -300,6 +322,18 @@ def _prompt_scores(prompt: list[int], num_top: int | None) -> tuple[PromptLogpro
         top = tuple((token + k, lp - k) for k in range(num_top))
         entries.append(PromptLogprob(token, lp, 1, top))
     return tuple(entries)
+
+
+def reply_ids(tok: FakeTokenizer, reply: str) -> list[int]:
+    """A scripted reply's ids: `\x00<think>` and `\x00</think>` are the marker ids."""
+    ids: list[int] = []
+    for k, part in enumerate(reply.split("\x00")):
+        marker = next((i for i, t in THINK.items() if k and part.startswith(t)), None)
+        if marker is not None:
+            ids.append(marker)
+            part = part[len(THINK[marker]) :]
+        ids += tok.encode(part)
+    return ids
 
 
 def _check_parts(params: SamplingParams) -> None:

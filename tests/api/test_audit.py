@@ -42,16 +42,18 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
     ("function_call", "auto", None),
     ("verbosity", "low", "medium"),
     ("prompt_cache_retention", "24h", None),
+    ("chat_template", "{{ messages }}", None),
+]
+COMPLETION_REFUSED: list[tuple[str, Any, Any]] = [
+    # honoured by chat (api/prompt_options.py); a completion prompt has no chat turns
     ("add_generation_prompt", False, True),
     ("continue_final_message", True, False),
-    ("chat_template", "{{ messages }}", None),
     ("chat_template_kwargs", {"enable_thinking": True}, None),
     ("moderation", {"model": "omni-moderation-latest"}, None),
     ("prompt_cache_options", {"mode": "auto"}, None),
 ]
 
 ANTHROPIC_REFUSED: list[tuple[str, Any, Any]] = [
-    ("thinking", {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}),
     ("service_tier", "priority", "auto"),
     ("container", "container_1", None),
     ("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}], []),
@@ -66,8 +68,17 @@ def post(server: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=30)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize(("field", "refused", "default"), OPENAI_REFUSED)
+@pytest.mark.parametrize(
+    ("path", "field", "refused", "default"),
+    [
+        *(
+            (p, *case)
+            for p in ("/v1/chat/completions", "/v1/completions")
+            for case in OPENAI_REFUSED
+        ),
+        *(("/v1/completions", *case) for case in COMPLETION_REFUSED),
+    ],
+)
 def test_openai_refused_field(
     fake_server: LiveServer, path: str, field: str, refused: Any, default: Any
 ) -> None:

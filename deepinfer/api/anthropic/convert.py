@@ -18,6 +18,7 @@ from deepinfer.api.anthropic.schemas import (
 )
 from deepinfer.api.anthropic.tools import block_turns
 from deepinfer.api.http.errors import ApiError, ErrorKind
+from deepinfer.api.prompt_options import PromptOptions
 from deepinfer.api.tools.structured import anthropic_spec
 from deepinfer.engine.types import Usage
 from deepinfer.errors import InvalidRequestError
@@ -65,6 +66,22 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
         else:
             out += block_turns(m.role, m.content, param, declared)
     return out
+
+
+def prompt_options(req: CountTokensRequest, messages: list[ChatMessage]) -> PromptOptions:
+    """A trailing assistant message is a prefill: the answer continues it (Anthropic's rule,
+    and its 400 for trailing whitespace there, which a continuation could not follow).
+    `thinking` is a reasoning model's switch (absent: the model's default)."""
+    thinking = None if req.thinking is None else req.thinking.type == "enabled"
+    if not req.messages or req.messages[-1].role != "assistant":
+        return PromptOptions(enable_thinking=thinking)
+    last = messages[-1]
+    if last.role != "assistant" or last.tool_calls:  # a turn of calls is closed as before
+        return PromptOptions(enable_thinking=thinking)
+    if last.content != last.content.rstrip():
+        param = f"messages.{len(req.messages) - 1}.content"
+        raise invalid(param, "final assistant content cannot end with trailing whitespace")
+    return PromptOptions(False, True, thinking)
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:

@@ -13,6 +13,7 @@ from deepinfer.api.anthropic.convert import (
     chat_messages,
     config_format,
     delta_usage,
+    prompt_options,
     sampling_params,
     stop_reason,
     usage_out,
@@ -26,7 +27,10 @@ from deepinfer.api.anthropic.schemas import (
     MessageStop,
     Ping,
     StopDelta,
+    TextBlock,
+    ThinkingBlock,
     TokenCount,
+    ToolUseBlock,
     check_refused,
     reasoning_effort,
 )
@@ -44,11 +48,13 @@ from deepinfer.api.http.errors import anthropic_error_response, anthropic_payloa
 from deepinfer.api.http.sse import EventStreamResponse, event_frame, unless_disconnected
 from deepinfer.api.limits import check_anthropic
 from deepinfer.api.protocol import OutputStream
+from deepinfer.api.reasoning import reasoning_plan
 from deepinfer.api.streams import collect
 from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolStream
 from deepinfer.api.tools.structured import anthropic_spec
 from deepinfer.engine.types import Usage
+from deepinfer.text.reasoning import ReasoningSplitter
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -73,7 +79,10 @@ def _count_handler(ctx: ApiContext) -> Handler:
             specs = anthropic_plan(req).specs
             messages = chat_messages(req)
             effort = reasoning_effort(req)
-            ids = await ctx.encode_chat(messages, effort, within_context=False, tools=specs)
+            options = prompt_options(req, messages)
+            ids = await ctx.encode_chat(
+                messages, effort, within_context=False, tools=specs, options=options
+            )
         except Exception as exc:
             return anthropic_error_response(exc)
         return json_response(TokenCount(len(ids)))
@@ -89,8 +98,12 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             check_refused(req, req.metadata)
             check_anthropic(req, ctx.limits)
             plan = anthropic_plan(req)
-            effort = reasoning_effort(req)
-            ids = await ctx.encode_chat(chat_messages(req), effort, tools=plan.specs)
+            messages = chat_messages(req)
+            options = prompt_options(req, messages)
+            reasoning = reasoning_plan(ctx.engine.recipe, options)
+            ids = await ctx.encode_chat(
+                messages, reasoning_effort(req), tools=plan.specs, options=options
+            )
             params = ctx.chat_sampling(sampling_params(req))
             params = answer_constraint(params, plan, recipe_format(ctx.engine.recipe))
             mid = new_id("msg_")
@@ -99,7 +112,7 @@ def _messages_handler(ctx: ApiContext) -> Handler:
         except Exception as exc:
             return anthropic_error_response(exc)
         if req.stream:
-            events = _events(ctx, mid, stream, req, plan)
+            events = _events(ctx, mid, stream, req, plan, reasoning.splitter(ctx.engine.tokenizer))
             return EventStreamResponse(events, stream.aclose)
         try:
             done, result = await unless_disconnected(request.receive, collect(stream))
@@ -109,7 +122,14 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             await stream.aclose()
             return Response(status_code=CLIENT_CLOSED)
         tools = ToolStream(plan, TOOL_ID_PREFIX) if plan.parses_calls else None
-        content = answer_blocks(result.text, tools)
+        splitter = reasoning.splitter(ctx.engine.tokenizer)
+        text, thought = result.text, None
+        if splitter is not None:
+            thought, text = splitter.feed_parts(result.text, result.token_ids)
+        content: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+        if splitter is not None and splitter.has_block:
+            content.append(ThinkingBlock(thought or ""))
+        content += answer_blocks(text, tools)
         num_calls = 0 if tools is None else tools.num_calls
         reason, sequence = stop_reason(
             result.finish_reason, result.stop_reason, req.stop_sequences, num_calls
@@ -128,11 +148,17 @@ def _messages_handler(ctx: ApiContext) -> Handler:
 
 
 async def _events(
-    ctx: ApiContext, mid: str, stream: OutputStream, req: MessagesRequest, plan: ToolPlan
+    ctx: ApiContext,
+    mid: str,
+    stream: OutputStream,
+    req: MessagesRequest,
+    plan: ToolPlan,
+    splitter: ReasoningSplitter | None,
 ) -> AsyncIterator[bytes]:
     """message_start, content_block_start, ping, content_block_delta*, content_block_stop,
-    message_delta (stop reason and final usage), message_stop. With tools, blocks open as the
-    answer needs them (`BlockEvents`): text, then a tool_use block per call.
+    message_delta (stop reason and final usage), message_stop. With tools or a reasoning
+    model (`splitter`), blocks open as the answer needs them (`BlockEvents`): a thinking
+    block (`thinking_delta`s), text, then a tool_use block per call.
 
     message_start is sent at once, before the prefix-cache lookup is known; message_delta carries
     the final cumulative usage, cache reads included."""
@@ -141,14 +167,19 @@ async def _events(
     yield event_frame("message_start", MessageStart(start))
     tools = ToolStream(plan, TOOL_ID_PREFIX) if plan.parses_calls else None
     blocks = BlockEvents(tools)
-    if tools is None:
+    if tools is None and splitter is None:
         for event in blocks.open_text():
             yield event_frame(event_name(event), event)
     yield event_frame("ping", Ping())
     try:
         async for out in stream:
             usage = out.usage
-            for event in blocks.events(out.text, out.finish_reason is not None):
+            text = out.text
+            if splitter is not None:
+                thought, text = splitter.feed_parts(out.text, out.token_ids)
+                for event in blocks.thinking(thought) if thought else ():
+                    yield event_frame(event_name(event), event)
+            for event in blocks.events(text, out.finish_reason is not None):
                 yield event_frame(event_name(event), event)
             if out.finish_reason is not None:
                 num_calls = 0 if tools is None else tools.num_calls

@@ -58,10 +58,13 @@ class OutputConfig(msgspec.Struct):
     effort: str | None = None
 
 
+MIN_THINKING_BUDGET = 1024
+"""Anthropic's least `thinking.budget_tokens`."""
+
+
 def check_refused(req: AnthropicRefusedFields, metadata: dict[str, Any] | None) -> None:
     """400 naming the first field set to a value this server would have to honour."""
-    if req.thinking is not None and req.thinking.type != "disabled":
-        raise unsupported("thinking", "extended thinking is not supported; use 'disabled'")
+    check_thinking(req.thinking, getattr(req, "max_tokens", None))
     if req.service_tier not in _TIERS:
         raise unsupported("service_tier", "only 'auto' and 'standard_only' are supported")
     if req.speed not in _SPEEDS:
@@ -79,6 +82,21 @@ def check_refused(req: AnthropicRefusedFields, metadata: dict[str, Any] | None) 
     for key in metadata or {}:
         if key != "user_id":
             raise unsupported(f"metadata.{key}", "only metadata.user_id is accepted")
+
+
+def check_thinking(thinking: ThinkingConfig | None, max_tokens: int | None) -> None:
+    """`thinking` as Anthropic takes it: `disabled`, or `enabled` with a budget of at least
+    1024 tokens, below `max_tokens`. The budget is not enforced: the model's think block ends
+    when the model ends it (or at `max_tokens`)."""
+    if thinking is None or thinking.type == "disabled":
+        return
+    if thinking.type != "enabled":
+        raise unsupported("thinking.type", "use 'enabled' or 'disabled'")
+    budget = thinking.budget_tokens
+    if budget is None or budget < MIN_THINKING_BUDGET:
+        raise unsupported("thinking.budget_tokens", f"must be at least {MIN_THINKING_BUDGET}")
+    if max_tokens is not None and budget >= max_tokens:
+        raise unsupported("thinking.budget_tokens", "must be less than max_tokens")
 
 
 # ---- requests
@@ -170,6 +188,13 @@ class TextBlock(msgspec.Struct, tag_field="type", tag="text"):
     text: str
 
 
+class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking"):
+    """A reasoning model's think block; `signature` is empty (nothing is signed here)."""
+
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
     id: str
     name: str
@@ -179,7 +204,7 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
 class Message(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None
     usage: UsageOut
@@ -196,7 +221,7 @@ class MessageStart(msgspec.Struct, tag_field="type", tag="message_start"):
 
 class ContentBlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
     index: int
-    content_block: TextBlock | ToolUseBlock
+    content_block: ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class Ping(msgspec.Struct, tag_field="type", tag="ping"):
@@ -207,13 +232,17 @@ class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta"):
     text: str
 
 
+class ThinkingDelta(msgspec.Struct, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
 class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta"):
     partial_json: str
 
 
 class ContentBlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: ThinkingDelta | TextDelta | InputJsonDelta
 
 
 class ContentBlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):

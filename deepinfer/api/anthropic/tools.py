@@ -17,6 +17,8 @@ from deepinfer.api.anthropic.schemas import (
     InputJsonDelta,
     TextBlock,
     TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
     ToolChoiceIn,
     ToolIn,
     ToolUseBlock,
@@ -191,6 +193,12 @@ class BlockEvents:
         """Open a text block now (answers without tools start with one at once)."""
         return self._start(TextBlock(""), "text")
 
+    def thinking(self, text: str) -> Iterator[Event]:
+        """A piece of the think block (opened at its first piece; it precedes all else)."""
+        if self.open != "thinking":
+            yield from self._start(ThinkingBlock(""), "thinking")
+        yield ContentBlockDelta(self.index, ThinkingDelta(text))
+
     def events(self, text: str, finished: bool) -> Iterator[Event]:
         if self.stream is None:
             parsed: list[ParseEvent] = [ContentDelta(text)] if text else []
@@ -199,7 +207,7 @@ class BlockEvents:
         for e in parsed:
             yield from self._event(e)
         if finished:
-            if self.open is None:
+            if self.open in (None, "thinking"):
                 yield from self._start(TextBlock(""), "text")
             yield ContentBlockStop(self.index)
 
@@ -215,7 +223,7 @@ class BlockEvents:
             if e.arguments:
                 yield ContentBlockDelta(self.index, InputJsonDelta(e.arguments))
 
-    def _start(self, block: TextBlock | ToolUseBlock, kind: str) -> Iterator[Event]:
+    def _start(self, block: ThinkingBlock | TextBlock | ToolUseBlock, kind: str) -> Iterator[Event]:
         if self.open is not None:
             yield ContentBlockStop(self.index)
         self.index += 1

@@ -39,11 +39,14 @@ from deepinfer.api.openai.schemas import (
 )
 from deepinfer.api.openai.streams import chat_frames, completion_frames
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
+from deepinfer.api.prompt_options import openai_prompt_options
 from deepinfer.api.protocol import OutputStream
+from deepinfer.api.reasoning import reasoning_plan
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
 from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
+from deepinfer.text.reasoning import ReasoningSplitter
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -82,12 +85,17 @@ def _chat_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, ChatCompletionRequest)
-            check_refused(req)
+            check_refused(req, chat=True)
             check_openai_chat(req, ctx.limits)
             messages = chat_messages(req.messages)
+            options = openai_prompt_options(
+                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+            )
             plan = openai_plan(req)
             n = check_choices(req.n)
-            ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs)
+            ids = await ctx.encode_chat(
+                messages, req.reasoning_effort, tools=plan.specs, options=options
+            )
             max_tokens = req.max_completion_tokens
             if max_tokens is None:
                 max_tokens = req.max_tokens
@@ -98,6 +106,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
                 raise invalid("top_logprobs", "needs logprobs: true")
             if req.prompt_logprobs is not None and req.stream:
                 raise invalid("prompt_logprobs", "not supported with stream: true on chat")
+            reasoning = reasoning_plan(ctx.engine.recipe, options)
             fmt = recipe_format(ctx.engine.recipe)
             scored = req.prompt_logprobs
             params = [
@@ -127,7 +136,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             every = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             frames = chat_frames(
                 ctx, rid, created, streams, include_usage, top is not None,
-                usage_every_chunk=every, plan=plan,
+                usage_every_chunk=every, plan=plan, reasoning=reasoning,
             )  # fmt: skip
             return EventStreamResponse(frames, lambda: close_all(streams))
         try:
@@ -138,9 +147,12 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             return Response(status_code=CLIENT_CLOSED)
         tok = ctx.engine.tokenizer
         choices = [
-            _chat_choice(i, r, plan, chat_logprobs(tok, r.logprobs) if top is not None else None)
+            _chat_choice(
+                i, r, plan, chat_logprobs(tok, r.logprobs) if top is not None else None,
+                reasoning.splitter(tok),
+            )
             for i, r in enumerate(results)
-        ]
+        ]  # fmt: skip
         usage = usage_out(total_usage([r.usage for r in results], 1))
         answer = ChatCompletion(
             rid, created, ctx.model_name, choices, usage,
@@ -155,11 +167,21 @@ def _chat_handler(ctx: ApiContext) -> Handler:
 
 
 def _chat_choice(
-    index: int, result: Collected, plan: ToolPlan, logprobs: ChoiceLogprobs | None
+    index: int,
+    result: Collected,
+    plan: ToolPlan,
+    logprobs: ChoiceLogprobs | None,
+    splitter: ReasoningSplitter | None,
 ) -> ChatChoice:
-    """A whole answer as a choice: calls parsed when the request has tools."""
+    """A whole answer as a choice: its think block as `reasoning_content`, calls parsed from
+    the rest when the request has tools."""
     stream = ToolStream(plan, CALL_ID_PREFIX) if plan.parses_calls else None
-    message = answer_message(result.text, stream)
+    text, reasoning = result.text, None
+    if splitter is not None:
+        reasoning, text = splitter.feed_parts(result.text, result.token_ids)
+        reasoning = reasoning if splitter.has_block else None
+    message = answer_message(text, stream)
+    message.reasoning_content = reasoning
     reason = finish_reason(result.finish_reason) or "stop"
     if stream is not None and called(result.finish_reason, stream.num_calls):
         reason = "tool_calls"

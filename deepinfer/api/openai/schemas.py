@@ -62,8 +62,10 @@ class OpenAIRefusedFields(msgspec.Struct):
     prompt_cache_options: msgspec.Raw = msgspec.Raw()
 
 
-def check_refused(req: OpenAIRefusedFields) -> None:
-    """400 naming the first field set to a value this server would have to honour."""
+def check_refused(req: OpenAIRefusedFields, *, chat: bool = False) -> None:
+    """400 naming the first field set to a value this server would have to honour. Chat honours
+    the prompt's fields (`add_generation_prompt`, `continue_final_message`,
+    `chat_template_kwargs`: `api/prompt_options.py`); completions have no chat prompt."""
     refuse_set(
         {
             "best_of": req.best_of not in (None, 1),
@@ -79,16 +81,16 @@ def check_refused(req: OpenAIRefusedFields) -> None:
             "functions": bool(req.functions),
             "function_call": is_set(req.function_call),
             "prompt_cache_retention": req.prompt_cache_retention is not None,
-            "continue_final_message": bool(req.continue_final_message),
+            "continue_final_message": not chat and bool(req.continue_final_message),
             "chat_template": req.chat_template is not None,
-            "chat_template_kwargs": is_set(req.chat_template_kwargs),
+            "chat_template_kwargs": not chat and is_set(req.chat_template_kwargs),
             "moderation": is_set(req.moderation),
             "prompt_cache_options": is_set(req.prompt_cache_options),
         },
         "not supported by this server",
     )
-    if req.add_generation_prompt is False:
-        raise unsupported("add_generation_prompt", "the prompt always ends with the assistant turn")
+    if req.add_generation_prompt is False and not chat:
+        raise unsupported("add_generation_prompt", "a completion prompt has no chat turns")
     if req.service_tier not in _TIERS:
         raise unsupported("service_tier", "only 'auto' and 'default' are supported")
     if req.modalities is not None and req.modalities != ["text"]:
@@ -267,6 +269,8 @@ class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    """A reasoning model's think block (vLLM's and DeepSeek's field); null without one."""
 
 
 class ChatChoice(msgspec.Struct):
@@ -305,6 +309,7 @@ class ToolCallChunk(msgspec.Struct, omit_defaults=True):
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallChunk] | None = None
 
 

@@ -26,6 +26,7 @@ from deepinfer.api.openai.schemas import (
 )
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, event_deltas
 from deepinfer.api.protocol import OutputStream
+from deepinfer.api.reasoning import NO_REASONING, ReasoningPlan
 from deepinfer.api.streams import merge, total_usage
 from deepinfer.api.tools.plan import NO_TOOLS, ToolPlan, ToolStream, called
 from deepinfer.engine.types import GenerationOutput, Usage
@@ -41,13 +42,16 @@ async def chat_frames(
     *,
     usage_every_chunk: bool = False,
     plan: ToolPlan = NO_TOOLS,
+    reasoning: ReasoningPlan = NO_REASONING,
 ) -> AsyncIterator[bytes]:
     """`usage_every_chunk` (vLLM's `continuous_usage_stats`): each chunk carries the usage so far.
-    With tools (`plan`), each choice's text goes through a `ToolStream`: content and call deltas
-    come in the order written."""
+    A reasoning model's think block streams as `delta.reasoning_content` chunks ahead of the
+    content. With tools (`plan`), each choice's content goes through a `ToolStream`: content
+    and call deltas come in the order written."""
     model, tok, fp = ctx.model_name, ctx.engine.tokenizer, ctx.engine.system_fingerprint
     usages: list[Usage] = [Usage(s.num_prompt_tokens, 0, 0) for s in streams]
     tools = [ToolStream(plan, CALL_ID_PREFIX) for _ in streams] if plan.parses_calls else None
+    splitters = [reasoning.splitter(tok) for _ in streams]
 
     def chunk(choices: list[ChunkChoice]) -> bytes:
         usage = usage_out(total_usage(usages, 1)) if usage_every_chunk else None
@@ -62,11 +66,16 @@ async def chat_frames(
         async for i, out in merge(streams):
             usages[i] = out.usage
             lp = chat_logprobs(tok, out.logprobs) if want_logprobs else None
+            text, splitter = out.text, splitters[i]
+            if splitter is not None:
+                thought, text = splitter.feed_parts(out.text, out.token_ids)
+                if thought:
+                    yield chunk([ChunkChoice(i, ChunkDelta(reasoning_content=thought))])
             if tools is not None:
-                for choice in _tool_chunks(i, tools[i], out, lp):
+                for choice in _tool_chunks(i, tools[i], out, lp, text):
                     yield chunk([choice])
-            elif out.text or lp is not None or out.finished:
-                delta = ChunkDelta(content=out.text or None)
+            elif text or lp is not None or out.finished:
+                delta = ChunkDelta(content=text or None)
                 yield chunk([ChunkChoice(i, delta, lp, finish_reason(out.finish_reason))])
     except Exception as exc:
         yield data_frame(openai_payload(to_api_error(exc)))
@@ -79,11 +88,11 @@ async def chat_frames(
 
 
 def _tool_chunks(
-    index: int, stream: ToolStream, out: GenerationOutput, lp: ChoiceLogprobs | None
+    index: int, stream: ToolStream, out: GenerationOutput, lp: ChoiceLogprobs | None, text: str
 ) -> list[ChunkChoice]:
-    """Choice `index`'s chunks for one output: its parsed deltas (the logprobs on the first),
-    the finish reason on the last (`tool_calls` after a call)."""
-    deltas = event_deltas(stream.feed(out.text, out.finished), stream)
+    """Choice `index`'s chunks for one output (`text`: its content): its parsed deltas (the
+    logprobs on the first), the finish reason on the last (`tool_calls` after a call)."""
+    deltas = event_deltas(stream.feed(text, out.finished), stream)
     if not deltas and (out.finished or lp is not None):
         deltas.append(ChunkDelta())
     choices = [ChunkChoice(index, d) for d in deltas]

@@ -31,6 +31,7 @@ from deepinfer.api.limits import check_tools, over_limit
 from deepinfer.api.openai.convert import chat_messages
 from deepinfer.api.openai.schemas import ChatMessageIn, ModelCard
 from deepinfer.api.openai.tools import tool_specs
+from deepinfer.api.prompt_options import openai_prompt_options
 from deepinfer.engine.prompts import off_loop
 from deepinfer.errors import InvalidRequestError
 
@@ -50,7 +51,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool | None = None
     """Prompt: BOS when the model wants one (default True). Chat: the recipe adds them."""
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    """Default true for `messages` (with `continue_final_message`: false)."""
     return_token_strs: bool = False
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -111,16 +113,16 @@ def _check_tokenize(req: TokenizeRequest) -> None:
         )
     refuse_set(
         {
-            "continue_final_message": req.continue_final_message,
+            "continue_final_message": req.prompt is not None and req.continue_final_message,
             "chat_template": req.chat_template is not None,
-            "chat_template_kwargs": is_set(req.chat_template_kwargs),
+            "chat_template_kwargs": req.prompt is not None and is_set(req.chat_template_kwargs),
             "mm_processor_kwargs": is_set(req.mm_processor_kwargs),
         },
         "not supported by this server",
     )
     if req.messages is not None and req.add_special_tokens:
         raise unsupported("add_special_tokens", "the chat recipe adds the special tokens")
-    if req.prompt is not None and not req.add_generation_prompt:
+    if req.prompt is not None and req.add_generation_prompt is False:
         raise unsupported("add_generation_prompt", "applies to `messages` only")
     if req.prompt is not None and req.tools:
         raise unsupported("tools", "apply to `messages` only")
@@ -139,10 +141,22 @@ async def _token_ids(ctx: ApiContext, req: TokenizeRequest) -> list[int]:
     check_tools(req.tools, ctx.limits)
     messages = chat_messages(req.messages)
     tools = tool_specs(req.tools)
+    options = openai_prompt_options(
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        closed_prompts=True,
+    )
     size = sum(len(m.content) for m in messages) + sum(len(t.definition) for t in tools)
-    gen = req.add_generation_prompt
     return await off_loop(
-        size, lambda: recipe.encode(messages, add_generation_prompt=gen, tools=tools)
+        size,
+        lambda: recipe.encode(
+            messages,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            enable_thinking=options.enable_thinking,
+            tools=tools,
+        ),
     )
 
 

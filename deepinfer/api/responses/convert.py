@@ -30,8 +30,9 @@ def invalid(param: str, message: str) -> ApiError:
 
 def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
     """The turns an `input` adds: a string is one user message; items are messages (text parts
-    only), `function_call` items (joined to the assistant turn they follow) and
-    `function_call_output` items (tool turns)."""
+    only), `function_call` items (joined to the assistant turn they follow),
+    `function_call_output` items (tool turns) and `reasoning` items (dropped, as the reasoning
+    templates drop earlier think blocks)."""
     if isinstance(items, str):
         return [ChatMessage("user", items)]
     out: list[ChatMessage] = []
@@ -43,6 +44,8 @@ def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
             out.append(_call_output(item, f"input[{i}]"))
         elif kind == "message":
             out.append(_message(item, f"input[{i}]"))
+        elif kind == "reasoning":
+            continue  # an earlier answer's think block: history keeps no reasoning
         else:
             raise invalid(
                 f"input[{i}].type",

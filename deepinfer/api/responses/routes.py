@@ -18,6 +18,8 @@ from deepinfer.api.http.cache_options import cache_options, cache_salt
 from deepinfer.api.http.errors import ApiError, ErrorKind, openai_error_response
 from deepinfer.api.http.sse import EventStreamResponse, unless_disconnected
 from deepinfer.api.limits import check_responses
+from deepinfer.api.prompt_options import DEFAULT_PROMPT
+from deepinfer.api.reasoning import reasoning_plan
 from deepinfer.api.responses.convert import input_messages, invalid, prompt_messages, status_of
 from deepinfer.api.responses.fields import check_fields, reasoning_effort
 from deepinfer.api.responses.items import whole_answer
@@ -72,8 +74,11 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
             )
         except Exception as exc:
             return openai_error_response(exc)
+        tok = ctx.engine.tokenizer
+        reasoning = reasoning_plan(ctx.engine.recipe, DEFAULT_PROMPT)
         if req.stream:
-            return EventStreamResponse(response_events(pending, stream, store), stream.aclose)
+            events = response_events(pending, stream, store, reasoning.splitter(tok))
+            return EventStreamResponse(events, stream.aclose)
         try:
             done, result = await unless_disconnected(request.receive, collect(stream))
         except Exception as exc:
@@ -82,7 +87,10 @@ def _create_handler(ctx: ApiContext, store: ResponseStore) -> Handler:
             await stream.aclose()
             return Response(status_code=CLIENT_CLOSED)
         status, _ = status_of(result.finish_reason)
-        output = whole_answer(pending.plan, pending.message_id, result.text, status)
+        output = whole_answer(
+            pending.plan, pending.message_id, result.text, status,
+            reasoning.splitter(tok), result.token_ids,
+        )  # fmt: skip
         body = pending.finish(output, result.finish_reason, result.usage, store)
         return json_response(body)
 

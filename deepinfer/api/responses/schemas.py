@@ -134,7 +134,20 @@ class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
     status: str
 
 
-OutputItem = OutputMessage | FunctionCall
+class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """A reasoning model's think block, in full (no summary is made)."""
+
+    id: str
+    status: str
+    content: list[ReasoningText]
+    summary: list[Any] = msgspec.field(default_factory=list)
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCall
 
 
 class IncompleteDetails(msgspec.Struct):
@@ -279,6 +292,22 @@ class OutputTextDone(msgspec.Struct, tag_field="type", tag="response.output_text
     content_index: int
     text: str
     logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class ReasoningTextDelta(msgspec.Struct, tag_field="type", tag="response.reasoning_text.delta"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(msgspec.Struct, tag_field="type", tag="response.reasoning_text.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class StreamError(msgspec.Struct, tag_field="type", tag="error"):

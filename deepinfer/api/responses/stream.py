@@ -30,6 +30,7 @@ from deepinfer.api.responses.schemas import (
 )
 from deepinfer.api.responses.store import ResponseStore
 from deepinfer.engine.types import GenerationOutput
+from deepinfer.text.reasoning import ReasoningSplitter
 
 _FINAL = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}
 
@@ -39,17 +40,20 @@ def _frame(event: Any) -> bytes:
 
 
 async def response_events(
-    pending: Pending, stream: OutputStream, store: ResponseStore
+    pending: Pending,
+    stream: OutputStream,
+    store: ResponseStore,
+    splitter: ReasoningSplitter | None = None,
 ) -> AsyncIterator[bytes]:
     seq = itertools.count()
-    items = OutputItems(pending.plan, pending.message_id, seq)
+    items = OutputItems(pending.plan, pending.message_id, seq, splitter)
     for event in _opening(pending, items, seq):
         yield _frame(event)
     last: GenerationOutput | None = None
     try:
         async for out in stream:
             last = out
-            for event in items.feed(out.text, out.finished):
+            for event in items.feed(out.text, out.finished, out.token_ids):
                 yield _frame(event)
     except Exception as exc:
         err = to_api_error(exc)

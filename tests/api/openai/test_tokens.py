@@ -53,6 +53,15 @@ def check_chat(server: LiveServer) -> None:
         r = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": gen})
         assert r.status_code == 200, r.text
         assert r.json()["tokens"] == engine.recipe.encode(messages, add_generation_prompt=gen)
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Sure"}]
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    r = post(server, "/tokenize", {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    continued = [*messages, ChatMessage("assistant", "Sure")]
+    expected = engine.recipe.encode(
+        continued, add_generation_prompt=False, continue_final_message=True, enable_thinking=False
+    )
+    assert r.json()["tokens"] == expected
 
 
 def check_chat_with_tools(server: LiveServer) -> None:
@@ -90,7 +99,11 @@ def test_token_strs(fake_server: LiveServer) -> None:
     [
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
-        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "messages"),
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ("/tokenize", {"prompt": "a", "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools_in_user": True}}, "chat_template_kwargs.tools_in_user"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{x}}"}, "chat_template"),
         ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].type"),
         ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "x", "function": {"name": "f"}}]}, "tools[0].type"),

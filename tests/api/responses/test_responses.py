@@ -188,7 +188,7 @@ def test_unknown_fields_accepted_informational_fields_too(client: openai.OpenAI)
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]}, "input[0].arguments"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0].type"),
         ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role"),
     ],
