@@ -43,14 +43,14 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
     ("verbosity", "low", "medium"),
     ("prompt_cache_retention", "24h", None),
     ("chat_template", "{{ messages }}", None),
+    ("moderation", {"model": "omni-moderation-latest"}, None),
+    ("prompt_cache_options", {"mode": "auto"}, None),
 ]
 COMPLETION_REFUSED: list[tuple[str, Any, Any]] = [
     # honoured by chat (api/prompt_options.py); a completion prompt has no chat turns
     ("add_generation_prompt", False, True),
     ("continue_final_message", True, False),
     ("chat_template_kwargs", {"enable_thinking": True}, None),
-    ("moderation", {"model": "omni-moderation-latest"}, None),
-    ("prompt_cache_options", {"mode": "auto"}, None),
 ]
 
 ANTHROPIC_REFUSED: list[tuple[str, Any, Any]] = [
@@ -94,7 +94,7 @@ def test_openai_refused_field(
 def test_every_refused_field_is_tried() -> None:
     """Each field declared as refused is sent by the tests above (by its wire name)."""
     for struct, tried in [
-        (OpenAIRefusedFields, OPENAI_REFUSED),
+        (OpenAIRefusedFields, OPENAI_REFUSED + COMPLETION_REFUSED),
         (AnthropicRefusedFields, ANTHROPIC_REFUSED),
     ]:
         declared = {f.encode_name for f in msgspec.structs.fields(struct)}

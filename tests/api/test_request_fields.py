@@ -94,9 +94,7 @@ IDS = [r.route for r in ROUTES]
 DECODED_LATER: tuple[type[msgspec.Struct], ...] = (ToolIn, FunctionTool, ResponsesTool, NamedChoice)
 """Structs decoded from a raw field after the request limits sized it."""
 
-NESTED_WITHOUT_EFFECT = {
-    "ThinkingConfig.budget_tokens": "thinking is refused unless disabled, where it means nothing",
-}
+NESTED_WITHOUT_EFFECT: dict[str, str] = {}
 
 
 def _request_type_names() -> set[str]:

@@ -40,7 +40,6 @@ class AnthropicRefusedFields(msgspec.Struct):
     server keeps no per-user state); any other key is refused.
     """
 
-    thinking: ThinkingConfig | None = None
     service_tier: str | None = None
     container: msgspec.Raw = msgspec.Raw()
     mcp_servers: list[msgspec.Raw] | None = None
@@ -62,8 +61,9 @@ MIN_THINKING_BUDGET = 1024
 """Anthropic's least `thinking.budget_tokens`."""
 
 
-def check_refused(req: AnthropicRefusedFields, metadata: dict[str, Any] | None) -> None:
-    """400 naming the first field set to a value this server would have to honour."""
+def check_refused(req: CountTokensRequest, metadata: dict[str, Any] | None) -> None:
+    """400 naming the first field set to a value this server would have to honour, or a
+    `thinking` Anthropic would refuse."""
     check_thinking(req.thinking, getattr(req, "max_tokens", None))
     if req.service_tier not in _TIERS:
         raise unsupported("service_tier", "only 'auto' and 'standard_only' are supported")
@@ -137,6 +137,8 @@ class CountTokensRequest(AnthropicRefusedFields, kw_only=True):
     messages: list[MessageIn]
     model: str | None = None
     system: str | list[ContentBlockIn] | None = None
+    thinking: ThinkingConfig | None = None
+    """A reasoning model's switch (`check_thinking`, `convert.prompt_options`)."""
     tools: list[msgspec.Raw] | None = None
     """Counted and sized against `max_tools` and `max_schema_bytes`, then decoded as `ToolIn`."""
     tool_choice: ToolChoiceIn | None = None

@@ -3,7 +3,9 @@ and streamed) and the tool's result sent back."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +28,18 @@ WEATHER = {
 }
 QUESTION: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(autouse=True)
+def _thread_loop() -> Iterator[None]:
+    """litellm's blocking `completion` runs its service hooks on the thread's event loop, making
+    one (never closed) when there is none; garbage collected in a later test, it fails that test
+    with an unclosed-loop warning. Each test here gets a loop that is closed after it."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 def complete(base_url: str, **kwargs: Any) -> Any:
