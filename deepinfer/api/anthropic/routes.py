@@ -81,7 +81,7 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             req = await ctx.read_json(request, MessagesRequest)
             check_refused(req, req.metadata)
             check_anthropic(req, ctx.limits)
-            plan = anthropic_plan(req)
+            plan = anthropic_plan(req).written_in(recipe_format(ctx.engine.recipe))
             ids = await ctx.encode_chat(chat_messages(req), None, tools=plan.specs)
             params = forced_calls(sampling_params(req), plan, recipe_format(ctx.engine.recipe))
             mid = new_id("msg_")

@@ -84,7 +84,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             check_refused(req)
             check_openai_chat(req, ctx.limits)
             messages = chat_messages(req.messages)
-            plan = openai_plan(req)
+            plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
             n = check_choices(req.n)
             ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs)
             max_tokens = req.max_completion_tokens
