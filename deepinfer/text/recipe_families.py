@@ -320,8 +320,7 @@ class MistralRecipe(FamilyRecipe):
             if m.role == "user":
                 if tools and k == users[-1]:
                     out += fmt.definitions(tools)
-                last = k == len(turns) - 1
-                prefix = f"{system}\n\n" if last and system is not None else ""
+                prefix = f"{system}\n\n" if k == users[-1] and system is not None else ""
                 out += [self.inst_id, f" {prefix}{self._body(m)}", self.inst_end_id]
             elif m.tool_calls:
                 out += [*fmt.calls(m.tool_calls), self.eos_id]

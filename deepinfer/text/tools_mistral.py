@@ -10,10 +10,12 @@ Rendering (pieces; `[X]` is the control token, every other stretch is content te
   template drops it).
 - A tool result: `[TOOL_RESULTS]` " " + `{"content": CONTENT, "call_id": ID}` `[/TOOL_RESULTS]`.
 
-Two places where the template and `mistral_common` differ, and this follows `mistral_common`
-(what the models were trained on): a result whose text is not JSON is a JSON string (the
-template writes it bare, which is not JSON), and string values of a definition are JSON-escaped
-(the template writes them raw). Call ids are 9 letters or digits (the template refuses others):
+Where the template and `mistral_common` differ, this follows `mistral_common` (what the models
+were trained on): the system prompt opens the last user turn even when calls or results follow
+it (the template shows it only when that turn ends the conversation, so a conversation ending
+in tool results loses it); a result whose text is not JSON is a JSON string (the template writes
+it bare, which is not JSON); string values of a definition are JSON-escaped (the template writes
+them raw). Call ids are 9 letters or digits (the template refuses others):
 a client's id is cut to its last 9 letters and digits (zeros in front when shorter), the same
 for a call and the result answering it.
 

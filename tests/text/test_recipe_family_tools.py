@@ -10,8 +10,9 @@ The templates (tests/text/templates/), verbatim:
   Mistral-Large-Instruct-2407), as quoted in llama.cpp's tests/test-chat-template.cpp.
 - `qwen3.jinja`: Qwen/Qwen3-0.6B's template, from llama.cpp's models/templates/.
 
-Each family's vocabulary is SmolLM2's with the family's control tokens added
-(`write_tokenizer_gguf`), as in test_recipe_families.py.
+Mistral is also checked against `mistral_common`, its reference tokenizer (where the two
+differ, the recipe follows `mistral_common`). Each family's vocabulary is SmolLM2's with the
+family's control tokens added (`write_tokenizer_gguf`), as in test_recipe_families.py.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def llama_conversation(rng: random.Random) -> Conversation:
     return c
 
 
-def mistral_conversation(rng: random.Random) -> Conversation:
+def mistral_conversation(rng: random.Random, results: list[str] = JSON_RESULTS) -> Conversation:
     """Mistral v3: user and assistant turns in turn, calls and results between them; results
     are JSON documents (where the template and mistral_common agree), ids 9 characters."""
     c = Conversation()
@@ -162,9 +163,9 @@ def mistral_conversation(rng: random.Random) -> Conversation:
         calls = [(rng.choice(["get_weather", "now"]), rng.choice(ARGS), i) for i in ids]
         c.call(rng.choice(["", "Let me look."]), calls[: rng.randint(1, 3)])
         for _, _, i in calls[: len(c.ours[-1].tool_calls)]:
-            c.result(rng.choice(JSON_RESULTS), i)
+            c.result(rng.choice(results), i)
         if turn < turns - 1 or rng.random() < 0.5:
-            c.say("assistant", "  It is sunny.")
+            c.say("assistant", "It is sunny.")
     if c.ours[-1].role == "assistant" and rng.random() < 0.5:
         c.say("user", "And tomorrow?")
     return c
@@ -192,8 +193,87 @@ def test_mistral_equals_its_template(tokenizers: dict[str, Tokenizer]) -> None:
     for k in range(60):
         c = mistral_conversation(rng)
         tools = TOOLS if k % 4 else None
-        expected = render(tok, c.theirs, tools)
+        expected = render(tok, system_in_last_user(c.theirs), tools)
         assert recipe.encode(c.ours, tools=specs(tools or [])) == expected, c.theirs
+
+
+def system_in_last_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system prompt moved into the last user message, as mistral_common writes it (the
+    template writes it there only when that message is the last one)."""
+    if messages[0]["role"] != "system":
+        return messages
+    system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+    last = max(k for k, m in enumerate(rest) if m["role"] == "user")
+    rest[last]["content"] = f"{system}\n\n{rest[last]['content']}"
+    return rest
+
+
+MISTRAL_TOOLS = [
+    TOOLS[0],
+    {"type": "function", "function": {"name": "now", "description": "The time, now.",
+                                      "parameters": {"type": "object", "properties": {}}}},
+]  # fmt: skip
+
+
+def mistral_common_ids(tok: Tokenizer, c: Conversation, tools: list[dict[str, Any]]) -> list[int]:
+    """mistral_common's v3 encoding of the conversation. Its text tokenizer is this vocabulary
+    encoding each text as SentencePiece does, with the dummy-prefix space (the space the
+    template writes after each control token)."""
+    instruct = pytest.importorskip("mistral_common.tokens.tokenizers.instruct")
+    from mistral_common.protocol.instruct import messages as mc
+    from mistral_common.protocol.instruct import tool_calls as mt
+    from mistral_common.tokens.tokenizers.base import InstructRequest
+
+    class Raw:
+        bos_id, eos_id, model_settings_builder = tok.bos_token_id, tok.eos_token_id, None
+
+        def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+            return [self.bos_id] * bos + tok.encode(" " + text) + [self.eos_id] * eos
+
+        def get_special_token(self, name: str) -> int:
+            token_id = tok.token_to_id(name)
+            return -1 if token_id is None else token_id
+
+        def decode(self, ids: list[int], special_token_policy: Any = None) -> str:
+            return tok.decode(ids)
+
+        def _to_string(self, ids: list[int]) -> str:
+            return tok.decode(ids)
+
+    system = None
+    messages: list[Any] = []
+    for m in c.ours:
+        if m.role == "system":
+            system = m.content
+        elif m.role == "user":
+            messages.append(mc.UserMessage(content=m.content))
+        elif m.role == "tool":
+            messages.append(mc.ToolMessage(content=m.content, tool_call_id=m.tool_call_id))
+        elif m.tool_calls:
+            calls = [
+                mt.ToolCall(id=t.id, function=mt.FunctionCall(name=t.name, arguments=t.arguments))
+                for t in m.tool_calls
+            ]
+            messages.append(mc.AssistantMessage(tool_calls=calls))
+        else:
+            messages.append(mc.AssistantMessage(content=m.content))
+    available = [mt.Tool(function=mt.Function(**t["function"])) for t in tools]
+    request = InstructRequest(messages=messages, available_tools=available, system_prompt=system)
+    return list(instruct.InstructTokenizerV3(Raw()).encode_instruct(request).tokens)
+
+
+@pytest.mark.slow
+def test_mistral_equals_mistral_common(tokenizers: dict[str, Tokenizer]) -> None:
+    """Mistral's reference tokenization of tools, on random conversations whose results are
+    JSON or plain text (which the template cannot write as JSON)."""
+    pytest.importorskip("mistral_common")
+    tok = tokenizers["mistral"]
+    recipe = recipe_for(tok)
+    rng = random.Random(4)
+    for _ in range(40):
+        c = mistral_conversation(rng, results=[*JSON_RESULTS, "sunny", 'a "quoted" line\n'])
+        expected = mistral_common_ids(tok, c, MISTRAL_TOOLS)
+        assert recipe.encode(c.ours, tools=specs(MISTRAL_TOOLS)) == expected, c.theirs
 
 
 @pytest.mark.slow
