@@ -1,5 +1,5 @@
-"""Tool calling in Mistral's and Llama 3.1's markup, end to end: the openai SDK against the live
-server over a fake engine that encodes with the family's real recipe (SmolLM2's vocabulary with
+"""Tool calling in Mistral's and Llama 3.1's markup, end to end: the openai SDK (and the
+anthropic one) against the live server over a fake engine that encodes with the family's real recipe (SmolLM2's vocabulary with
 the family's control tokens, as in the recipe tests) and replies in the family's call markup,
 control tokens as ids, detokenized as the engine does."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import anthropic
 import gguf
 import openai
 import pytest
@@ -40,6 +41,13 @@ MISTRAL_CALLS = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}, ' + 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
+class Served(NamedTuple):
+    family: str
+    engine: FakeEngine
+    client: openai.OpenAI
+    url: str
+
+
 def family_tokenizer(name: str, root: Path) -> Tokenizer:
     template, controls, bos, eos, user = FAMILIES[name]
     path = root / f"{name}.gguf"
@@ -50,13 +58,13 @@ def family_tokenizer(name: str, root: Path) -> Tokenizer:
 @pytest.fixture(scope="module", params=["mistral", "llama3.1", "gemma3"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, FakeEngine, openai.OpenAI]]:
+) -> Iterator[Served]:
     name = request.param
     engine = FakeEngine(recipe=recipe_for(family_tokenizer(name, tmp_path_factory.mktemp(name))))
     server = LiveServer(create_app(engine, ServerConfig())).start()
     try:
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
-            yield name, engine, client
+            yield Served(name, engine, client, server.url)
     finally:
         server.stop()
 
@@ -89,10 +97,10 @@ def answers(name: str) -> list[tuple[tuple[str, ...], list[tuple[str, dict[str, 
 
 
 @pytest.mark.slow
-def test_calls_parsed_streamed_or_not(served: tuple[str, FakeEngine, openai.OpenAI]) -> None:
+def test_calls_parsed_streamed_or_not(served: Served) -> None:
     """Calls come back as tool_calls; the same characters typed as text (no control token, or
     Llama's JSON after other text) stay content."""
-    name, engine, client = served
+    name, engine, client, _ = served
     if name == "gemma3":
         pytest.skip("no tool format")
     for parts, calls, content in answers(name):
@@ -124,10 +132,10 @@ def test_calls_parsed_streamed_or_not(served: tuple[str, FakeEngine, openai.Open
 
 
 @pytest.mark.slow
-def test_history_and_forced_calls(served: tuple[str, FakeEngine, openai.OpenAI]) -> None:
+def test_history_and_forced_calls(served: Served) -> None:
     """A call and its result sent back are written in the family's format; a forced call is
     constrained by a grammar in the family's markup."""
-    name, engine, client = served
+    name, engine, client, _ = served
     if name == "gemma3":
         with pytest.raises(openai.BadRequestError, match="Gemma") as raised:
             client.chat.completions.create(model="m", messages=USER, tools=[WEATHER])
@@ -165,3 +173,23 @@ def test_history_and_forced_calls(served: tuple[str, FakeEngine, openai.OpenAI])
     else:
         assert '"{\\"name\\": \\"get_weather\\", \\"parameters\\": "' in grammar
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_anthropic_tool_use(served: Served) -> None:
+    """The Messages API reads the same markup: calls become tool_use blocks."""
+    name, engine, _, url = served
+    if name == "gemma3":
+        pytest.skip("no tool format")
+    parts, calls, content = answers(name)[0]
+    scripted(engine, *parts)
+    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as claude:
+        message = claude.messages.create(
+            model="m",
+            max_tokens=256,
+            messages=USER,
+            tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+        )
+    uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    texts = "".join(b.text for b in message.content if b.type == "text")
+    assert uses == calls and texts == content and message.stop_reason == "tool_use"
