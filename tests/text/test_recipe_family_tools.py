@@ -6,6 +6,9 @@ The templates (tests/text/templates/), verbatim:
 - `llama-3.1-instruct.jinja`: meta-llama/Llama-3.1-8B-Instruct's template (the same text ships
   with Llama-3.3-70B-Instruct), from llama.cpp's
   models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja.
+- `llama-3.2-instruct.jinja`: meta-llama/Llama-3.2-3B-Instruct's template, from llama.cpp's
+  models/templates/ (rendered with the date the recipe writes, its fallback "26 Jul 2024": the
+  recipe does not write today's date, as transformers' `strftime_now` would).
 - `mistral-v3.jinja`: Mistral's "v3" template with tools (mistralai/Mistral-7B-Instruct-v0.3,
   Mistral-Large-Instruct-2407), as quoted in llama.cpp's tests/test-chat-template.cpp.
 - `qwen3.jinja`: Qwen/Qwen3-0.6B's template, from llama.cpp's models/templates/.
@@ -41,6 +44,7 @@ from transformers.utils.chat_template_utils import render_jinja_template  # noqa
 
 TEMPLATES = Path(__file__).parent / "templates"
 LLAMA31_TOOLS = (TEMPLATES / "llama-3.1-instruct.jinja").read_text()
+LLAMA32_TOOLS = (TEMPLATES / "llama-3.2-instruct.jinja").read_text()
 MISTRAL_V3_TOOLS = (TEMPLATES / "mistral-v3.jinja").read_text()
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 HERMES_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -49,6 +53,13 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str, tuple[str, ...]]] = {
     # name: (template, control tokens, BOS, EOS, user-defined tokens)
     "llama3.1": (
         LLAMA31_TOOLS,
+        (*LLAMA3_CONTROLS, "<|python_tag|>"),
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        (),
+    ),
+    "llama3.2": (
+        LLAMA32_TOOLS,
         (*LLAMA3_CONTROLS, "<|python_tag|>"),
         "<|begin_of_text|>",
         "<|end_of_text|>",
@@ -97,6 +108,7 @@ def render(
         add_generation_prompt=True,
         bos_token=tok.id_to_token(bos),
         eos_token=tok.id_to_token(eos),
+        date_string="26 Jul 2024",
     )
     return tok.encode_with_specials(rendered[0])
 
@@ -172,8 +184,9 @@ def mistral_conversation(rng: random.Random, results: list[str] = JSON_RESULTS) 
 
 
 @pytest.mark.slow
-def test_llama31_equals_its_template(tokenizers: dict[str, Tokenizer]) -> None:
-    tok = tokenizers["llama3.1"]
+@pytest.mark.parametrize("family", ["llama3.1", "llama3.2"])
+def test_llama3_equals_its_template(family: str, tokenizers: dict[str, Tokenizer]) -> None:
+    tok = tokenizers[family]
     recipe = recipe_for(tok)
     assert isinstance(recipe, Llama3Recipe) and recipe.tool_format is not None
     rng = random.Random(31)
