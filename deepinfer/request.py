@@ -123,6 +123,9 @@ class SamplingParams:
     """(token id, bias) pairs added to the logits before anything else."""
     structured: StructuredSpec | None = None
     """Keep the output inside this grammar (structured output); None: unconstrained."""
+    shown_token_ids: tuple[int, ...] = ()
+    """Control tokens written into the output text as a mark no decoded text holds, instead of
+    being dropped: a tool-call parser's markers (`text/detokenizer.py`, `CONTROL_MARK`)."""
 
     def __post_init__(self) -> None:
         _check_sampling(self)

@@ -245,7 +245,7 @@ class AsyncEngine:
         stream = RequestStream(
             rid,
             len(ids),
-            IncrementalDetokenizer(self.tokenizer),
+            IncrementalDetokenizer(self.tokenizer, shown_ids=frozenset(params.shown_token_ids)),
             params.stop,
             request.stop_token_ids,
             self.abort,

@@ -10,6 +10,11 @@ not O(all tokens). This is the prefix-offset/read-offset technique of vLLM and T
 A byte-level vocabulary (`Tokenizer.byte_pieces`) decodes by joining each id's bytes, so there
 the detokenizer joins them itself and emits every complete character: an incremental UTF-8
 decoder holds back a cut character, and the tokenizer is never called.
+
+Shown control tokens (`shown_ids`, a tool-call parser's markers such as Mistral's `[TOOL_CALLS]`)
+are written as `CONTROL_MARK` instead of being dropped: a lone surrogate, which no decoded text
+holds (UTF-8 decoding never yields one), so text the model spelled can never pass for the marker.
+Whoever asks for shown ids consumes the mark before the text leaves the process.
 """
 
 from __future__ import annotations
@@ -20,14 +25,23 @@ from collections.abc import Sequence
 from deepinfer.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
+CONTROL_MARK = "\ud800"
+"""Written for each shown control token (see the module docstring)."""
 
 
 class IncrementalDetokenizer:
     """Turns a growing stream of ids into text; the concatenation of every `push` and the final
     `flush` equals `tokenizer.decode(all_ids, skip_special_tokens)`."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        shown_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self._tokenizer = tokenizer
+        self._shown = shown_ids
+        """Control tokens written as `CONTROL_MARK` (with `skip_special_tokens`)."""
         self._skip_special_tokens = skip_special_tokens
         self._pieces = tokenizer.byte_pieces if skip_special_tokens else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -43,6 +57,8 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """Append `token_ids`; return the text they complete (possibly empty)."""
         self.num_tokens += len(token_ids)
+        if self._shown and not self._shown.isdisjoint(token_ids):
+            return self._push_shown(token_ids)
         if self._pieces is not None:
             pieces = self._pieces
             try:
@@ -61,6 +77,20 @@ class IncrementalDetokenizer:
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         return full[len(prefix) :]
+
+    def _push_shown(self, token_ids: Sequence[int]) -> str:
+        """`push` of ids holding shown control tokens: the text before each (held-back text
+        flushed, so that it stays before the mark), the mark, then the text after it."""
+        self.num_tokens -= len(token_ids)  # each piece below counts its own
+        out: list[str] = []
+        start = 0
+        for k, token_id in enumerate(token_ids):
+            if token_id in self._shown:
+                out += [self.push(token_ids[start:k]), self.flush(), CONTROL_MARK]
+                self.num_tokens += 1
+                start = k + 1
+        out.append(self.push(token_ids[start:]))
+        return "".join(out)
 
     def flush(self) -> str:
         """The text held back (incomplete characters become U+FFFD); the stream then restarts

@@ -26,9 +26,14 @@ Every family puts BOS first (its templates write `bos_token`). Rules:
   (`<|eot_id|>`; `<end_of_turn>` "\\n"; EOS), its content trimmed as the templates trim it.
 
 Gemma and Mistral take user and assistant turns alternating, starting with the user (their
-templates raise otherwise): anything else is an `InvalidRequestError` naming the message. Tool
-definitions, calls, results and `tool` messages are ChatML's only: refused with
-`InvalidRequestError`.
+templates raise otherwise): anything else is an `InvalidRequestError` naming the message.
+
+Tools (definitions, calls, results, `tool` messages) are written in the family's own format
+where its template has one: Llama 3.1+ (`tools_llama3.py`: templates with an `ipython` role) and
+Mistral v3 (`tools_mistral.py`: templates writing `[TOOL_CALLS]`, its five tool markers control
+tokens; tool results and assistant turns with calls stand outside the user/assistant
+alternation). Elsewhere (Gemma, whose templates have no tool tokens, Llama 3, older Mistral
+templates) they are refused with an `InvalidRequestError` naming the family.
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ from deepinfer.text.recipe_reasoning import (
     is_r1_template,
 )
 from deepinfer.text.tokenizer import Tokenizer
-from deepinfer.text.tools import Piece, join_pieces
+from deepinfer.text.tool_markup import FamilyTools
+from deepinfer.text.tools import Piece, join_pieces, uses_tools
+from deepinfer.text.tools_llama3 import ENVIRONMENT, Llama3Tools
+from deepinfer.text.tools_mistral import TOOL_TOKENS, MistralTools
 
 LLAMA3_KNOWLEDGE = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
 
@@ -101,6 +109,8 @@ class FamilyRecipe(ChatRecipe):
     num_turn_end_pieces = 1
     """Pieces that close a turn (its end marker and what follows it): left off the final turn
     when it is continued."""
+    tool_format: FamilyTools | None = None
+    """The family's tool format, where its template has one (None: tools are refused)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)
@@ -118,25 +128,50 @@ class FamilyRecipe(ChatRecipe):
         continue_final_message: bool = False,
         enable_thinking: bool | None = None,
     ) -> list[int]:
-        why = (
-            f"deepinfer writes tool calls in ChatML only, not in this model's {self.family} format"
-        )
-        system, turns = self._without_tools(messages, tools, why)
-        for i, m in enumerate(messages):
-            if m.role == "tool":
-                raise InvalidRequestError(
-                    f"messages[{i}].role is 'tool': tool results are written in ChatML only, "
-                    f"not in this model's {self.family} format",
-                    param=f"messages[{i}].role",
-                )
+        turns = self._validated(messages)
+        offset = int(bool(turns) and turns[0].role == "system")
+        system = self._body(turns.pop(0)) if offset else None
+        system = self._with_effort(system, reasoning_effort)
         if continue_final_message:
             self._check_prefill(turns)
-        pieces = self.pieces(self._with_effort(system, reasoning_effort), turns)
+        if uses_tools(turns, tools) or any(m.role == "tool" for m in turns):
+            self._check_tools(turns, tools, offset)
+            pieces = self.tool_pieces(system, turns, tools, offset)
+        else:
+            pieces = self.pieces(system, turns)
         if continue_final_message:  # the last turn stays open
             del pieces[len(pieces) - self.num_turn_end_pieces :]
         elif add_generation_prompt:
             pieces += self.generation_prompt()
         return self._encode_pieces([self.bos_id, *pieces])
+
+    def _check_tools(
+        self, turns: Sequence[ChatMessage], tools: Sequence[ToolSpec], offset: int
+    ) -> None:
+        """Refuses a conversation with tools where the family has no tool format."""
+        if self.tool_format is not None:
+            return
+        why = (
+            f"this model's {self.family} chat template has no tool format; deepinfer writes "
+            "tool calls for ChatML (Hermes <tool_call>, e.g. Qwen2.5, Qwen3), Llama 3.1+ and "
+            "Mistral v3 ([TOOL_CALLS]) templates"
+        )
+        if uses_tools(turns, tools):
+            raise InvalidRequestError(f"tools: {why}", param="tools")
+        i = offset + next(k for k, m in enumerate(turns) if m.role == "tool")
+        raise InvalidRequestError(
+            f"messages[{i}].role is 'tool': {why}", param=f"messages[{i}].role"
+        )
+
+    def tool_pieces(
+        self,
+        system: str | None,
+        turns: Sequence[ChatMessage],
+        tools: Sequence[ToolSpec],
+        offset: int,
+    ) -> list[Piece]:
+        """`pieces` of a conversation with tools (`offset`: messages before `turns`)."""
+        raise NotImplementedError
 
     def pieces(self, system: str | None, turns: Sequence[ChatMessage]) -> list[Piece]:
         raise NotImplementedError
@@ -153,14 +188,18 @@ class FamilyRecipe(ChatRecipe):
 
     def _alternating(self, turns: Sequence[ChatMessage], offset: int) -> None:
         """User and assistant turns in turn, the user first (`offset`: messages before them)."""
-        for k, m in enumerate(turns):
+        self._alternating_at(list(enumerate(turns, offset)))
+
+    def _alternating_at(self, turns: Sequence[tuple[int, ChatMessage]]) -> None:
+        """`_alternating` for turns given with their indices in the request."""
+        for k, (i, m) in enumerate(turns):
             expected = "user" if k % 2 == 0 else "assistant"
             if m.role != expected:
                 raise InvalidRequestError(
-                    f"messages[{k + offset}].role is {m.role!r}; this model's {self.family} "
+                    f"messages[{i}].role is {m.role!r}; this model's {self.family} "
                     f"format takes an optional system message, then user and assistant messages "
                     f"in turn, starting with the user ({expected!r} expected here)",
-                    param=f"messages[{k + offset}].role",
+                    param=f"messages[{i}].role",
                 )
 
 
@@ -178,6 +217,9 @@ class Llama3Recipe(FamilyRecipe):
         more = (tokenizer.token_to_id(t) for t in ("<|eom_id|>", "<|end_of_text|>"))
         ends = {self.eot_id, *self.end_of_turn_ids, *(i for i in more if i is not None)}
         self.end_of_turn_ids = frozenset(ends)
+        if self.dated and "ipython" in (tokenizer.chat_template or ""):
+            tag = tokenizer.token_to_id("<|python_tag|>")
+            self.tool_format = Llama3Tools(tag if tag in tokenizer.special_token_ids else None)
 
     def _turn(self, role: str, text: str) -> list[Piece]:
         return [self.header_id, role, self.header_end_id, "\n\n" + text, self.eot_id]
@@ -194,6 +236,42 @@ class Llama3Recipe(FamilyRecipe):
 
     def generation_prompt(self) -> list[Piece]:
         return [self.header_id, "assistant", self.header_end_id, "\n\n"]
+
+    def tool_pieces(
+        self,
+        system: str | None,
+        turns: Sequence[ChatMessage],
+        tools: Sequence[ToolSpec],
+        offset: int,
+    ) -> list[Piece]:
+        assert isinstance(self.tool_format, Llama3Tools)
+        fmt = self.tool_format
+        head = ENVIRONMENT if tools else ""
+        out = self._turn("system", head + LLAMA3_KNOWLEDGE + (system or "").strip())
+        rest = list(enumerate(turns, offset))
+        if tools:
+            if not turns or turns[0].role != "user":
+                raise InvalidRequestError(
+                    f"messages[{offset}]: this model's {self.family} format lists the tools in "
+                    "the first user message, so one must follow the system message",
+                    param=f"messages[{offset}]",
+                )
+            out += self._turn("user", fmt.first_user_text(self._body(turns[0]), tools))
+            rest = rest[1:]
+        for i, m in rest:
+            if m.tool_calls:
+                if len(m.tool_calls) != 1:
+                    raise InvalidRequestError(
+                        f"messages[{i}].tool_calls: this model's {self.family} format holds one "
+                        f"call per assistant message; got {len(m.tool_calls)}",
+                        param=f"messages[{i}].tool_calls",
+                    )
+                out += self._turn("assistant", fmt.call_text(m.tool_calls[0]))
+            elif m.role == "tool":
+                out += self._turn("ipython", fmt.result_text(m.content))
+            else:
+                out += self._turn(m.role, self._body(m).strip())
+        return out
 
 
 class GemmaRecipe(FamilyRecipe):
@@ -230,6 +308,11 @@ class MistralRecipe(FamilyRecipe):
         if tokenizer.eos_token_id is None:
             raise ModelLoadError("Mistral chat template, but the vocabulary has no EOS")
         self.eos_id = tokenizer.eos_token_id
+        tool_ids = [tokenizer.token_to_id(t) for t in TOOL_TOKENS]
+        if "[TOOL_CALLS]" in (tokenizer.chat_template or "") and all(
+            i is not None and i in tokenizer.special_token_ids for i in tool_ids
+        ):
+            self.tool_format = MistralTools([i for i in tool_ids if i is not None])
 
     def pieces(self, system: str | None, turns: Sequence[ChatMessage]) -> list[Piece]:
         self._alternating(turns, offset=int(system is not None))
@@ -239,6 +322,33 @@ class MistralRecipe(FamilyRecipe):
                 last = k == len(turns) - 1
                 prefix = f"{system}\n\n" if last and system is not None else ""
                 out += [self.inst_id, f" {prefix}{self._body(m)}", self.inst_end_id]
+            else:
+                out += [f" {self._body(m).strip()}", self.eos_id]
+        return out
+
+    def tool_pieces(
+        self,
+        system: str | None,
+        turns: Sequence[ChatMessage],
+        tools: Sequence[ToolSpec],
+        offset: int,
+    ) -> list[Piece]:
+        assert isinstance(self.tool_format, MistralTools)
+        fmt = self.tool_format
+        indexed = list(enumerate(turns, offset))
+        self._alternating_at([(i, m) for i, m in indexed if m.role != "tool" and not m.tool_calls])
+        users = [k for k, m in enumerate(turns) if m.role == "user"]
+        out: list[Piece] = []
+        for k, m in enumerate(turns):
+            if m.role == "user":
+                if tools and k == users[-1]:
+                    out += fmt.definitions(tools)
+                prefix = f"{system}\n\n" if k == users[-1] and system is not None else ""
+                out += [self.inst_id, f" {prefix}{self._body(m)}", self.inst_end_id]
+            elif m.tool_calls:
+                out += [*fmt.calls(m.tool_calls), self.eos_id]
+            elif m.role == "tool":
+                out += fmt.result(m)
             else:
                 out += [f" {self._body(m).strip()}", self.eos_id]
         return out

@@ -12,7 +12,9 @@ Rendering (ChatML turns; `<turn>` stands for `<|im_start|>...<|im_end|>\\n` as i
 
 The head, tail and response role are read from the model's template when it has a tool section
 (string literals holding `<tools>` / `</tools>`, a `'<|im_start|>user'` opening tool results);
-otherwise the documented defaults below (Qwen2.5's own wording) apply.
+otherwise the documented defaults below (Qwen2.5's own wording) apply. Qwen3's template writes
+the same turns as Qwen2.5's, without a default system prompt; the `<think>` block it writes in
+an assistant turn after the last user message is the reasoning format's, not the tool format's.
 
 Injection: markers the recipe writes are ids when the vocabulary has them as added tokens, else
 text. Text from a request (contents, names, tool results, arguments, definitions) never spells a
@@ -30,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from deepinfer.text.messages import ChatMessage, ToolSpec
+from deepinfer.text.tool_markup import CallMarkup, Piece
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -54,9 +57,6 @@ CALL_SEPARATOR = "\n"
 _MARKER_LT = re.compile(r"<(?=/?(?:tool_call|tool_response|tools)>)")
 _STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
 _TURN_END = "<|im_end|>\n"
-
-Piece = str | int
-"""Text to encode as content, or a marker's token id."""
 
 
 def neutralize_text(text: str) -> str:
@@ -103,10 +103,26 @@ class ToolFormat:
             return ToolFormat()
         tail = tails[0].removesuffix(_TURN_END).removesuffix("<|im_end|>")
         user_results = "<|im_start|>user" in literals and RESPONSE_OPEN in (template or "")
-        return ToolFormat(heads[0], tail, "user" if user_results else "tool")
+        # Qwen3 writes the blank line after the system prompt apart from the head ("\n\n" +
+        # "# Tools..."), Qwen2.5 as the head's start: the same text either way.
+        head = heads[0] if heads[0].startswith("\n") else "\n\n" + heads[0]
+        return ToolFormat(head, tail, "user" if user_results else "tool")
 
     def with_marker_ids(self, marker_ids: Mapping[str, int]) -> ToolFormat:
         return replace(self, marker_ids=dict(marker_ids))
+
+    @property
+    def markup(self) -> CallMarkup:
+        """Calls in an answer: `<tool_call>` blocks (the markers as ids where known)."""
+        open_, close = (self.marker_ids.get(m, m) for m in (CALL_OPEN, CALL_CLOSE))
+        return CallMarkup(
+            head=call_head,
+            call_open=(open_,),
+            call_close=(CALL_TAIL, close),
+            separator=CALL_SEPARATOR,
+            opener=CALL_OPEN,
+            closer=CALL_CLOSE,
+        )
 
     def render(
         self, system: str | None, turns: Sequence[ChatMessage], tools: Sequence[ToolSpec]
@@ -185,3 +201,7 @@ def join_pieces(pieces: Sequence[Piece]) -> list[Piece]:
         elif p != "":
             out.append(p)
     return out
+
+
+HERMES_MARKUP = ToolFormat().markup
+"""Hermes calls with text markers: the parser's default."""

@@ -4,6 +4,10 @@ Character-level tokenizer (control tokens 0-2 never produced by `encode`), a Cha
 a reply of fixed text (or `reply`, set by a test: e.g. a scripted tool call) generated one token
 per step, a block pool whose use is checked, and a
 prefix cache of whole blocks.
+
+Given a real chat `recipe`, the fake encodes prompts with it and replies in its tokenizer's ids
+(`reply_ids` scripts them, a family's control tokens included), detokenized as the engine does
+(the request's shown control tokens as marks).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from deepinfer.errors import (
 from deepinfer.outputs import PromptLogprob, SampledToken
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.sampling.grammar import grammar_text
+from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.reasoning import ReasoningFormat
-from deepinfer.text.recipe import ChatMessage, ToolSpec
+from deepinfer.text.recipe import ChatMessage, ChatRecipe, ToolSpec
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK_OPEN_ID, THINK_CLOSE_ID = 0x110000 + 3, 0x110000 + 4
@@ -106,6 +111,7 @@ class _Req:
     reply: list[int]
     stop_reason: str | None
     stream: FakeStream
+    detok: IncrementalDetokenizer | None = None
     cached: int = 0
     num_output: int = 0
     blocks: int = 0
@@ -160,9 +166,11 @@ class FakeEngine:
     def __init__(
         self, *, max_model_len: int = 2048, num_blocks: int = 4096, block_size: int = 4,
         max_active: int = 256, max_waiting: int = 1024, step_s: float = 0.002,
+        recipe: ChatRecipe | None = None,
     ) -> None:  # fmt: skip
-        self.tokenizer = FakeTokenizer()
-        self.recipe = FakeRecipe(self.tokenizer)
+        self.tokenizer: Any = FakeTokenizer() if recipe is None else recipe.tokenizer
+        self.recipe: Any = FakeRecipe(self.tokenizer) if recipe is None else recipe
+        self.real_recipe = recipe is not None
         self.model_name = "fake-model"
         self.system_fingerprint = "fp_0123456789ab-default"
         self.max_model_len = max_model_len
@@ -174,6 +182,9 @@ class FakeEngine:
         self.num_merges = 0
         self.num_aborted = 0
         self.reply = REPLY
+        self.reply_ids: list[int] | None = None
+        """Scripted reply ids (with a real recipe), used instead of `reply` when set."""
+        self.last_prompt: list[int] = []
         self.last_params: SamplingParams | None = None
         """The sampling parameters of the latest request submitted."""
         self._reqs: dict[str, _Req] = {}
@@ -233,7 +244,7 @@ class FakeEngine:
             raise OverloadedError("too many requests", retry_after_s=2)
         _check_parts(params)
         self._counter += 1
-        self.last_params = params
+        self.last_params, self.last_prompt = params, ids
         rid = request_id or f"fake-{self._counter}"
         reply, stop_reason = self.reply, None
         for s in params.stop:
@@ -241,9 +252,13 @@ class FakeEngine:
                 end = reply.index(s) + (len(s) if params.include_stop_str_in_output else 0)
                 reply, stop_reason = reply[:end], s
         stream = FakeStream(rid, len(ids), self)
-        self._reqs[rid] = _Req(
-            rid, ids, params, reply_ids(self.tokenizer, reply), stop_reason, stream
-        )
+        scripted = reply_ids(self.tokenizer, reply) if self.reply_ids is None else self.reply_ids
+        detok = None
+        if self.real_recipe:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, shown_ids=frozenset(params.shown_token_ids)
+            )
+        self._reqs[rid] = _Req(rid, ids, params, scripted, stop_reason, stream, detok)
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -298,7 +313,11 @@ class FakeEngine:
             lp = (
                 SampledToken(token, -0.5, tuple((token + k, -0.5 - k) for k in range(p.logprobs))),
             )
-        text = "" if token == 0 else self.tokenizer.decode([token])
+        if r.detok is not None:
+            text = r.detok.push([] if token == 0 else [token])
+            text += r.detok.flush() if finish is not None else ""
+        else:
+            text = "" if token == 0 else self.tokenizer.decode([token])
         stop_reason = r.stop_reason if finish is FinishReason.STOP else None
         usage = Usage(len(r.prompt), r.num_output, r.cached)
         scores = _prompt_scores(r.prompt, p.prompt_logprobs) if n == 0 else None

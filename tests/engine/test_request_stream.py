@@ -14,7 +14,7 @@ from deepinfer.environment import default_model_path
 from deepinfer.model.loading.gguf_loader import open_gguf
 from deepinfer.outputs import PromptLogprob, SampledToken, TokenDelta
 from deepinfer.request import FinishReason
-from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.detokenizer import CONTROL_MARK, IncrementalDetokenizer
 from deepinfer.text.tokenizer import Tokenizer
 
 
@@ -126,3 +126,19 @@ async def test_text_made_at_take_equals_text_made_per_push(
     )
     assert [o.token_ids for o in plain] == [o.token_ids for o in watched]
     assert plain[-1].usage == watched[-1].usage and plain[-1].finish_reason is finish
+
+
+async def test_shown_control_tokens_reach_the_reader_as_marks() -> None:
+    """A tool parser's control token (shown ids) comes out as CONTROL_MARK in place, with or
+    without stop strings; its spelling typed as text stays text."""
+    tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+    shown = tokenizer.token_to_id("<|im_start|>")
+    assert shown is not None
+    ids = [*tokenizer.encode("Sure <|im_start|>"), shown, *tokenizer.encode(" [1]")]
+    for stops in ((), ("never",)):
+        detok = IncrementalDetokenizer(tokenizer, shown_ids=frozenset({shown}))
+        stream = RequestStream("r", 3, detok, stops, frozenset({2}), lambda _rid: None)
+        for i, t in enumerate(ids):
+            stream.push(_delta([t], i, FinishReason.LENGTH if i == len(ids) - 1 else None))
+        out = await anext(stream)
+        assert out.text == f"Sure <|im_start|>{CONTROL_MARK} [1]", stops

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.detokenizer import CONTROL_MARK, IncrementalDetokenizer
 from deepinfer.text.tokenizer import Tokenizer
 from tests.text.text_samples import SAMPLES, random_texts
 
@@ -108,3 +108,25 @@ def test_streams_of_any_ids_match_decode(smollm_tokenizer: Tokenizer, data: st.D
         k += n
     out.append(detok.flush())
     assert "".join(out) == smollm_tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_shown_control_tokens_are_the_mark(smollm_tokenizer: Tokenizer, byte_level: bool) -> None:
+    """A shown control token is CONTROL_MARK in place, wherever the pushes cut the ids; its text
+    typed as content stays text. `byte_level=False` runs the window path (SentencePiece's)."""
+    tok = smollm_tokenizer
+    shown = tok.token_to_id("<|im_start|>")
+    assert shown is not None and shown in tok.special_token_ids
+    before, after = "Sure, 日本 <|im_start|> typed 🤗", ' [{"name": "f"}] 🤗'
+    ids = [*tok.encode(before), shown, *tok.encode(after), shown]
+    rng = random.Random(3)
+    for _ in range(30):
+        detok = IncrementalDetokenizer(tok, shown_ids=frozenset({shown}))
+        if not byte_level:
+            detok._pieces = None
+        text = "".join(stream(detok, ids, rng))
+        assert text == f"{before}{CONTROL_MARK}{after}{CONTROL_MARK}"
+        assert detok.num_tokens == len(ids)
+    plain = "".join(stream(IncrementalDetokenizer(tok), ids, rng))
+    assert plain == before + after and CONTROL_MARK not in plain

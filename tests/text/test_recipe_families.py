@@ -161,16 +161,24 @@ BENIGN = [s for s in SAMPLES if "<|" not in s and "<repo" not in s and "[INST]" 
 
 
 def write_tokenizer_gguf(
-    path: Path, base: Any, template: str, controls: tuple[str, ...], bos: str, eos: str
+    path: Path,
+    base: Any,
+    template: str,
+    controls: tuple[str, ...],
+    bos: str,
+    eos: str,
+    user: tuple[str, ...] = (),
 ) -> None:
     """A GGUF with no tensors: SmolLM2's vocabulary and merges, `controls` added as control
-    tokens (after the vocabulary), and `template` as its chat template."""
+    tokens and `user` as user-defined ones (after the vocabulary), and `template` as its chat
+    template."""
 
     def field(key: str) -> Any:
         return base.fields[f"tokenizer.ggml.{key}"].contents()
 
-    tokens = list(field("tokens")) + list(controls)
+    tokens = list(field("tokens")) + list(controls) + list(user)
     types = list(field("token_type")) + [gguf.TokenType.CONTROL] * len(controls)
+    types += [gguf.TokenType.USER_DEFINED] * len(user)
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(field("pre"))

@@ -97,7 +97,7 @@ def _messages_handler(ctx: ApiContext) -> Handler:
             req = await ctx.read_json(request, MessagesRequest)
             check_refused(req, req.metadata)
             check_anthropic(req, ctx.limits)
-            plan = anthropic_plan(req)
+            plan = anthropic_plan(req).written_in(recipe_format(ctx.engine.recipe))
             messages = chat_messages(req)
             options = prompt_options(req, messages)
             reasoning = reasoning_plan(ctx.engine.recipe, options)

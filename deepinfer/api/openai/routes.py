@@ -91,7 +91,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             options = openai_prompt_options(
                 req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
             )
-            plan = openai_plan(req)
+            plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
             n = check_choices(req.n)
             ids = await ctx.encode_chat(
                 messages, req.reasoning_effort, tools=plan.specs, options=options

@@ -144,7 +144,7 @@ async def _prepare(
     history = _history(store, req.previous_response_id, cache.salt)
     conversation = (*history, *input_messages(req.input))
     messages = prompt_messages(req.instructions, (), conversation)
-    plan = responses_plan(req)
+    plan = responses_plan(req).written_in(recipe_format(ctx.engine.recipe))
     ids = await ctx.encode_chat(messages, reasoning_effort(req), tools=plan.specs)
     return Pending(
         response_id=new_id("resp_"),

@@ -1,11 +1,13 @@
 """Tools and a response format as one constraint on the answer, by constrained decoding.
 
-The calls' grammar spells exactly the text the tool format renders and the parser reads back
-(`text/tools.py`: `<tool_call>`, `call_head(name)`, the arguments, `CALL_TAIL`, `</tool_call>`,
-calls separated by `CALL_SEPARATOR`); markers the vocabulary holds as added tokens are those
-tokens. Each tool is one alternative, its arguments one instance of its `parameters` schema
-(compact JSON). One call without parallel calls, else one or more; the grammar ends after the
-last call, so the answer ends there (end of turn) and its finish reason is `tool_calls`.
+The calls' grammar spells exactly the text the family's tool format renders and the parser reads
+back (its `CallMarkup`, `text/tool_markup.py`: e.g. Hermes' `<tool_call>`, `call_head(name)`,
+the arguments, `CALL_TAIL`, `</tool_call>`, calls separated by `CALL_SEPARATOR`; Mistral's
+`[TOOL_CALLS]` and a JSON list); markers the vocabulary holds as tokens are those tokens. Each
+tool is one alternative, its arguments one instance of its `parameters` schema (compact JSON).
+One call without parallel calls (or where the family writes one), else one or more; the grammar
+ends after the last call, so the answer ends there (end of turn) and its finish reason is
+`tool_calls`.
 
 What applies, as OpenAI does it (`answer_constraint`):
 - a forced choice (`required`, `any`, a named tool): the calls' grammar. A response format
@@ -29,14 +31,8 @@ import llguidance as llg
 
 from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
-from deepinfer.text.tools import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    CALL_SEPARATOR,
-    CALL_TAIL,
-    ToolFormat,
-    call_head,
-)
+from deepinfer.text.tool_markup import CallMarkup, FamilyTools, Piece
+from deepinfer.text.tools import ToolFormat
 
 GRAMMAR_PARAM = "tool_choice"
 """The field a forced call's grammar is reported under."""
@@ -51,9 +47,9 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _marker(fmt: ToolFormat, marker: str) -> str:
-    token_id = fmt.marker_ids.get(marker)
-    return _literal(marker) if token_id is None else f"<[{token_id}]>"
+def _pieces(pieces: Sequence[Piece]) -> str:
+    """Text as Lark literals, token ids as llguidance's token terminals."""
+    return " ".join(_literal(p) if isinstance(p, str) else f"<[{p}]>" for p in pieces if p != "")
 
 
 def _compact(source: str) -> str:
@@ -64,28 +60,34 @@ def _compact(source: str) -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
-def _call_rules(fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None) -> list[str]:
-    """The rules of `calls`: one call of `tools` without parallel calls, else one or more."""
+def _call_rules(fmt: FamilyTools, tools: Sequence[ToolSchema], max_calls: int | None) -> list[str]:
+    """The rules of `calls`: one call of `tools` without parallel calls (or where the family
+    writes one), else one or more, inside the family's prefix and suffix."""
     assert tools, "calls need at least one tool"
-    separator = _literal(CALL_SEPARATOR)
+    markup: CallMarkup = fmt.markup
+    if markup.max_calls is not None:
+        max_calls = markup.max_calls if max_calls is None else min(max_calls, markup.max_calls)
+    calls = "call" if max_calls == 1 else f"call ({_literal(markup.separator)} call)*"
+    whole = [_pieces(markup.prefix), calls, _pieces(markup.suffix)]
     rules = [
-        "calls: call" if max_calls == 1 else f"calls: call ({separator} call)*",
+        "calls: " + " ".join(p for p in whole if p),
         "call: " + " | ".join(f"call_{k}" for k in range(len(tools))),
     ]
-    open_, close = _marker(fmt, CALL_OPEN), _marker(fmt, CALL_CLOSE)
     for k, tool in enumerate(tools):
-        head, tail = _literal(call_head(tool.name)), _literal(CALL_TAIL)
-        rules.append(f"call_{k}: {open_} {head} %json {_compact(tool.parameters)} {tail} {close}")
+        head = _literal(markup.head(tool.name))
+        parts = [_pieces(markup.call_open), head, f"%json {_compact(tool.parameters)}"]
+        parts.append(_pieces(markup.call_close))
+        rules.append(f"call_{k}: " + " ".join(p for p in parts if p))
     return rules
 
 
-def call_grammar(fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None) -> str:
+def call_grammar(fmt: FamilyTools, tools: Sequence[ToolSchema], max_calls: int | None) -> str:
     """A Lark grammar (llguidance's dialect) of answers made of calls of `tools` only."""
     return "\n".join(["start: calls", *_call_rules(fmt, tools, max_calls)]) + "\n"
 
 
 def calls_or_text_grammar(
-    fmt: ToolFormat, tools: Sequence[ToolSchema], max_calls: int | None, text: StructuredSpec
+    fmt: FamilyTools, tools: Sequence[ToolSchema], max_calls: int | None, text: StructuredSpec
 ) -> str:
     """A Lark grammar of answers that are either calls of `tools` or a text matching `text`."""
     rules = ["start: calls | text", f"text: {_text_rule(text)}"]
@@ -112,15 +114,18 @@ def schema_part(tool: ToolSchema) -> StructuredSpec:
 
 
 def answer_constraint(
-    params: SamplingParams, plan: ToolPlan, fmt: ToolFormat | None
+    params: SamplingParams, plan: ToolPlan, fmt: FamilyTools | None
 ) -> SamplingParams:
-    """`params` with the one constraint the plan's tools and its response format (`structured`)
-    make together (see the module's docstring); unchanged without tools. A schema that cannot
-    be compiled is refused at submit, naming its field."""
+    """`params` for the plan's tools: the control tokens the call parser reads shown in the
+    text, and the one constraint the plan's tools and its response format (`structured`) make
+    together (see the module's docstring); unchanged without tools. A schema that cannot be
+    compiled is refused at submit, naming its field."""
+    fmt = fmt or ToolFormat()
+    if plan.parses_calls and fmt.markup.shown_ids:
+        params = dataclasses.replace(params, shown_token_ids=fmt.markup.shown_ids)
     text = params.structured
     if not plan.forced and (text is None or not plan.schemas):
         return params
-    fmt = fmt or ToolFormat()
     if plan.forced:
         grammar = call_grammar(fmt, plan.forced, plan.max_calls)
         parts = tuple(schema_part(tool) for tool in plan.forced)
@@ -133,7 +138,7 @@ def answer_constraint(
     return dataclasses.replace(params, structured=spec)
 
 
-def recipe_format(recipe: object) -> ToolFormat | None:
+def recipe_format(recipe: object) -> FamilyTools | None:
     """The recipe's tool format (recipes without one refuse tools when they encode)."""
     fmt = getattr(recipe, "tool_format", None)
-    return fmt if isinstance(fmt, ToolFormat) else None
+    return fmt if isinstance(fmt, FamilyTools) else None

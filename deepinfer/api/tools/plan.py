@@ -6,6 +6,7 @@ that turns the answer's text into content and call pieces with the wire's call i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -14,12 +15,14 @@ from typing import Any
 from deepinfer.api.http.errors import ApiError, ErrorKind
 from deepinfer.request import FinishReason
 from deepinfer.text.messages import ToolSpec, arguments_json
+from deepinfer.text.tool_markup import CallMarkup, FamilyTools
 from deepinfer.text.tool_parser import (
     ParsedAnswer,
     ParseEvent,
     ToolCallParser,
     collect_events,
 )
+from deepinfer.text.tools import HERMES_MARKUP
 
 EMPTY_PARAMETERS = '{"type": "object", "properties": {}, "additionalProperties": false}'
 """The schema of a function declared without parameters: its arguments are `{}`."""
@@ -53,10 +56,16 @@ class ToolPlan:
     `any`, or one named tool); empty: the model chooses freely (`auto`)."""
     schemas: tuple[ToolSchema, ...] = ()
     """Every declared tool's schema (for `auto` beside a response format: calls or the format)."""
+    markup: CallMarkup = HERMES_MARKUP
+    """How the model's family writes calls (what the answer is parsed with)."""
 
     @property
     def parses_calls(self) -> bool:
         return bool(self.specs)
+
+    def written_in(self, fmt: FamilyTools | None) -> ToolPlan:
+        """The plan for a model whose tool format is `fmt` (None: Hermes, the default)."""
+        return self if fmt is None else dataclasses.replace(self, markup=fmt.markup)
 
 
 NO_TOOLS = ToolPlan()
@@ -121,7 +130,7 @@ class ToolStream:
     ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._parser = ToolCallParser(self.plan.max_calls)
+        self._parser = ToolCallParser(self.plan.max_calls, self.plan.markup)
 
     def feed(self, text: str, finished: bool) -> list[ParseEvent]:
         events = self._parser.feed(text)
