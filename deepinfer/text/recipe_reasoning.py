@@ -82,9 +82,14 @@ class Qwen3Recipe(ChatMLRecipe):
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)
         self.reasoning = reasoning_format(tokenizer, "Qwen3", prompt_opens=False)
-        self.markers = (THINK_OPEN, THINK_CLOSE, *MARKERS)
-        """Added tokens client text could spell (think and tool markers): cut inside when
-        encoded, so a typed one stays text on every path."""
+        self.markers = tuple(
+            m
+            for m in (THINK_OPEN, THINK_CLOSE, *MARKERS)
+            if tokenizer.token_to_id(m) in tokenizer.added_token_ids
+        )
+        """Added tokens client text could spell (think and tool markers the vocabulary holds):
+        cut inside when encoded, so a typed one stays text on every path. Markers that are not
+        tokens (Qwen's `<tools>`) are left whole, as the template's own text spells them."""
 
     def encode(
         self,

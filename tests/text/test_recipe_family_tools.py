@@ -72,7 +72,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str, tuple[str, ...]]] = {
         "</s>",
         (),
     ),
-    "qwen3": (QWEN3, (), "<|im_start|>", "<|im_end|>", HERMES_TOKENS),
+    "qwen3": (QWEN3, (), "<|im_start|>", "<|im_end|>", (*HERMES_TOKENS, "<think>", "</think>")),
     "gemma3": (
         GEMMA3,
         ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"),

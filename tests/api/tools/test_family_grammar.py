@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from deepinfer.api.tools.grammar import call_grammar, forced_calls, recipe_format
+from deepinfer.api.tools.grammar import answer_constraint, call_grammar, recipe_format
 from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
 from deepinfer.model.loading.gguf_loader import open_gguf
@@ -128,11 +128,11 @@ def test_grammar_refuses_anything_else(family: Any) -> None:
         assert not accepts(family, 1, ids)
 
 
-def test_forced_calls_shows_the_markers_the_parser_reads(family: Any) -> None:
+def test_answer_constraint_shows_the_markers_the_parser_reads(family: Any) -> None:
     _, _, fmt, _ = family
     plan = ToolPlan(specs=(), forced=TOOLS[:1], max_calls=1)
-    assert forced_calls(SamplingParams(), plan, fmt).shown_token_ids == ()  # parses nothing
+    assert answer_constraint(SamplingParams(), plan, fmt).shown_token_ids == ()  # parses nothing
     spec = ToolSpec("get_weather", "{}")
-    params = forced_calls(SamplingParams(), ToolPlan(specs=(spec,)), fmt)
+    params = answer_constraint(SamplingParams(), ToolPlan(specs=(spec,)), fmt)
     assert params.shown_token_ids == fmt.markup.shown_ids and len(params.shown_token_ids) == 1
     assert params.structured is None
