@@ -222,6 +222,10 @@ class KVTiers:
                 self.host.offer(block_hash, payload, retention, origins.get(block_hash))
         return payloads
 
+    def kv_events_dropped(self) -> int | None:
+        """KV events dropped since start (None: events off)."""
+        return self.events.recorder.num_dropped if self.events is not None else None
+
     def host_stats(self) -> HostTierStats | None:
         return self.host.stats() if self.host is not None else None
 
