@@ -152,6 +152,8 @@ class FakeEngine:
         self.reply = REPLY
         self.last_params: SamplingParams | None = None
         """The sampling parameters of the latest request submitted."""
+        self.last_cache_retention: str | None = None
+        """The retention class of the latest request submitted."""
         self._reqs: dict[str, _Req] = {}
         self._seen_prefixes: set[tuple[int, ...]] = set()
         self._used_blocks = 0
@@ -210,6 +212,7 @@ class FakeEngine:
         _check_parts(params)
         self._counter += 1
         self.last_params = params
+        self.last_cache_retention = cache_retention
         rid = request_id or f"fake-{self._counter}"
         reply, stop_reason = self.reply, None
         for s in params.stop:

@@ -40,7 +40,6 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
     ("functions", [{"name": "f", "parameters": {}}], []),
     ("function_call", "auto", None),
     ("verbosity", "low", "medium"),
-    ("prompt_cache_retention", "24h", None),
     ("add_generation_prompt", False, True),
     ("continue_final_message", True, False),
     ("chat_template", "{{ messages }}", None),
