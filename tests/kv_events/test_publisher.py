@@ -232,3 +232,34 @@ def test_full_queue_drops_and_counts() -> None:
     events = recorder.take()
     assert [type(e).__name__ for e in events] == ["BlockRemoved", "BlockRemoved"]
     assert recorder.take() == []
+
+
+def test_off_by_default_builds_nothing() -> None:
+    """Without an endpoint there is no publisher (no thread, no socket); the tiers hold None."""
+    import threading
+
+    from deepinfer.config import Config
+    from deepinfer.engine.build import build_kv_events
+
+    before = {t.name for t in threading.enumerate()}
+    assert build_kv_events(Config().kv_events, 16) is None
+    assert "kv-events" not in before | {t.name for t in threading.enumerate()}
+    kv = KVCacheManager(4, BLOCK, "fp")
+    assert kv.events is None and kv.pool.events is None
+    assert HostTier(PAYLOAD, PAYLOAD).events is None
+
+
+def test_reset_publishes_the_dropped_blocks_only() -> None:
+    recorder = KVEventRecorder(BLOCK, "bytes", 100)
+    kv = KVCacheManager(8, BLOCK, "fp", events=recorder.medium(MEDIUM_GPU))
+    a, b = _request("a", list(range(9))), _request("b", list(range(100, 109)))
+    _compute(kv, a)
+    _compute(kv, b)
+    kv.free(a)
+    recorder.take()
+    assert kv.reset_prefix_cache() == 2
+    (event,) = recorder.take()
+    ha = block_hashes_for(list(range(9)), BLOCK, seed_bytes("fp"))
+    assert type(event).__name__ == "BlockRemoved"
+    assert event.medium == MEDIUM_GPU and sorted(event.block_hashes) == sorted(ha)  # type: ignore[union-attr]
+    kv.check_integrity()
