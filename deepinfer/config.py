@@ -128,6 +128,31 @@ class HostCacheConfig:
     """Byte budget of host memory for KV blocks (page-locked on CUDA, allocated at start-up)."""
 
 
+KVEventsHash = Literal["int64", "bytes"]
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events for cache-aware routers, in vLLM's format (ZMQ PUB, msgpack)."""
+
+    kv_events_endpoint: str | None = None
+    """ZMQ address that publishes every tier's block stores and removals (e.g.
+    `tcp://*:5557`: bound when it holds `*`, else connected); None: off."""
+    kv_events_replay_endpoint: str | None = None
+    """ZMQ ROUTER address where a subscriber asks for batches it missed (e.g. `tcp://*:5558`)."""
+    kv_events_topic: str = ""
+    """Topic frame of every published batch."""
+    kv_events_block_hash: KVEventsHash = "int64"
+    """Block hashes on the wire: `int64`, the lower 64 bits of our sha256 block hash read
+    big-endian (vLLM's default); `bytes`, the 32 bytes."""
+    kv_events_buffer_steps: int = 10_000
+    """Batches kept for replay."""
+    kv_events_hwm: int = 100_000
+    """High-water mark of the PUB socket: messages past it are dropped for a slow subscriber."""
+    kv_events_max_queue_size: int = 100_000
+    """Block entries recorded and not yet published; more are dropped and counted."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -282,6 +307,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     disk_cache: DiskCacheConfig = field(default_factory=DiskCacheConfig)
     host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -330,6 +356,13 @@ def _validate(config: Config) -> None:
         )
     if d.max_bytes < 1 << 20 or d.agent_days <= 0 or d.chat_days <= 0:
         raise ConfigError("disk_cache.max_bytes must be >= 1 MiB and retention days positive")
+    e = config.kv_events
+    if e.kv_events_block_hash not in ("int64", "bytes"):
+        raise ConfigError(
+            f"kv_events_block_hash must be int64 or bytes, got {e.kv_events_block_hash!r}"
+        )
+    if min(e.kv_events_buffer_steps, e.kv_events_hwm, e.kv_events_max_queue_size) < 1:
+        raise ConfigError("kv_events buffer_steps, hwm and max_queue_size must be positive")
     h = config.host_cache
     if h.enabled not in ("auto", "on", "off"):
         raise ConfigError(f"host_cache.enabled must be auto, on or off, got {h.enabled!r}")

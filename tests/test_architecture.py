@@ -25,11 +25,22 @@ FORBIDDEN: dict[str, set[str]] = {
     "text": {"api", "engine", "scheduler", "cache", "runner", "model", "sampling", "tiers"},
     "tiers": {"api", "engine", "scheduler", "runner", "sampling", "text"},
     "engine": {"api"},
+    "kv_events": {
+        "api",
+        "engine",
+        "scheduler",
+        "cache",
+        "runner",
+        "model",
+        "sampling",
+        "text",
+        "tiers",
+    },
 }
 """`tiers` (the host and disk KV tiers, their copies and `KVTiers`) sits between `engine` and
 `cache` / `model`: only the engine imports it (and the API its leaf of records, `tiers.stats`)."""
-NO_TORCH = {"cache", "scheduler", "text"}
-NO_ASYNCIO = {"cache", "scheduler", "model", "sampling", "runner", "text", "kernels"}
+NO_TORCH = {"cache", "scheduler", "text", "kv_events"}
+NO_ASYNCIO = {"kv_events", "cache", "scheduler", "model", "sampling", "runner", "text", "kernels"}
 LEAVES = {
     "config",
     "environment",

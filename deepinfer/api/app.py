@@ -28,6 +28,7 @@ from deepinfer.api.context import ApiContext
 from deepinfer.api.http.access_log import AccessLogMiddleware
 from deepinfer.api.http.auth import ApiKeyMiddleware, route_path
 from deepinfer.api.http.body import BodyDeadlines, BodyTimeoutMiddleware
+from deepinfer.api.http.cache_options import PromptCacheKeyMiddleware
 from deepinfer.api.http.errors import ApiError, ErrorKind, error_response_for
 from deepinfer.api.openai.routes import openai_routes
 from deepinfer.api.openai.token_routes import token_routes
@@ -96,6 +97,7 @@ def create_app(
     middleware = [
         Middleware(AccessLogMiddleware, metrics=metrics),
         Middleware(BodyTimeoutMiddleware, deadlines=_body_deadlines(config)),
+        Middleware(PromptCacheKeyMiddleware),
     ]
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key, pages=config.web))

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.free_queue import Block, FreeBlockQueue, require
+from deepinfer.kv_events.recorder import MediumEvents
 
 NULL_BLOCK_ID = 0
 
@@ -41,6 +42,8 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
         """Cached blocks whose content was dropped to reuse them (a counter for metrics)."""
+        self.events: MediumEvents | None = None
+        """Where evictions are published as `BlockRemoved` (None: KV events off)."""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -112,6 +115,8 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
+            if self.events is not None:
+                self.events.removed([block.block_hash])
             del self._cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1

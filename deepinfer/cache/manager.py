@@ -27,7 +27,7 @@ is read, never rewritten (`ChunkTables.cached_until`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from deepinfer.block_ids import BlockIds
 from deepinfer.cache.block_hash import BlockHash, extend_block_hashes, seed_bytes
@@ -38,6 +38,7 @@ from deepinfer.cache.free_queue import Block, require
 from deepinfer.cache.held_blocks import HeldBlocks
 from deepinfer.cache.usage import CacheUsage, ChunkTables
 from deepinfer.cache.window_group import WindowGroup, WindowSpec
+from deepinfer.kv_events.recorder import BlockOrigin, MediumEvents
 from deepinfer.request import Request
 
 
@@ -52,6 +53,7 @@ class KVCacheManager:
         track_new_blocks: bool = False,
         window: WindowSpec | None = None,
         num_window_blocks: int = 0,
+        events: MediumEvents | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -79,6 +81,12 @@ class KVCacheManager:
             else None
         )
         """The windowed layers' blocks (None: every layer keeps every token here)."""
+        self.events = events
+        """The device pool's KV events (None: off): registrations here, evictions in the pool."""
+        self.pool.events = events
+        self._new_origins: dict[BlockHash, BlockOrigin] = {}
+        """With events on and a lower tier attached: what the tiers' `BlockStored` events of
+        newly registered blocks carry (their parent's hash and their tokens)."""
         self._starts: dict[str, int] = {}
         """Where each request planned by `get_computed_blocks` starts computing."""
         self._cached_until: dict[str, int] = {}
@@ -272,10 +280,15 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.block_hashes(request)
+        runs: list[int] | None = [] if self.events is not None else None
         for i in range(start, num_full):
             registered = self.pool.cache_block(table[i], hashes[i])
             if registered and self.track_new_blocks:
                 self._new_blocks.append((table[i].block_id, hashes[i], request.retention))
+            if registered and runs is not None:
+                runs.append(i)
+        if runs:
+            self.publish_stored(request.token_span, hashes, runs)
         self._num_registered[rid] = num_full
         if self._claims.holds(rid):
             self._claims.release(rid, set(hashes[start:num_full]))
@@ -294,6 +307,39 @@ class KVCacheManager:
         if track:
             boundaries = self.window.drain_boundaries()
             self._new_windows.extend((window, request.retention) for window in boundaries)
+
+    def publish_stored(
+        self,
+        tokens: Callable[[int, int], Sequence[int]],
+        hashes: Sequence[BlockHash],
+        indices: Sequence[int],
+    ) -> None:
+        """`BlockStored` for the blocks `indices` (ascending) of a sequence with block hashes
+        `hashes`, one event per run of consecutive blocks; `tokens(start, end)` gives the
+        sequence's tokens. With a lower tier attached, each block's origin is kept for the
+        tiers' own events (`drain_new_origins`)."""
+        assert self.events is not None
+        bs = self.block_size
+        run_start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            first, last = indices[run_start], indices[k - 1] + 1
+            parent = hashes[first - 1] if first > 0 else None
+            token_ids = tokens(first * bs, last * bs)
+            self.events.stored(hashes[first:last], parent, token_ids)
+            if self.track_new_blocks:
+                for i in range(first, last):
+                    self._new_origins[hashes[i]] = BlockOrigin(
+                        hashes[i - 1] if i > 0 else None,
+                        tuple(token_ids[(i - first) * bs : (i - first + 1) * bs]),
+                    )
+            run_start = k
+
+    def drain_new_origins(self) -> dict[BlockHash, BlockOrigin]:
+        """Origins of the blocks registered since the last drain (empty with events off)."""
+        new, self._new_origins = self._new_origins, {}
+        return new
 
     def drain_new_windows(self) -> list[tuple[list[tuple[int, BlockHash]], str | None]]:
         """Windows before prompts' ends kept since the last drain, for the disk tier: each its

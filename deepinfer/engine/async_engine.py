@@ -187,6 +187,7 @@ class AsyncEngine:
             speculative=core.scheduler.speculative_counts(),
             expert_load=core.expert_load(),
             expert_parallel=core.experts.snapshot() if core.experts is not None else None,
+            kv_events_dropped=core.tiers.kv_events_dropped(),
         )
 
     async def disk_summary(self) -> DiskSummary | None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer.cache.manager import KVCacheManager
-from deepinfer.config import Config, DiskCacheConfig, GrammarConfig, Retention
+from deepinfer.config import Config, DiskCacheConfig, GrammarConfig, KVEventsConfig, Retention
 from deepinfer.engine.build_experts import build_expert_parallel
 from deepinfer.engine.build_replicas import (
     Replica,
@@ -32,6 +32,9 @@ from deepinfer.engine.build_replicas import (
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
+from deepinfer.kv_events.publisher import KVEventPublisher
+from deepinfer.kv_events.recorder import KVEventRecorder
+from deepinfer.kv_events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 from deepinfer.model.experts.parallel import ExpertParallel
 from deepinfer.model.loading.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.device import resolve_device
@@ -139,8 +142,12 @@ def build_engine(config: Config) -> EngineParts:
         capture_graphs(config, replicas.decode, max_len), capture_prefill(config, replicas.prefill)
     )
     info = runtime_info(config, path, replicas, max_len, graphs)
-    host, disk = open_tiers(config, replicas.prefill, info.fingerprint)
+    events = build_kv_events(config.kv_events, config.cache.block_size)
+    host, disk = open_tiers(config, replicas.prefill, info.fingerprint, events)
     kv, decode_kv = build_block_managers(config, replicas, info.fingerprint, host, disk)
+    if events is not None:
+        device_medium = MEDIUM_GPU if replicas.prefill.device.type == "cuda" else MEDIUM_CPU
+        kv.events = kv.pool.events = events.recorder.medium(device_medium)
     constraints = ConstraintCompiler(
         lambda: grammar_vocabulary(tokenizer, recipe), compiler_limits(config.grammar)
     )
@@ -152,7 +159,7 @@ def build_engine(config: Config) -> EngineParts:
         recipe=recipe,
         kv=kv,
         decode_kv=decode_kv,
-        tiers=KVTiers(kv, host, disk, tier_copies(replicas.prefill)),
+        tiers=KVTiers(kv, host, disk, tier_copies(replicas.prefill), events),
         scheduler=build_scheduler(config, kv, max_len, groups.prefill, decode_kv),
         constraints=constraints,
         runner=runner,
@@ -223,14 +230,36 @@ def grammar_vocabulary(tokenizer: Tokenizer, recipe: ChatRecipe) -> GrammarVocab
 
 
 # -- blocks and their lower tiers --
+def build_kv_events(config: KVEventsConfig, block_size: int) -> KVEventPublisher | None:
+    """The KV events' publisher and its sockets (None: `--kv-events-endpoint` not set)."""
+    if config.kv_events_endpoint is None:
+        return None
+    recorder = KVEventRecorder(
+        block_size, config.kv_events_block_hash, config.kv_events_max_queue_size
+    )
+    publisher = KVEventPublisher(
+        recorder,
+        config.kv_events_endpoint,
+        config.kv_events_replay_endpoint,
+        config.kv_events_topic,
+        config.kv_events_buffer_steps,
+        config.kv_events_hwm,
+    )
+    log.info("publishing KV events on %s", config.kv_events_endpoint)
+    return publisher
+
+
 def open_tiers(
-    config: Config, prefill: Replica, fingerprint: str
+    config: Config, prefill: Replica, fingerprint: str, events: KVEventPublisher | None = None
 ) -> tuple[HostTier | None, DiskTier | None]:
-    """The host tier (prefix caching only) and the disk tier under the prefill pool."""
+    """The host tier (prefix caching only) and the disk tier under the prefill pool, each
+    recording its KV events when `events` is given."""
     host = None
     if config.cache.enable_prefix_caching:
         host = open_host_tier(config.host_cache, prefill.device, prefill.tier_caches)
-    return host, open_disk_tier(config.disk_cache, fingerprint)
+    if host is not None and events is not None:
+        host.events = events.recorder.medium(MEDIUM_CPU)
+    return host, open_disk_tier(config.disk_cache, fingerprint, events)
 
 
 def tier_copies(prefill: Replica) -> TierCopies:
@@ -239,7 +268,9 @@ def tier_copies(prefill: Replica) -> TierCopies:
     return TierCopies(prefill.tier_caches, prefill.window_caches)
 
 
-def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None:
+def open_disk_tier(
+    config: DiskCacheConfig, fingerprint: str, events: KVEventPublisher | None = None
+) -> DiskTier | None:
     """The disk tier for this model fingerprint, or None when disabled. Never raises for I/O:
     an unusable directory leaves the tier degraded (misses, dropped writes, a warning)."""
     if not config.enabled:
@@ -256,6 +287,8 @@ def open_disk_tier(config: DiskCacheConfig, fingerprint: str) -> DiskTier | None
             default_retention=config.default_retention,
         ),
     )
+    if events is not None:
+        tier.events = events.recorder.medium(MEDIUM_STORAGE)
     tier.open()
     return tier
 

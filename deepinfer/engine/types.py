@@ -115,3 +115,5 @@ class EngineStats:
     once per expert it is routed to; a dense layer's entry is empty); () for a dense model."""
     expert_parallel: ExpertParallelStats | None = None
     """Expert-parallel groups and the balancer's work (None: every expert in one place)."""
+    kv_events_dropped: int | None = None
+    """KV events dropped since start because the publisher fell behind (None: events off)."""

@@ -30,6 +30,8 @@ from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.manager import KVCacheManager
 from deepinfer.config import Retention
 from deepinfer.errors import InvalidRequestError
+from deepinfer.kv_events.publisher import KVEventPublisher
+from deepinfer.kv_events.recorder import BlockOrigin
 from deepinfer.request import Request
 from deepinfer.tiers.copies import TierCopies
 from deepinfer.tiers.device_blocks import TierBlocks
@@ -67,6 +69,8 @@ class _FillPlan:
     disk_hashes: list[BlockHash]
     disk_payloads: list[bytes]
     retention: str | None
+    disk_origins: list[BlockOrigin] | None = None
+    """What the host tier's events carry for the disk blocks it keeps (events on)."""
 
 
 class KVTiers:
@@ -76,9 +80,12 @@ class KVTiers:
         host: HostTier | None,
         disk: DiskTier | None,
         copies: TierCopies,
+        events: KVEventPublisher | None = None,
     ) -> None:
-        """The tiers under `kv` (the prefill pool's manager; either tier may be off)."""
+        """The tiers under `kv` (the prefill pool's manager; either tier may be off), and the
+        publisher of every tier's KV events (None: off); each tier records its own."""
         self._kv = kv
+        self.events = events
         self._blocks = TierBlocks(kv)
         self.host = host
         self.disk = disk
@@ -119,13 +126,29 @@ class KVTiers:
             payloads: list[bytes | None] = []
             if disk is not None and disk_hashes:
                 payloads = await _disk_load(disk, disk_hashes)
+            origins = None
+            if host is not None and host.events is not None:
+                start = num_device + num_host
+                origins = [
+                    _origin(request, hashes, start + j, kv.block_size)
+                    for j in range(len(disk_hashes))
+                ]
             plan = _FillPlan(
-                block_ids, rest[:num_host], disk_hashes, _leading(payloads), request.retention
+                block_ids,
+                rest[:num_host],
+                disk_hashes,
+                _leading(payloads),
+                request.retention,
+                origins,
             )
             loop = asyncio.get_running_loop()
             loaded = await loop.run_in_executor(forward, self._fill_blocks, plan)
         finally:
-            self._blocks.commit(reservation_id, rest[: sum(loaded)])
+            num_loaded = loaded[0] + loaded[1]
+            self._blocks.commit(reservation_id, rest[:num_loaded])
+            if kv.events is not None and num_loaded:
+                indices = range(num_device, num_device + num_loaded)
+                kv.publish_stored(request.token_span, hashes, indices)
         self.touch(hashes[: num_device + sum(loaded)], request.retention)
         return TierFill(loaded[0] * kv.block_size, loaded[1] * kv.block_size)
 
@@ -149,8 +172,11 @@ class KVTiers:
             log.exception("copying disk tier blocks into the KV pool failed; recomputing them")
             return len(views), 0
         if host is not None:
-            for block_hash, payload in zip(plan.disk_hashes, plan.disk_payloads, strict=False):
-                host.offer(block_hash, payload, plan.retention)
+            origins = plan.disk_origins
+            for j, (block_hash, payload) in enumerate(
+                zip(plan.disk_hashes, plan.disk_payloads, strict=False)
+            ):
+                host.offer(block_hash, payload, plan.retention, origins[j] if origins else None)
         return len(views), num_disk
 
     def touch(self, served: list[BlockHash], retention: str | None) -> None:
@@ -169,26 +195,36 @@ class KVTiers:
         """Offer blocks registered in the last step to the host and disk tiers: a snapshot copy
         (and the host tier's copy) on the forward thread now; the disk write happens on the disk
         tier's writer thread, or is dropped."""
+        if self.events is not None:
+            self.events.end_step()
         await write_windows_behind(self._kv, self.disk, self.copies, forward)
         new = [b for b in self._kv.drain_new_blocks() if b[2] != Retention.NONE]
+        origins = self._kv.drain_new_origins() if self.events is not None else {}
         if not new or (self.disk is None and self.host is None):
             return
         loop = asyncio.get_running_loop()
         pin = self._blocks.pin([b[0] for b in new])  # the other worker's steps may reuse freed ones
         try:
-            payloads = await loop.run_in_executor(forward, self._snapshot_to_host, new)
+            payloads = await loop.run_in_executor(forward, self._snapshot_to_host, new, origins)
         finally:
             self._blocks.unpin(pin)
         if self.disk is not None:
             for (_, block_hash, retention), payload in zip(new, payloads, strict=True):
-                self.disk.offer(block_hash, payload, self._kv.block_size, retention)
+                origin = origins.get(block_hash)
+                self.disk.offer(block_hash, payload, self._kv.block_size, retention, origin)
 
-    def _snapshot_to_host(self, new: list[NewBlock]) -> list[bytes]:
+    def _snapshot_to_host(
+        self, new: list[NewBlock], origins: dict[BlockHash, BlockOrigin]
+    ) -> list[bytes]:
         payloads = self.copies.read([b[0] for b in new])
         if self.host is not None:
             for (_, block_hash, retention), payload in zip(new, payloads, strict=True):
-                self.host.offer(block_hash, payload, retention)
+                self.host.offer(block_hash, payload, retention, origins.get(block_hash))
         return payloads
+
+    def kv_events_dropped(self) -> int | None:
+        """KV events dropped since start (None: events off)."""
+        return self.events.recorder.num_dropped if self.events is not None else None
 
     def host_stats(self) -> HostTierStats | None:
         return self.host.stats() if self.host is not None else None
@@ -207,9 +243,12 @@ class KVTiers:
             self.host.check_integrity()
 
     def close(self) -> None:
-        """Write what the disk tier has queued and stop its writer (blocking)."""
+        """Write what the disk tier has queued and stop its writer, then send the last KV
+        events and stop their publisher (blocking)."""
         if self.disk is not None:
             self.disk.close()
+        if self.events is not None:
+            self.events.close()
 
 
 async def _disk_prefix(disk: DiskTier, hashes: list[BlockHash]) -> int:
@@ -228,6 +267,13 @@ async def _disk_load(disk: DiskTier, hashes: list[BlockHash]) -> list[bytes | No
     except Exception:
         log.exception("disk tier read failed; serving without it")
         return [None] * len(hashes)
+
+
+def _origin(request: Request, hashes: list[BlockHash], index: int, block_size: int) -> BlockOrigin:
+    """Block `index` of the request's prompt: its parent's hash and its tokens."""
+    parent = hashes[index - 1] if index > 0 else None
+    tokens = request.token_span(index * block_size, (index + 1) * block_size)
+    return BlockOrigin(parent, tuple(tokens))
 
 
 def _leading(payloads: Sequence[bytes | None]) -> list[bytes]:

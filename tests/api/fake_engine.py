@@ -187,6 +187,8 @@ class FakeEngine:
         self.last_prompt: list[int] = []
         self.last_params: SamplingParams | None = None
         """The sampling parameters of the latest request submitted."""
+        self.last_cache_retention: str | None = None
+        """The retention class of the latest request submitted."""
         self._reqs: dict[str, _Req] = {}
         self._seen_prefixes: set[tuple[int, ...]] = set()
         self._used_blocks = 0
@@ -245,6 +247,7 @@ class FakeEngine:
         _check_parts(params)
         self._counter += 1
         self.last_params, self.last_prompt = params, ids
+        self.last_cache_retention = cache_retention
         rid = request_id or f"fake-{self._counter}"
         reply, stop_reason = self.reply, None
         for s in params.stop:

@@ -41,7 +41,6 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
     ("functions", [{"name": "f", "parameters": {}}], []),
     ("function_call", "auto", None),
     ("verbosity", "low", "medium"),
-    ("prompt_cache_retention", "24h", None),
     ("chat_template", "{{ messages }}", None),
     ("moderation", {"model": "omni-moderation-latest"}, None),
     ("prompt_cache_options", {"mode": "auto"}, None),

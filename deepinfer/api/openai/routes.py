@@ -126,7 +126,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
                 for i in range(n)
             ]
             rid = new_id("chatcmpl-")
-            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            cache = cache_options(request, req.cache_salt, req.cache_retention, *req.prompt_cache)
             streams = await ctx.submit_all([ids] * n, params, request_id=rid, cache=cache)
         except Exception as exc:
             return openai_error_response(exc)
@@ -239,7 +239,7 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             ]
             rid = new_id("cmpl-")
             all_prompts = [p for p in prompts for _ in range(n)]
-            cache = cache_options(request, req.cache_salt, req.cache_retention)
+            cache = cache_options(request, req.cache_salt, req.cache_retention, *req.prompt_cache)
             param = "prompt" if len(prompts) > 1 else "n"
             streams = await ctx.submit_all(
                 all_prompts, params, request_id=rid, cache=cache, param=param

@@ -54,12 +54,20 @@ class OpenAIRefusedFields(msgspec.Struct):
     function_call: msgspec.Raw = msgspec.Raw()
     verbosity: str | None = None
     prompt_cache_retention: str | None = None
+    """Honoured: a retention class (`api/http/cache_options.py`)."""
+    prompt_cache_key: str | None = None
+    """Honoured: echoed in the `x-prompt-cache-key` header for routers."""
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
     moderation: msgspec.Raw = msgspec.Raw()
     prompt_cache_options: msgspec.Raw = msgspec.Raw()
+
+    @property
+    def prompt_cache(self) -> tuple[str | None, str | None]:
+        """OpenAI's session hints: (`prompt_cache_key`, `prompt_cache_retention`)."""
+        return self.prompt_cache_key, self.prompt_cache_retention
 
 
 def check_refused(req: OpenAIRefusedFields, *, chat: bool = False) -> None:
@@ -80,7 +88,6 @@ def check_refused(req: OpenAIRefusedFields, *, chat: bool = False) -> None:
             "web_search_options": is_set(req.web_search_options),
             "functions": bool(req.functions),
             "function_call": is_set(req.function_call),
-            "prompt_cache_retention": req.prompt_cache_retention is not None,
             "continue_final_message": not chat and bool(req.continue_final_message),
             "chat_template": req.chat_template is not None,
             "chat_template_kwargs": not chat and is_set(req.chat_template_kwargs),

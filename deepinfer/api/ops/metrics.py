@@ -14,7 +14,7 @@ from deepinfer.api.ops.live_stats import LiveStats
 from deepinfer.api.ops.weighted_histogram import WeightedHistogram
 from deepinfer.api.ops.worker_metrics import worker_metrics
 from deepinfer.api.protocol import EngineClient, OutputStream
-from deepinfer.engine.types import GenerationOutput, Usage
+from deepinfer.engine.types import EngineStats, GenerationOutput, Usage
 from deepinfer.scheduler.admission import PrefillCounts
 from deepinfer.scheduler.speculative import SpeculativeCounts
 from deepinfer.tiers.stats import DiskTierStats, HostTierStats
@@ -80,6 +80,39 @@ class _EngineCollector(Collector):
         if stats.host is not None:
             yield from _host_metrics(stats.host)
         yield from worker_metrics(stats)
+        yield from _vllm_metrics(self._engine.model_name, stats)
+        if stats.kv_events_dropped is not None:
+            yield CounterMetricFamily(
+                "deepinfer_kv_events_dropped",
+                "KV events dropped because the publisher fell behind (routers miss them)",
+                value=stats.kv_events_dropped,
+            )
+
+
+def _vllm_metrics(model_name: str, stats: EngineStats) -> Iterator[Metric]:
+    """vLLM's names for the gauges that routers and autoscalers read (the Gateway API Inference
+    Extension's endpoint picker, KEDA), with vLLM's labels: the same values as ours, the KV
+    cache's as a 0..1 fraction of the fuller pool (with a separate decode pool, the fuller one)."""
+    usage = stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0
+    if stats.decode_blocks_total:
+        usage = max(usage, stats.decode_blocks_used / stats.decode_blocks_total)
+    for name, doc, value in (
+        ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+        (
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            stats.num_running,
+        ),
+        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+        (
+            "gpu_cache_usage_perc",
+            "KV-cache usage (the older name). 1 means 100 percent usage.",
+            usage,
+        ),
+    ):
+        family = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name", "engine"])
+        family.add_metric([model_name, "0"], value)
+        yield family
 
 
 def _prefill_metrics(c: PrefillCounts) -> Iterator[Metric]:

@@ -5,9 +5,10 @@ max_output_tokens, temperature, top_p, metadata, store, stream, previous_respons
 reasoning.effort (low/medium/high), tools (function tools), tool_choice, parallel_tool_calls,
 text.format (`text`, `json_schema`, `json_object`; checked in `tools.py`), truncation
 `disabled`, service_tier auto/default, stream_options.include_obfuscation false (no obfuscation
-is ever added), and the deepinfer extensions cache_salt and cache_retention. Accepted as
-informational: model (one model is served), user, safety_identifier, prompt_cache_key (caching
-is automatic and keyed by content). Everything else is refused when set to a non-default value.
+is ever added), prompt_cache_retention (a retention class) and prompt_cache_key (echoed in
+the `x-prompt-cache-key` header: `api/http/cache_options.py`), and the deepinfer extensions
+cache_salt and cache_retention. Accepted as informational: model (one model is served), user,
+safety_identifier. Everything else is refused when set to a non-default value.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ def check_fields(req: ResponsesRequest) -> None:
             "include": bool(req.include),
             "top_logprobs": bool(req.top_logprobs),
             "max_tool_calls": req.max_tool_calls is not None,
-            "prompt_cache_retention": req.prompt_cache_retention is not None,
             "prompt_cache_options": is_set(req.prompt_cache_options),
             "context_management": is_set(req.context_management),
             "moderation": is_set(req.moderation),

@@ -81,6 +81,8 @@ class BlockIndex:
         )
         self.readonly = readonly
         self.on_corrupt = on_corrupt
+        self.on_removed: Callable[[list[BlockHash]], None] | None = None
+        """Told, after each commit, of the entries it removed (KV events; None: off)."""
         self.dirty = False
         """Set when tables were seen to disagree (or a damaged entry was dropped, leaving its
         derived entries behind): `rebuild` restores the invariants."""
@@ -219,10 +221,13 @@ class BlockIndex:
     ) -> int:
         """A hit: last access = now, expiry = max(old, now + ttl). Returns entries updated."""
         n = num_corrupt = 0
+        dropped: list[BlockHash] = []
         with self.begin(write=True) as txn:
             for block_hash in hashes:
                 old = self._record(txn, block_hash)
                 num_corrupt += old is CORRUPT
+                if old is CORRUPT:
+                    dropped.append(block_hash)
                 if not isinstance(old, BlockRecord):
                     continue
                 expires_s, keep = now_s + ttl_s, old.expires_s > now_s + ttl_s
@@ -236,12 +241,14 @@ class BlockIndex:
                 self._insert(txn, block_hash, new)
                 n += 1
         self._report(num_corrupt)
+        self._removed(dropped)
         return n
 
     def remove_many(self, hashes: Iterable[BlockHash]) -> list[BlockRecord]:
         """Drop entries (absent ones are skipped, damaged ones deleted and reported); returns
         the records removed."""
         removed, num_corrupt = [], 0
+        dropped: list[BlockHash] = []
         with self.begin(write=True) as txn:
             for block_hash in hashes:
                 record = self._record(txn, block_hash)
@@ -249,17 +256,22 @@ class BlockIndex:
                 if isinstance(record, BlockRecord):
                     self._delete(txn, block_hash, record)
                     removed.append(record)
+                if record is not None:
+                    dropped.append(block_hash)
         self._report(num_corrupt)
+        self._removed(dropped)
         return removed
 
     def drop_corrupt(self, hashes: Iterable[BlockHash]) -> int:
         """Delete the entries among `hashes` that (still) fail to decode. Returns how many."""
-        num_corrupt = 0
+        dropped: list[BlockHash] = []
         with self.begin(write=True) as txn:
             for block_hash in hashes:
-                num_corrupt += self._record(txn, block_hash) is CORRUPT
-        self._report(num_corrupt)
-        return num_corrupt
+                if self._record(txn, block_hash) is CORRUPT:
+                    dropped.append(block_hash)
+        self._report(len(dropped))
+        self._removed(dropped)
+        return len(dropped)
 
     def remove_segment(self, segment: int) -> None:
         """Forget a segment whose entries are all gone (its file is deleted next). Accounting
@@ -330,17 +342,18 @@ class BlockIndex:
         Returns entries dropped."""
         dropped = self._rebuild_tables()
         self.dirty = False
-        self._report(dropped)
-        return dropped
+        self._report(len(dropped))
+        self._removed(dropped)
+        return len(dropped)
 
     def check_integrity(self) -> None:
         """The tables mirror each other and the segment accounting adds up (O(entries))."""
         self._check_tables()
 
-    def _rebuild_tables(self) -> int:
+    def _rebuild_tables(self) -> list[BlockHash]:
         """Drop `blocks` entries that fail to decode and derive the other tables from the rest.
         Segment sizes are kept where they decode (`DiskStore.recover` corrects them from the files).
-        Returns entries dropped."""
+        Returns the keys of the entries dropped."""
         with self.begin(write=True) as txn:
             sizes = self._segment_sizes(txn)
             for db in (self.lru, self.expiry, self.by_segment, self.segments_db):
@@ -362,7 +375,7 @@ class BlockIndex:
                 info = SegmentInfo(sizes.get(segment, 0), num_bytes, num)
                 txn.put(segment_key(segment), encode(info), db=self.segments_db)
             self._repair_next_segment(txn, max(sizes.keys() | live.keys(), default=0))
-        return len(bad)
+        return bad
 
     def _segment_sizes(self, txn: lmdb.Transaction) -> dict[int, int]:
         sizes = {}
@@ -409,6 +422,10 @@ class BlockIndex:
                     f"segment {segment} accounting {info} != {acc}",
                 )
         require(not live, f"entries point at unregistered segments {sorted(live)}")
+
+    def _removed(self, block_hashes: list[BlockHash]) -> None:
+        if block_hashes and self.on_removed is not None:
+            self.on_removed(block_hashes)
 
     def _report(self, num_corrupt: int) -> None:
         if num_corrupt:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import lmdb
 
+from deepinfer.cache.block_hash import BlockHash
 from deepinfer.tiers.disk.config import DiskTierConfig
 from deepinfer.tiers.disk.guard import Backoff, StoreSlot
 from deepinfer.tiers.disk.opener import BROKEN_INDEX_ERRORS, open_store
@@ -58,6 +59,9 @@ class StoreKeeper:
         """Set when LMDB called the index damaged: `maintain` replaces it by an empty one."""
         self._lock_fd: int | None = None
         self._warned = False
+        self.on_removed: Callable[[list[BlockHash]], None] | None = None
+        """Told of index entries removed (KV events); set on each store opened, after its
+        recovery (what an earlier process left was never announced)."""
 
     @property
     def store(self) -> DiskStore | None:
@@ -81,6 +85,7 @@ class StoreKeeper:
         except Exception as exc:
             self.fail("cannot open the disk cache", exc)
             return
+        store.index.on_removed = self.on_removed
         self.slot.put(store)
         self.retry.allow_now()
         self.reopen_needed, self.reset_reason = False, None

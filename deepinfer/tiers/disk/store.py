@@ -26,6 +26,7 @@ import msgspec
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.free_queue import IntegrityError
+from deepinfer.kv_events.recorder import BlockOrigin
 from deepinfer.tiers.disk.budget import is_no_space
 from deepinfer.tiers.disk.config import DiskTierConfig
 from deepinfer.tiers.disk.index import CORRUPT, BlockIndex
@@ -44,6 +45,8 @@ class PendingWrite:
     num_tokens: int
     retention: str
     ttl_s: float
+    origin: BlockOrigin | None = None
+    """What its `BlockStored` event carries (KV events on)."""
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,9 @@ class DiskStore:
         now = self.index.get_many([block_hash])[0]
         return now is not None and (now.segment, now.offset) == (record.segment, record.offset)
 
-    def write(self, items: Sequence[PendingWrite], now_s: float) -> int:
+    def write(self, items: Sequence[PendingWrite], now_s: float) -> list[PendingWrite]:
         """Append, fsync, then index `items` (already-present hashes are only touched).
-        Returns blocks written. Raises OSError / lmdb.Error with nothing partial indexed."""
+        Returns the items written. Raises OSError / lmdb.Error with nothing partial indexed."""
         existing = self.index.get_many([w.block_hash for w in items])
         fresh: dict[BlockHash, PendingWrite] = {}
         for w, rec in zip(items, existing, strict=True):
@@ -181,7 +184,7 @@ class DiskStore:
             else:
                 self.index.touch_many([w.block_hash], now_s, w.ttl_s, w.retention)
         self._append_all([(w.block_hash, w.payload, _template(w, now_s)) for w in fresh.values()])
-        return len(fresh)
+        return list(fresh.values())
 
     def _append_all(self, items: Sequence[tuple[BlockHash, bytes, BlockRecord]]) -> None:
         """Append payloads (rotating segments as they fill), fsync, then index each group with

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from deepinfer.cache.block_hash import BlockHash
+from deepinfer.kv_events.recorder import BlockOrigin, MediumEvents
 from deepinfer.tiers.disk.async_reads import load_records
 from deepinfer.tiers.disk.budget import ByteBudget, free_bytes, is_no_space
 from deepinfer.tiers.disk.config import DiskTierConfig, fingerprint_dir
@@ -81,6 +82,8 @@ class DiskTier:
         """Lowered while the filesystem is full (budget.py); the writer's alone to change."""
         self._write_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.events: MediumEvents | None = None
+        """Where writes and removals are published (None: KV events off); set before `open`."""
 
     @property
     def _store(self) -> DiskStore | None:
@@ -91,6 +94,8 @@ class DiskTier:
     def open(self) -> None:
         """Open (or create) the index and segments and start the writer. Never raises: on
         failure the tier stays degraded (every lookup misses) and the writer retries."""
+        if self.events is not None:
+            self._keeper.on_removed = self.events.removed
         with self._write_lock:
             self._keeper.open()
         self._thread = threading.Thread(target=self._run, name="disk-tier-writer", daemon=True)
@@ -165,17 +170,23 @@ class DiskTier:
     # writes (non-blocking: enqueue only)
 
     def offer(
-        self, block_hash: BlockHash, payload: bytes, num_tokens: int, retention: str | None = None
+        self,
+        block_hash: BlockHash,
+        payload: bytes,
+        num_tokens: int,
+        retention: str | None = None,
+        origin: BlockOrigin | None = None,
     ) -> bool:
         """Queue a full block for writing. False when not queued: `none` retention (not
         counted), or dropped (queue full, degraded, read-only; counted). Unknown retention
-        classes raise `InvalidRequestError`."""
+        classes raise `InvalidRequestError`. `origin`: what its `BlockStored` event carries
+        once written (KV events on)."""
         check_hash(block_hash)
         retention = retention or self.config.default_retention
         ttl_s = self.config.ttl_s(retention)
         if ttl_s is None:
             return False
-        item = PendingWrite(block_hash, bytes(payload), num_tokens, retention, ttl_s)
+        item = PendingWrite(block_hash, bytes(payload), num_tokens, retention, ttl_s, origin)
         if self._writable() and self._queue.offer(item):
             return True
         self._counts.add(dropped=1)
@@ -261,7 +272,12 @@ class DiskTier:
         for p in touches:
             store.index.touch_many(p.block_hashes, p.now_s, p.ttl_s, p.retention)
         if writes:
-            self._counts.add(writes=store.write(writes, self.clock()))
+            written = store.write(writes, self.clock())
+            self._counts.add(writes=len(written))
+            if self.events is not None:
+                for w in written:
+                    if w.origin is not None:
+                        self.events.stored_one(w.block_hash, w.origin)
 
     def _make_room(self, store: DiskStore) -> bool:
         """A write found the filesystem full: lower the budget below what is held, shed whole

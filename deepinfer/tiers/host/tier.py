@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.free_queue import require
 from deepinfer.config import Retention
+from deepinfer.kv_events.recorder import BlockOrigin, MediumEvents
 from deepinfer.tiers.host.arena import ChunkAllocator, SlotArena, allocate_bytearray
 from deepinfer.tiers.stats import HostTierStats
 
@@ -64,6 +65,8 @@ class HostTier:
         """Slots taken by offers whose bytes are being copied (not yet visible)."""
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._num = dict.fromkeys(("lookups", "hits", "offers", "dropped", "evictions"), 0)
+        self.events: MediumEvents | None = None
+        """Where stores and evictions are published (None: KV events off)."""
 
     # lookups
 
@@ -126,12 +129,16 @@ class HostTier:
     # writes
 
     def offer(
-        self, block_hash: BlockHash, payload: bytes | memoryview, retention: str | None = None
+        self,
+        block_hash: BlockHash,
+        payload: bytes | memoryview,
+        retention: str | None = None,
+        origin: BlockOrigin | None = None,
     ) -> bool:
         """Store a copy of a block's payload, evicting the least recently used unleased entry
         when full. True when the block is held (or being stored by another thread) afterwards;
         False when not stored: `none` retention, or every slot is leased or being filled
-        (counted as dropped)."""
+        (counted as dropped). `origin`: what its `BlockStored` event carries (events on)."""
         data = memoryview(payload).cast("B")
         if data.nbytes != self.payload_bytes:
             raise ValueError(
@@ -160,6 +167,8 @@ class HostTier:
         with self._lock:
             self._entries[block_hash] = _Entry(self._filling.pop(block_hash))
             self._num["offers"] += 1
+        if self.events is not None and origin is not None:
+            self.events.stored_one(block_hash, origin)
         return True
 
     def _take_slot_locked(self) -> int | None:
@@ -169,6 +178,8 @@ class HostTier:
             if entry.leases == 0:
                 del self._entries[block_hash]
                 self._num["evictions"] += 1
+                if self.events is not None:
+                    self.events.removed([block_hash])
                 return entry.slot
         return None
 

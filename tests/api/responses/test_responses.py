@@ -181,7 +181,6 @@ def test_unknown_fields_accepted_informational_fields_too(client: openai.OpenAI)
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"max_tool_calls": 3}, "max_tool_calls"),
-        ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
         ({"stream_options": {"include_obfuscation": True}, "stream": True}, "stream_options.include_obfuscation"),
         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
         ({"temperature": -1.0}, "temperature"),
