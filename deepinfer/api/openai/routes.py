@@ -44,7 +44,7 @@ from deepinfer.api.protocol import OutputStream
 from deepinfer.api.reasoning import reasoning_plan
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
 from deepinfer.api.tools.grammar import answer_constraint, recipe_format
-from deepinfer.api.tools.plan import ToolPlan, ToolStream, called
+from deepinfer.api.tools.plan import NO_TOOLS, ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
 from deepinfer.text.reasoning import ReasoningSplitter
 
@@ -91,7 +91,9 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             options = openai_prompt_options(
                 req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
             )
-            plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
+            plan = NO_TOOLS  # a plain request never enters the tool machinery
+            if req.tools or req.tool_choice is not None:
+                plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
             n = check_choices(req.n)
             ids = await ctx.encode_chat(
                 messages, req.reasoning_effort, tools=plan.specs, options=options
@@ -107,24 +109,18 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             if req.prompt_logprobs is not None and req.stream:
                 raise invalid("prompt_logprobs", "not supported with stream: true on chat")
             reasoning = reasoning_plan(ctx.engine.recipe, options)
-            fmt = recipe_format(ctx.engine.recipe)
             scored = req.prompt_logprobs
             params = [
-                answer_constraint(
-                    ctx.chat_sampling(
-                        sampling_params(
-                            req,
-                            max_tokens=max_tokens,
-                            logprobs=top,
-                            choice=i,
-                            prompt_logprobs=scored,
-                        )
-                    ),
-                    plan,
-                    fmt,
+                ctx.chat_sampling(
+                    sampling_params(
+                        req, max_tokens=max_tokens, logprobs=top, choice=i, prompt_logprobs=scored
+                    )
                 )
                 for i in range(n)
             ]
+            if plan is not NO_TOOLS:
+                fmt = recipe_format(ctx.engine.recipe)
+                params = [answer_constraint(p, plan, fmt) for p in params]
             rid = new_id("chatcmpl-")
             cache = cache_options(request, req.cache_salt, req.cache_retention, *req.prompt_cache)
             streams = await ctx.submit_all([ids] * n, params, request_id=rid, cache=cache)
