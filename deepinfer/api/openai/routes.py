@@ -122,7 +122,13 @@ def _chat_handler(ctx: ApiContext) -> Handler:
                 fmt = recipe_format(ctx.engine.recipe)
                 params = [answer_constraint(p, plan, fmt) for p in params]
             rid = new_id("chatcmpl-")
-            cache = cache_options(request, req.cache_salt, req.cache_retention, *req.prompt_cache)
+            cache = cache_options(
+                request,
+                req.cache_salt,
+                req.cache_retention,
+                req.prompt_cache_key,
+                req.prompt_cache_retention,
+            )
             streams = await ctx.submit_all([ids] * n, params, request_id=rid, cache=cache)
         except Exception as exc:
             return openai_error_response(exc)
@@ -235,7 +241,13 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             ]
             rid = new_id("cmpl-")
             all_prompts = [p for p in prompts for _ in range(n)]
-            cache = cache_options(request, req.cache_salt, req.cache_retention, *req.prompt_cache)
+            cache = cache_options(
+                request,
+                req.cache_salt,
+                req.cache_retention,
+                req.prompt_cache_key,
+                req.prompt_cache_retention,
+            )
             param = "prompt" if len(prompts) > 1 else "n"
             streams = await ctx.submit_all(
                 all_prompts, params, request_id=rid, cache=cache, param=param

@@ -22,9 +22,7 @@ from deepinfer.api.http.errors import is_set, refuse_set, unsupported
 
 _TIERS = (None, "auto", "default")
 
-INFORMATIONAL_FIELDS = frozenset(
-    {"model", "user", "metadata", "safety_identifier", "prompt_cache_key"}
-)
+INFORMATIONAL_FIELDS = frozenset({"model", "user", "metadata", "safety_identifier"})
 """Chat and completion fields accepted without effect by design: one model is served under any
 name; the server keeps no per-user state (`metadata` describes a stored completion, and
 nothing is stored); prefix caching is automatic and keyed by content."""
@@ -53,21 +51,12 @@ class OpenAIRefusedFields(msgspec.Struct):
     functions: list[msgspec.Raw] | None = None
     function_call: msgspec.Raw = msgspec.Raw()
     verbosity: str | None = None
-    prompt_cache_retention: str | None = None
-    """Honoured: a retention class (`api/http/cache_options.py`)."""
-    prompt_cache_key: str | None = None
-    """Honoured: echoed in the `x-prompt-cache-key` header for routers."""
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
     moderation: msgspec.Raw = msgspec.Raw()
     prompt_cache_options: msgspec.Raw = msgspec.Raw()
-
-    @property
-    def prompt_cache(self) -> tuple[str | None, str | None]:
-        """OpenAI's session hints: (`prompt_cache_key`, `prompt_cache_retention`)."""
-        return self.prompt_cache_key, self.prompt_cache_retention
 
 
 def check_refused(req: OpenAIRefusedFields, *, chat: bool = False) -> None:
@@ -174,6 +163,9 @@ class _SamplingFields(OpenAIRefusedFields):
     metadata: msgspec.Raw = msgspec.Raw()
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    """Honoured: echoed in the `x-prompt-cache-key` header for routers."""
+    prompt_cache_retention: str | None = None
+    """Honoured: a retention class (`api/http/cache_options.py`)."""
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

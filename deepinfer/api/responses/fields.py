@@ -22,7 +22,7 @@ MAX_METADATA_VALUE_CHARS = 512
 
 _EFFORTS = ("low", "medium", "high")
 
-INFORMATIONAL_FIELDS = frozenset({"model", "user", "safety_identifier", "prompt_cache_key"})
+INFORMATIONAL_FIELDS = frozenset({"model", "user", "safety_identifier"})
 """Accepted without effect by design: one model is served, the server keeps no per-user state
 (`user` is echoed), caching is automatic and keyed by content."""
 

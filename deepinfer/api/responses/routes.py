@@ -140,7 +140,13 @@ async def _prepare(
     """Check the fields, rebuild the conversation and encode the prompt."""
     check_fields(req)
     check_responses(req, ctx.limits)
-    cache = cache_options(request, req.cache_salt, req.cache_retention, *req.prompt_cache)
+    cache = cache_options(
+        request,
+        req.cache_salt,
+        req.cache_retention,
+        req.prompt_cache_key,
+        req.prompt_cache_retention,
+    )
     history = _history(store, req.previous_response_id, cache.salt)
     conversation = (*history, *input_messages(req.input))
     messages = prompt_messages(req.instructions, (), conversation)

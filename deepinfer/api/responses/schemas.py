@@ -94,11 +94,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
     # ---- responses
 
-    @property
-    def prompt_cache(self) -> tuple[str | None, str | None]:
-        """OpenAI's session hints: (`prompt_cache_key`, `prompt_cache_retention`)."""
-        return self.prompt_cache_key, self.prompt_cache_retention
-
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -13,7 +12,6 @@ import pytest
 
 from deepinfer.request import StructuredKind
 from tests.api.fake_engine import REPLY, FakeEngine
-from tests.api.live_server import LiveServer
 
 WEATHER = {
     "type": "function",
@@ -48,25 +46,6 @@ TWO_CALLS = (
     + "\n"
     + call("get_weather", {"city": "Oslo {x}"})
 )
-
-
-@pytest.fixture
-def reply(fake_engine: FakeEngine) -> Iterator[FakeEngine]:
-    """Lets a test script the answer; the default reply comes back after it."""
-    yield fake_engine
-    fake_engine.reply = REPLY
-
-
-@pytest.fixture(scope="module")
-def oai(fake_server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def claude(fake_server: LiveServer) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=fake_server.url, api_key="x", max_retries=0) as c:
-        yield c
 
 
 def test_openai_tool_calls(oai: openai.OpenAI, reply: FakeEngine) -> None:

@@ -6,7 +6,7 @@ markup as text; the finish is the token limit's (`length`, `max_tokens`, `incomp
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +14,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.api.fake_engine import REPLY, FakeEngine
-from tests.api.live_server import LiveServer
+from tests.api.fake_engine import FakeEngine
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
 OPENAI_TOOLS: Any = [
@@ -52,24 +51,6 @@ class Answer:
     """Each call's name and arguments (JSON text)."""
     finish: str
     call_statuses: list[str | None]
-
-
-@pytest.fixture
-def reply(fake_engine: FakeEngine) -> Iterator[FakeEngine]:
-    yield fake_engine
-    fake_engine.reply = REPLY
-
-
-@pytest.fixture(scope="module")
-def oai(fake_server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def claude(fake_server: LiveServer) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=fake_server.url, api_key="x", max_retries=0) as c:
-        yield c
 
 
 def chat(oai: openai.OpenAI, choice: str, max_tokens: int, stream: bool) -> Answer:

@@ -6,13 +6,11 @@ is tested against llguidance in test_tool_grammar.py, on the real model in test_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import msgspec
 import openai
-import pytest
 
 from deepinfer.api.anthropic.schemas import MessagesRequest
 from deepinfer.api.anthropic.tools import anthropic_plan
@@ -23,7 +21,6 @@ from deepinfer.api.responses.tools import responses_plan
 from deepinfer.api.tools.plan import NO_TOOLS
 from deepinfer.request import StructuredKind, StructuredSpec
 from tests.api.fake_engine import REPLY, FakeEngine
-from tests.api.live_server import LiveServer
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
@@ -33,24 +30,6 @@ OPENAI_TOOLS: Any = [
 RESPONSE_FORMAT: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
 USER: Any = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture
-def reply(fake_engine: FakeEngine) -> Iterator[FakeEngine]:
-    yield fake_engine
-    fake_engine.reply = REPLY
-
-
-@pytest.fixture(scope="module")
-def oai(fake_server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def claude(fake_server: LiveServer) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=fake_server.url, api_key="x", max_retries=0) as c:
-        yield c
 
 
 def sent(engine: FakeEngine) -> StructuredSpec:
