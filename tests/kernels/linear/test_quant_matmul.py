@@ -60,7 +60,11 @@ def test_quant_linear_matches_float64(fmt: QuantFormat, n: int, m: int) -> None:
     assert got.shape == (m, n) and got.dtype == torch.float32
     want = x.double() @ torch.from_numpy(dense).double().t()
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got, quant_linear_reference(x, w), atol=2e-5, rtol=2e-5)
+    # The torch reference is float32 too: it meets the same float64 bound (its own rounding, so
+    # the two float32 results may differ from each other by up to both errors together).
+    reference = quant_linear_reference(x, w)
+    torch.testing.assert_close(reference.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, reference, atol=4e-5, rtol=4e-5)
 
 
 @needs_native
