@@ -30,6 +30,7 @@ from deepinfer.api.http.auth import ApiKeyMiddleware, route_path
 from deepinfer.api.http.body import BodyDeadlines, BodyTimeoutMiddleware
 from deepinfer.api.http.cache_options import PromptCacheKeyMiddleware
 from deepinfer.api.http.errors import ApiError, ErrorKind, error_response_for
+from deepinfer.api.openai.render_routes import render_routes
 from deepinfer.api.openai.routes import openai_routes
 from deepinfer.api.openai.token_routes import token_routes
 from deepinfer.api.ops.metrics import ApiMetrics
@@ -109,6 +110,7 @@ def create_app(
             *anthropic_routes(ctx),
             *responses_routes(ctx, disk_cache or DiskCacheConfig(), config.stored_responses),
             *token_routes(ctx),
+            *render_routes(ctx),
             *stats_routes(ctx, closing),
             *(page_routes() if config.web else ()),
         ],

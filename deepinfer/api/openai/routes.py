@@ -1,9 +1,12 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models; and the token ids
+each request runs (`chat_prompt`, `completion_prompts`), shared with the render routes so that
+what a router is told a request will run is what it runs."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,7 +42,7 @@ from deepinfer.api.openai.schemas import (
 )
 from deepinfer.api.openai.streams import chat_frames, completion_frames
 from deepinfer.api.openai.tools import CALL_ID_PREFIX, answer_message, openai_plan
-from deepinfer.api.prompt_options import openai_prompt_options
+from deepinfer.api.prompt_options import PromptOptions, openai_prompt_options
 from deepinfer.api.protocol import OutputStream
 from deepinfer.api.reasoning import reasoning_plan
 from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
@@ -85,19 +88,9 @@ def _chat_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, ChatCompletionRequest)
-            check_refused(req, chat=True)
-            check_openai_chat(req, ctx.limits)
-            messages = chat_messages(req.messages)
-            options = openai_prompt_options(
-                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
-            )
-            plan = NO_TOOLS  # a plain request never enters the tool machinery
-            if req.tools or req.tool_choice is not None:
-                plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
+            prompt = await chat_prompt(ctx, req)
+            ids, plan, options = prompt.ids, prompt.plan, prompt.options
             n = check_choices(req.n)
-            ids = await ctx.encode_chat(
-                messages, req.reasoning_effort, tools=plan.specs, options=options
-            )
             max_tokens = req.max_completion_tokens
             if max_tokens is None:
                 max_tokens = req.max_tokens
@@ -190,7 +183,29 @@ def _chat_choice(
     return ChatChoice(index, message, reason, logprobs)
 
 
-def _completion_prompts(
+@dataclass(frozen=True)
+class ChatPrompt:
+    ids: list[int]
+    plan: ToolPlan
+    options: PromptOptions
+
+
+async def chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> ChatPrompt:
+    """Check a chat request's fields and encode it; 400 in OpenAI's shape on bad input."""
+    check_refused(req, chat=True)
+    check_openai_chat(req, ctx.limits)
+    messages = chat_messages(req.messages)
+    options = openai_prompt_options(
+        req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+    )
+    plan = NO_TOOLS  # a plain request never enters the tool machinery
+    if req.tools or req.tool_choice is not None:
+        plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
+    ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs, options=options)
+    return ChatPrompt(ids, plan, options)
+
+
+def completion_prompts(
     ctx: ApiContext, prompt: str | list[str | int | list[int]]
 ) -> list[str | list[int]]:
     """The request's prompts (a batch), each as text or token ids; 400 on mixed or bad items."""
@@ -225,7 +240,7 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             check_openai_sampling(req, ctx.limits)
             if req.suffix:
                 raise invalid("suffix", "suffix is not supported")
-            items = _completion_prompts(ctx, req.prompt)
+            items = completion_prompts(ctx, req.prompt)
             prompts = [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
             n = check_choices(req.n)
             max_tokens = 16 if req.max_tokens is None else req.max_tokens

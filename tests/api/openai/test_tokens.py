@@ -94,6 +94,30 @@ def test_token_strs(fake_server: LiveServer) -> None:
     assert body["token_strs"] == ["a", "b"]
 
 
+def test_render_gives_the_ids_a_request_runs(fake_server: LiveServer) -> None:
+    """vLLM's render endpoints: a chat's ids are /tokenize's for the same messages and tools and
+    as many as the chat completion's prompt; each completion prompt is rendered alone."""
+    engine = engine_of(fake_server)
+    body = {"model": "m", "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 3,
+            "temperature": 0.5, "stop": "x", "stream": True}  # fmt: skip
+    r = post(fake_server, "/v1/chat/completions/render", body)
+    assert r.status_code == 200, r.text
+    rendered = r.json()
+    tokenized = post(fake_server, "/tokenize", {"messages": MESSAGES, "tools": [WEATHER]}).json()
+    assert rendered["token_ids"] == tokenized["tokens"]
+    assert rendered["sampling_params"] == {"max_tokens": 3, "temperature": 0.5, "stop": ["x"]}
+    assert rendered["model"] == "m" and rendered["stream"] is True
+    chat = post(fake_server, "/v1/chat/completions", {**body, "stream": False}).json()
+    assert chat["usage"]["prompt_tokens"] == len(rendered["token_ids"])
+    r = post(fake_server, "/v1/completions/render", {"prompt": ["ab", TEXT], "n": 2})
+    assert r.status_code == 200, r.text
+    assert [one["token_ids"] for one in r.json()] == [
+        engine.recipe.encode_prompt("ab"),
+        engine.recipe.encode_prompt(TEXT),
+    ]
+    assert r.json()[0]["sampling_params"] == {"max_tokens": 16, "n": 2}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -114,6 +138,9 @@ def test_token_strs(fake_server: LiveServer) -> None:
         ("/detokenize", {"tokens": [5, -1]}, "tokens[1]"),
         ("/detokenize", {"tokens": [2**40]}, "tokens[0]"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/v1/chat/completions/render", {"messages": MESSAGES, "n": 0}, "n"),
+        ("/v1/chat/completions/render", {"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
+        ("/v1/completions/render", {"prompt": []}, "prompt"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field(

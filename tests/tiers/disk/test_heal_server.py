@@ -17,7 +17,7 @@ import pytest
 from deepinfer.config import DiskCacheConfig
 from deepinfer.tiers.disk.config import DiskTierConfig
 from deepinfer.tiers.disk.records import try_decode_record
-from tests.tiers.disk.server_proc import ServerProcs, chat
+from tests.server_proc import ServerProcs, chat
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 
 from deepinfer.tiers.disk import DiskTier
 from deepinfer.tiers.disk.config import DiskTierConfig
-from tests.tiers.disk.server_proc import Reply, ServerProcs, chat
+from tests.server_proc import Reply, ServerProcs, chat
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The real `server.py` as a child process on 127.0.0.1, for crash tests: start, wait for
+"""The real `server.py` as a child process on 127.0.0.1, for crash and replica tests: start, wait for
 /health, chat, `kill -9`. Every process started is remembered so a test can reap them all."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
