@@ -146,8 +146,9 @@ def build_engine(config: Config) -> EngineParts:
     host, disk = open_tiers(config, replicas.prefill, info.fingerprint, events)
     kv, decode_kv = build_block_managers(config, replicas, info.fingerprint, host, disk)
     if events is not None:
-        device_medium = MEDIUM_GPU if replicas.prefill.device.type == "cuda" else MEDIUM_CPU
-        kv.events = kv.pool.events = events.recorder.medium(device_medium)
+        # `GPU` is vLLM's name for the engine's own pool whatever the device (its CPU backend
+        # says so too); routers read `CPU` as an offload tier and discount its hits.
+        kv.events = kv.pool.events = events.recorder.medium(MEDIUM_GPU)
     constraints = ConstraintCompiler(
         lambda: grammar_vocabulary(tokenizer, recipe), compiler_limits(config.grammar)
     )

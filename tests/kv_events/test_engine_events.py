@@ -59,7 +59,7 @@ async def test_engine_publishes_device_and_disk_blocks(
         sub.close(linger=0)
         ctx.term()
     stored = [e for e in events if e["type"] == "BlockStored"]
-    device = [e for e in stored if e["medium"] == "CPU"]
+    device = [e for e in stored if e["medium"] == "GPU"]  # vLLM's name for the engine's own pool
     disk = [e for e in stored if e["medium"] == "STORAGE"]
     hashes = [h for e in device for h in e["block_hashes"]]
     tokens = [t for e in device for t in e["token_ids"]]
