@@ -21,7 +21,7 @@ os.environ["LANGSMITH_TRACING"] = "false"
 os.environ["LANGCHAIN_TRACING_V2"] = "false"
 os.environ["LOGFIRE_IGNORE_NO_CONFIG"] = "1"
 
-FRAMEWORKS = ("agents", "pydantic_ai", "langchain_openai", "instructor", "litellm")
+FRAMEWORKS = ("agents", "pydantic_ai", "langchain_openai", "instructor", "litellm", "dspy")
 """Imported here under the guard, so an import that reaches the network is caught."""
 
 IMPORT_GUARD = Offline()
