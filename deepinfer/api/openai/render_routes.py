@@ -17,12 +17,10 @@ from starlette.routing import Route
 from deepinfer.api.context import ApiContext, check_choices, default_max_tokens, new_id
 from deepinfer.api.http.body import json_response
 from deepinfer.api.http.errors import openai_error_response
-from deepinfer.api.limits import check_openai_sampling
 from deepinfer.api.openai.routes import chat_prompt, completion_prompts
 from deepinfer.api.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    check_refused,
 )
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -96,9 +94,7 @@ def _completion_render(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, CompletionRequest)
-            check_refused(req)
-            check_openai_sampling(req, ctx.limits)
-            items = completion_prompts(ctx, req.prompt)
+            items = completion_prompts(ctx, req)
             prompts = [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
             sampling = _sampling(req, 16 if req.max_tokens is None else req.max_tokens)
             stream = bool(req.stream)

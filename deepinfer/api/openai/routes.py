@@ -205,10 +205,14 @@ async def chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> ChatPrompt
     return ChatPrompt(ids, plan, options)
 
 
-def completion_prompts(
-    ctx: ApiContext, prompt: str | list[str | int | list[int]]
-) -> list[str | list[int]]:
-    """The request's prompts (a batch), each as text or token ids; 400 on mixed or bad items."""
+def completion_prompts(ctx: ApiContext, req: CompletionRequest) -> list[str | list[int]]:
+    """Check a completion request's fields; its prompts (a batch), each as text or token ids.
+    400 in OpenAI's shape on a bad field, mixed or bad items."""
+    check_refused(req)
+    check_openai_sampling(req, ctx.limits)
+    if req.suffix:
+        raise invalid("suffix", "suffix is not supported")
+    prompt = req.prompt
     items: list[str | list[int]]
     if isinstance(prompt, str):
         items = [prompt]
@@ -236,11 +240,7 @@ def _completion_handler(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, CompletionRequest)
-            check_refused(req)
-            check_openai_sampling(req, ctx.limits)
-            if req.suffix:
-                raise invalid("suffix", "suffix is not supported")
-            items = completion_prompts(ctx, req.prompt)
+            items = completion_prompts(ctx, req)
             prompts = [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
             n = check_choices(req.n)
             max_tokens = 16 if req.max_tokens is None else req.max_tokens

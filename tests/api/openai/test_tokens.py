@@ -141,6 +141,7 @@ def test_render_gives_the_ids_a_request_runs(fake_server: LiveServer) -> None:
         ("/v1/chat/completions/render", {"messages": MESSAGES, "n": 0}, "n"),
         ("/v1/chat/completions/render", {"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
         ("/v1/completions/render", {"prompt": []}, "prompt"),
+        ("/v1/completions/render", {"prompt": "a", "suffix": "b"}, "suffix"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field(
