@@ -18,10 +18,7 @@ from deepinfer.api.context import ApiContext, check_choices, default_max_tokens,
 from deepinfer.api.http.body import json_response
 from deepinfer.api.http.errors import openai_error_response
 from deepinfer.api.openai.routes import chat_prompt, completion_prompts
-from deepinfer.api.openai.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from deepinfer.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -75,7 +72,9 @@ def _chat_render(ctx: ApiContext) -> Handler:
             ctx.check_running()
             req = await ctx.read_json(request, ChatCompletionRequest)
             ids = (await chat_prompt(ctx, req)).ids
-            max_tokens = req.max_completion_tokens or req.max_tokens
+            max_tokens = req.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = req.max_tokens
             if max_tokens is None:
                 max_tokens = default_max_tokens(ctx.engine.max_model_len, len(ids))
             answer = Rendered(
