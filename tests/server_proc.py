@@ -46,9 +46,13 @@ class ServerProcs:
     def launch(self, extra: list[str]) -> tuple[str, int]:
         """Start one server without waiting for it (model loads can then overlap)."""
         port = free_port()
-        cmd = [sys.executable, str(ROOT / "server.py"), "--port", str(port), *extra]
+        return self.launch_cmd([sys.executable, str(ROOT / "server.py"), "--port", str(port),
+                                *extra], port)  # fmt: skip
+
+    def launch_cmd(self, cmd: list[str], port: int) -> tuple[str, int]:
+        """Start any HTTP server that answers /health on 127.0.0.1:`port` (a router, say)."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        with (self.log_dir / f"server{len(self.procs)}.log").open("wb") as log:
+        with self.log_path(len(self.procs)).open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return f"http://127.0.0.1:{port}", len(self.procs) - 1
@@ -75,8 +79,11 @@ class ServerProcs:
         for i in range(len(self.procs)):
             self.kill9(i)
 
+    def log_path(self, index: int) -> Path:
+        return self.log_dir / f"server{index}.log"
+
     def log_tail(self, index: int, num_chars: int = 2000) -> str:
-        path = self.log_dir / f"server{index}.log"
+        path = self.log_path(index)
         return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
 
 

@@ -5,10 +5,8 @@ router counts those prefixes from the events (its own decision log), and a repli
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -70,10 +68,9 @@ def served(base: str) -> int:
     return int(float(match.group(1))) if match else 0
 
 
-def start_router(
-    log: Path, workers: list[str], events: list[tuple[int, int]], model: str
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def router_cmd(
+    port: int, workers: list[str], events: list[tuple[int, int]], model: str
+) -> list[str]:
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
            "--port", str(port), "--worker-urls", *workers, "--policy", "kv_aware",
            "--kv-event-model", model, "--kv-event-block-size", str(BLOCK),
@@ -81,17 +78,7 @@ def start_router(
     for url, (pub, replay) in zip(workers, events, strict=True):
         cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{pub}",
                 "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        time.sleep(0.2)
-    raise TimeoutError(log.read_text(errors="replace")[-3000:])
+    return cmd
 
 
 def replica_args(model: Path, cache_dir: Path, pub: int, replay: int) -> list[str]:
@@ -104,7 +91,6 @@ def test_sessions_follow_their_cache_and_survive_a_replica(
     tmp_path: Path, tiny_llama_dir: Path
 ) -> None:
     procs = ServerProcs(tmp_path)
-    router: subprocess.Popen[bytes] | None = None
     events = [(free_port(), free_port()) for _ in range(2)]
     try:
         launched = [
@@ -113,8 +99,9 @@ def test_sessions_follow_their_cache_and_survive_a_replica(
         ]
         bases = [procs.wait(*one)[0] for one in launched]
         model = httpx.get(f"{bases[0]}/v1/models", timeout=10).json()["data"][0]["id"]
-        router_log = tmp_path / "router.log"
-        router, url = start_router(router_log, bases, events, model)
+        port = free_port()
+        url, router = procs.wait(*procs.launch_cmd(router_cmd(port, bases, events, model), port))
+        router_log = procs.log_path(router)
         rule = "Rule {}: answer in one short line. "
         sessions = [Session(f"You are agent {i}. " + rule.format(i) * 12) for i in range(3)]
         with httpx.Client(timeout=120) as client:
@@ -145,7 +132,4 @@ def test_sessions_follow_their_cache_and_survive_a_replica(
             round_(4, check=True)
             assert served(survivor) - before_kill == 6, "a turn after the kill was lost"
     finally:
-        if router is not None:
-            router.kill()
-            router.wait(30)
         procs.reap()

@@ -14,10 +14,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from deepinfer.api.context import ApiContext, check_choices, default_max_tokens, new_id
+from deepinfer.api.context import ApiContext, check_choices, new_id
 from deepinfer.api.http.body import json_response
 from deepinfer.api.http.errors import openai_error_response
-from deepinfer.api.openai.routes import chat_prompt, completion_prompts
+from deepinfer.api.openai.routes import (
+    chat_max_tokens,
+    chat_prompt,
+    completion_ids,
+    completion_max_tokens,
+    completion_prompts,
+)
 from deepinfer.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -72,11 +78,7 @@ def _chat_render(ctx: ApiContext) -> Handler:
             ctx.check_running()
             req = await ctx.read_json(request, ChatCompletionRequest)
             ids = (await chat_prompt(ctx, req)).ids
-            max_tokens = req.max_completion_tokens
-            if max_tokens is None:
-                max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = default_max_tokens(ctx.engine.max_model_len, len(ids))
+            max_tokens = chat_max_tokens(ctx, req, len(ids))
             answer = Rendered(
                 new_id("chatcmpl-"), ids, _sampling(req, max_tokens), req.model,
                 bool(req.stream), cache_salt=req.cache_salt,
@@ -93,9 +95,8 @@ def _completion_render(ctx: ApiContext) -> Handler:
         try:
             ctx.check_running()
             req = await ctx.read_json(request, CompletionRequest)
-            items = completion_prompts(ctx, req)
-            prompts = [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
-            sampling = _sampling(req, 16 if req.max_tokens is None else req.max_tokens)
+            prompts = await completion_ids(ctx, completion_prompts(ctx, req))
+            sampling = _sampling(req, completion_max_tokens(req))
             stream = bool(req.stream)
             answer = [
                 Rendered(

@@ -91,11 +91,7 @@ def _chat_handler(ctx: ApiContext) -> Handler:
             prompt = await chat_prompt(ctx, req)
             ids, plan, options = prompt.ids, prompt.plan, prompt.options
             n = check_choices(req.n)
-            max_tokens = req.max_completion_tokens
-            if max_tokens is None:
-                max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = default_max_tokens(ctx.engine.max_model_len, len(ids))
+            max_tokens = chat_max_tokens(ctx, req, len(ids))
             top = (req.top_logprobs or 0) if req.logprobs else None
             if req.top_logprobs is not None and not req.logprobs:
                 raise invalid("top_logprobs", "needs logprobs: true")
@@ -205,6 +201,24 @@ async def chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> ChatPrompt
     return ChatPrompt(ids, plan, options)
 
 
+def chat_max_tokens(ctx: ApiContext, req: ChatCompletionRequest, num_prompt: int) -> int:
+    """`max_completion_tokens`, else `max_tokens`, else what the context leaves."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    if req.max_tokens is not None:
+        return req.max_tokens
+    return default_max_tokens(ctx.engine.max_model_len, num_prompt)
+
+
+def completion_max_tokens(req: CompletionRequest) -> int:
+    return 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+
+
+async def completion_ids(ctx: ApiContext, items: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt as ids: texts encoded, ids as given."""
+    return [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
+
+
 def completion_prompts(ctx: ApiContext, req: CompletionRequest) -> list[str | list[int]]:
     """Check a completion request's fields; its prompts (a batch), each as text or token ids.
     400 in OpenAI's shape on a bad field, mixed or bad items."""
@@ -241,9 +255,9 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             ctx.check_running()
             req = await ctx.read_json(request, CompletionRequest)
             items = completion_prompts(ctx, req)
-            prompts = [p if isinstance(p, list) else await ctx.encode_text(p) for p in items]
+            prompts = await completion_ids(ctx, items)
             n = check_choices(req.n)
-            max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            max_tokens = completion_max_tokens(req)
             views = _prompt_views(ctx, req, items, prompts, max_tokens)
             scored = _num_prompt_scores(req)
             lp, engine_max = req.logprobs, max_tokens or 1  # 0: the prompt's scores alone
