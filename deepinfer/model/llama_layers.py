@@ -264,10 +264,11 @@ def native_layer_weights(
     cos_sin: torch.Tensor,
 ) -> LayerWeights:
     """A Llama-family layer's attention and MLP with the norms before them, for the native stack
-    (a Qwen3 or Gemma 3 layer's q/k norms included)."""
+    (a Qwen3 or Gemma 3 layer's q/k norms, a Qwen2 layer's q/k/v bias included)."""
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(lin.bias is not None for lin in linears):
-        raise ValueError("the native stack has no matmul biases")
+    if any(lin.bias is not None for lin in linears[1:]):
+        raise ValueError("the native stack has no biases but the q/k/v projection's")
+    qkv_bias = attn.qkv_proj.bias
     qkv, o, gate_up, down = (lin.quantized for lin in linears)
     if qkv is None or o is None or gate_up is None or down is None:
         raise ValueError("every matmul must be served by a quantized kernel")
@@ -277,4 +278,5 @@ def native_layer_weights(
     return LayerWeights(
         qkv, o, gate_up, down, input_norm.weight.data, post_norm.weight.data, *kv_cache,
         cos_sin=cos_sin, window=attn.window or 0, q_norm=q_norm, k_norm=k_norm,
+        qkv_bias=None if qkv_bias is None else qkv_bias.data,
     )  # fmt: skip

@@ -37,6 +37,12 @@ long di_int8_packed_bytes(int fmt, int N, int K); /* 0 for bad arguments */
 int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_threads);
 int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
                  int num_threads);
+/* A weight in two formats: rows [0, N - N2) in fmt (a multiple of 8 rows), then N2 rows in fmt2,
+   each packed by di_int8_pack, end to end (di_int8_split_packed_bytes bytes; 0 for bad
+   arguments). N2 == 0 is di_int8_gemm. */
+long di_int8_split_packed_bytes(int fmt, int fmt2, int N2, int N, int K);
+int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x,
+                       float *y, int M, int N, int K, int num_threads);
 /* Which instructions di_int8_gemm (and the decoder stack's int8 matmuls) use: 1 for AVX-512
    VNNI, 0 for AVX2. `want` 1 picks VNNI where the CPU has it (the default), 0 AVX2, -1 keeps the
    choice; returns the choice now. Both give the same bits. Not for while a matmul runs. */
@@ -104,13 +110,17 @@ int di_gelu_tanh_mul(const float *gu, long gu_stride, float *out, long out_strid
                      int num_threads);
 int di_paged_decode_attention(const di_attention_args *a);
 
-/* One weight of the decoder stack: GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1). */
+/* One weight of the decoder stack: GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1).
+   An int8 weight may keep its last N2 rows in another format, fmt2 (di_int8_gemm_split); N2 is
+   0 otherwise. */
 typedef struct {
     const uint8_t *data;
     int fmt;
     int int8;
     int N;
     int K;
+    int fmt2;
+    int N2;
 } di_matrix;
 
 /* The MLP's gate activation (di_llama_layer.activation): silu(gate) * up (di_silu_mul) or
@@ -122,7 +132,7 @@ typedef struct {
    with the residual add before it). Optional, NULL where the layer has none: q_norm and k_norm
    [head_dim], an RMSNorm of every head of q and k before rotary (Qwen3, Gemma 3);
    attn_out_norm and mlp_out_norm [hidden], an RMSNorm of the attention and MLP outputs before
-   they join the residual stream (Gemma 3). cos_sin: the layer's RoPE table [num_positions,
+   they join the residual stream (Gemma 3); qkv_bias, the q/k/v projection's bias (Qwen2). cos_sin: the layer's RoPE table [num_positions,
    head_dim] (di_rotary's); window: its sliding window, 0 for every key (di_attention_args). */
 typedef struct {
     di_matrix qkv;
@@ -140,6 +150,7 @@ typedef struct {
     int activation;
     void *k_cache;
     void *v_cache;
+    const float *qkv_bias; /* [q + 2 kv rows], added to the q/k/v projection; NULL for none */
 } di_llama_layer;
 
 /* What one step of the stack shares across layers. slots [T] (negative: a token whose K/V is

@@ -342,28 +342,26 @@ int di_int8_isa(int want) {
 
 __attribute__((constructor)) static void choose_isa(void) { di_int8_isa(1); }
 
-static inline void store_group(const __m256 *acc, int mr, float *y, int N, int rows) {
+static inline void store_group(const __m256 *acc, int mr, float *y, long ldy, int rows) {
     for (int c = 0; c < mr; c++) {
         if (rows == GROUP) {
-            _mm256_storeu_ps(y + (size_t)c * N, acc[c]);
+            _mm256_storeu_ps(y + (size_t)c * ldy, acc[c]);
         } else {
             float tmp[GROUP];
             _mm256_storeu_ps(tmp, acc[c]);
-            memcpy(y + (size_t)c * N, tmp, (size_t)rows * sizeof(float));
+            memcpy(y + (size_t)c * ldy, tmp, (size_t)rows * sizeof(float));
         }
     }
 }
 
-void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
-                       int K, int8_t *q, float *dx, float *sx, di_team *team) {
+/* Columns [0, N) of y's rows (ldy apart) = the quantized x (q, dx, sx) times the N weight
+   rows packed at `packed` in `fmt`: this thread's share of the groups. */
+static void int8_groups_team(int fmt, const uint8_t *packed, const int8_t *q, const float *dx,
+                             const float *sx, float *y, long ldy, int M, int N, int K,
+                             di_team *team) {
     const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
     const size_t gb = group_bytes(fmt, K);
-    int r0, r1, g0, g1;
-    di_team_range(team, M, &r0, &r1);
-    for (int r = r0; r < r1; r++) {
-        quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, dx + (size_t)r * nb, sx + (size_t)r * nb);
-    }
-    di_team_sync(team);
+    int g0, g1;
     di_team_range(team, groups, &g0, &g1);
     const int vnni = use_vnni, max_rows = vnni ? MR_VNNI : MR;
     group_fn fns[MR_VNNI];
@@ -382,15 +380,54 @@ void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y,
             const int mr = M - m0 < max_rows ? M - m0 : max_rows;
             fns[mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb, sx + (size_t)m0 * nb, K,
                         m0 == 0, acc);
-            store_group(acc, mr, y + (size_t)m0 * N + g * GROUP, N, rows);
+            store_group(acc, mr, y + (size_t)m0 * ldy + g * GROUP, ldy, rows);
         }
     }
 }
 
-/* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
-int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
-                 int num_threads) {
-    if (di_int8_packed_bytes(fmt, N, K) == 0 || M < 0) return -1;
+static void quantize_team(const float *x, int M, int K, int8_t *q, float *dx, float *sx,
+                          di_team *team) {
+    const int nb = K / QK;
+    int r0, r1;
+    di_team_range(team, M, &r0, &r1);
+    for (int r = r0; r < r1; r++) {
+        quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, dx + (size_t)r * nb, sx + (size_t)r * nb);
+    }
+    di_team_sync(team);
+}
+
+void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
+                       int K, int8_t *q, float *dx, float *sx, di_team *team) {
+    quantize_team(x, M, K, q, dx, sx, team);
+    int8_groups_team(fmt, packed, q, dx, sx, y, N, M, N, K, team);
+}
+
+long di_int8_split_packed_bytes(int fmt, int fmt2, int N2, int N, int K) {
+    if (N2 <= 0) return N2 == 0 ? di_int8_packed_bytes(fmt, N, K) : 0;
+    const int N1 = N - N2;
+    if (N1 <= 0 || N1 % GROUP) return 0;
+    const long a = di_int8_packed_bytes(fmt, N1, K), b = di_int8_packed_bytes(fmt2, N2, K);
+    return a > 0 && b > 0 ? a + b : 0;
+}
+
+void di_int8_matrix_team(const di_matrix *w, const float *x, float *y, int M, int8_t *q,
+                         float *dx, float *sx, di_team *team) {
+    const int N1 = w->N - w->N2;
+    quantize_team(x, M, w->K, q, dx, sx, team);
+    int8_groups_team(w->fmt, w->data, q, dx, sx, y, w->N, M, N1, w->K, team);
+    if (w->N2 > 0) {
+        const uint8_t *second = w->data + di_int8_packed_bytes(w->fmt, N1, w->K);
+        int8_groups_team(w->fmt2, second, q, dx, sx, y + N1, w->N, M, w->N2, w->K, team);
+    }
+}
+
+/* y = x @ W^T for a weight whose last N2 rows are in fmt2, packed after the first N - N2 (a
+   multiple of GROUP) rows in fmt: a fused projection stored in two formats (llama.cpp's
+   Q4_K_M keeps some layers' V rows in Q6_K beside Q4_K Q and K). N2 == 0: one format.
+   Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
+int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x,
+                       float *y, int M, int N, int K, int num_threads) {
+    if (di_int8_split_packed_bytes(fmt, fmt2, N2, N, K) == 0 || M < 0) return -1;
     if (M == 0) return 0;
     const int nb = K / QK;
     int8_t *q = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
@@ -401,14 +438,22 @@ int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M
         return -2;
     }
     float *dx = scales, *sx = scales + (size_t)M * nb;
+    const di_matrix w = {.data = packed, .fmt = fmt, .int8 = 1, .N = N, .K = K, .fmt2 = fmt2,
+                         .N2 = N2};
     di_barrier barrier;
     di_barrier_init(&barrier);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         di_team team = di_team_join(&barrier);
-        di_int8_gemm_team(fmt, packed, x, y, M, N, K, q, dx, sx, &team);
+        di_int8_matrix_team(&w, x, y, M, q, dx, sx, &team);
     }
     free(q);
     free(scales);
     return 0;
+}
+
+/* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
+int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,
+                 int num_threads) {
+    return di_int8_gemm_split(fmt, fmt, 0, packed, x, y, M, N, K, num_threads);
 }

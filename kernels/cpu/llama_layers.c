@@ -23,8 +23,8 @@
 
 int di_matrix_ok(const di_matrix *m, int N, int K) {
     if (m->N != N || m->K != K) return 0;
-    if (m->int8) return di_int8_packed_bytes(m->fmt, N, K) > 0;
-    return di_format_ok(m->fmt, K);
+    if (m->int8) return di_int8_split_packed_bytes(m->fmt, m->fmt2, m->N2, N, K) > 0;
+    return m->N2 == 0 && di_format_ok(m->fmt, K);
 }
 
 /* What the region's threads share: the step, its buffers, and the attention plans. */
@@ -44,7 +44,7 @@ static void linear(const di_matrix *w, const float *x, float *y, const stack_buf
                    di_team *team) {
     const int M = b->s->T;
     if (w->int8) {
-        di_int8_gemm_team(w->fmt, w->data, x, y, M, w->N, w->K, b->q8, b->dx, b->sx, team);
+        di_int8_matrix_team(w, x, y, M, b->q8, b->dx, b->sx, team);
     } else {
         float *tile = b->tiles + team->ith * b->tile_floats;
         di_quant_gemm_team(w->fmt, w->data, x, y, M, w->N, w->K, tile, team);
@@ -133,7 +133,7 @@ static di_attention_args attention_args(const float *q, long q_stride, const di_
     return a;
 }
 
-/* b->attn = attention of the q/k/v rows in b->qkv: their q/k norms and rotary in place and the
+/* b->attn = attention of the q/k/v rows in b->qkv: their bias, q/k norms and rotary in place and the
    KV store (per-token ops: a thread's tokens go through all three), then paged attention. */
 static void attention(const di_llama_layer *y, di_attention_plan *plan, stack_buffers *b,
                       di_team *team) {
@@ -143,6 +143,12 @@ static void attention(const di_llama_layer *y, di_attention_plan *plan, stack_bu
     float *q = b->qkv, *k = b->qkv + q_size, *v = b->qkv + q_size + kv_size;
     int t0, t1;
     rows_of(team, T, di_rotary_parallel(T, s->H, s->Hkv, hd), &t0, &t1);
+    if (y->qkv_bias != NULL) {
+        for (int t = t0; t < t1; t++) {
+            float *row = b->qkv + (size_t)t * W;
+            for (int j = 0; j < W; j++) row[j] += y->qkv_bias[j];
+        }
+    }
     head_norm(q, W, s->H, y->q_norm, s, t0, t1);
     head_norm(k, W, s->Hkv, y->k_norm, s, t0, t1);
     di_rotary_rows(q, W, s->H, k, W, s->Hkv, s->positions, y->cos_sin, hd, t0, t1);

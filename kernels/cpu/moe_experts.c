@@ -23,7 +23,7 @@ typedef struct {
 static void run_linear(const di_matrix *w, const float *x, float *y, int M,
                        const expert_buffers *b, di_team *team) {
     if (w->int8) {
-        di_int8_gemm_team(w->fmt, w->data, x, y, M, w->N, w->K, b->q8, b->dx, b->sx, team);
+        di_int8_matrix_team(w, x, y, M, b->q8, b->dx, b->sx, team);
     } else {
         float *tile = b->tiles + team->ith * b->tile_floats;
         di_quant_gemm_team(w->fmt, w->data, x, y, M, w->N, w->K, tile, team);

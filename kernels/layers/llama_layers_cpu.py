@@ -64,6 +64,8 @@ class LayerWeights:
     """RMSNorm of the attention output before it joins the residual stream."""
     mlp_out_norm: torch.Tensor | None = None
     """RMSNorm of the MLP output before it joins the residual stream."""
+    qkv_bias: torch.Tensor | None = None  # float32 [q + 2 kv rows]
+    """Added to the q/k/v projection's output (Qwen2)."""
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,16 @@ def matrix(w: BlockWeight, out_features: int, in_features: int) -> Matrix:
     """`w` as the native calls read it (ValueError where no native kernel serves it)."""
     if isinstance(w, FixedOrderWeight | FixedSumWeight):
         raise ValueError("a float matrix (a fixed-order matmul's) is no native kernel's")
-    int8 = isinstance(w, Int8PackedWeight)
-    data = w.packed if isinstance(w, Int8PackedWeight) else w.blocks
     if (w.out_features, w.in_features) != (out_features, in_features):
         raise ValueError(
             f"a {w.out_features}x{w.in_features} matrix where {out_features}x{in_features} belongs"
         )
-    return Matrix(data.data_ptr(), int(w.fmt), int(int8), out_features, in_features)  # fmt: skip
+    if isinstance(w, Int8PackedWeight):
+        fmt2 = w.fmt if w.fmt2 is None else w.fmt2
+        return Matrix(
+            w.packed.data_ptr(), int(w.fmt), 1, out_features, in_features, int(fmt2), w.rows2
+        )
+    return Matrix(w.blocks.data_ptr(), int(w.fmt), 0, out_features, in_features, int(w.fmt), 0)
 
 
 def _check_shape(s: StackShape) -> None:
@@ -168,9 +173,10 @@ def _layer_struct(layer: LayerWeights, s: StackShape) -> LlamaLayer:
         _vector(layer.attn_out_norm, s.hidden),
         _vector(layer.mlp_out_norm, s.hidden),
     )
+    width_bias = _vector(layer.qkv_bias, width)
     return LlamaLayer(
         *matrices, *norms, layer.cos_sin.data_ptr(), layer.window, int(layer.activation),
-        layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
+        layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), width_bias,
     )  # fmt: skip
 
 

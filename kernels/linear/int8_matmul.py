@@ -30,6 +30,9 @@ from .quant_matmul import (
     quant_linear,
 )
 
+GROUP_ROWS = 8
+"""Rows the kernel packs together (`GROUP` in cpu/int8_gemm.c)."""
+
 
 @dataclass(frozen=True)
 class Int8PackedWeight:
@@ -39,6 +42,10 @@ class Int8PackedWeight:
     packed: torch.Tensor  # uint8 [di_int8_packed_bytes], contiguous CPU
     out_features: int
     in_features: int
+    fmt2: QuantFormat | None = None
+    """The format of the last `rows2` rows, packed after the others (a fused projection whose
+    parts are stored in two formats); None: every row is in `fmt`."""
+    rows2: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -59,11 +66,50 @@ def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedW
     return Int8PackedWeight(w.fmt, out, n, k)
 
 
+def pack_int8_rows(
+    parts: list[QuantizedWeight], num_threads: int | None = None
+) -> Int8PackedWeight:
+    """`pack_int8` of the parts' rows one after the other (a fused projection), each packed
+    straight into its place: a group of 8 rows never spans two parts when every part but the
+    last has a multiple of 8 rows, so the packing of the whole is the packings of the parts end
+    to end (no concatenated copy of the blocks). Other row counts go through one copy. The parts
+    may be in two formats, one run of each (Q4_K_M's Q4_K q and k beside a Q6_K v): the kernel
+    switches format at the second run's first row."""
+    first, last = parts[0], parts[-1]
+    if any(p.in_features != first.in_features for p in parts):
+        raise ValueError("fused quantized weights must share their width")
+    formats = [p.fmt for p in parts]
+    runs = [f for i, f in enumerate(formats) if i == 0 or f != formats[i - 1]]
+    if len(runs) > 2:
+        raise ValueError(f"a fused weight in more than two runs of formats: {formats}")
+    if any(p.out_features % GROUP_ROWS for p in parts[:-1]):
+        if len(runs) > 1:
+            raise ValueError("parts in two formats must each have a multiple of 8 rows")
+        return pack_int8(QuantizedWeight.cat(parts), num_threads)
+    n, k = sum(p.out_features for p in parts), first.in_features
+    rows2 = sum(p.out_features for p in parts if p.fmt != first.fmt)
+    sizes = [packed_bytes(p.fmt, p.out_features, k) for p in parts]
+    out = torch.empty(sum(sizes), dtype=torch.uint8)
+    threads = num_threads or torch.get_num_threads()
+    offset = 0
+    for p, size in zip(parts, sizes, strict=True):
+        native_library().int8_pack(
+            int(p.fmt), p.blocks.data_ptr(), out.data_ptr() + offset, p.out_features, k, threads
+        )
+        offset += size
+    return Int8PackedWeight(first.fmt, out, n, k, last.fmt if rows2 else None, rows2)
+
+
 def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
     """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads."""
     x, y = linear_operands("int8_linear", x, w.out_features, w.in_features)
     m, n = y.shape
-    if m:
+    if m and w.fmt2 is not None:
+        native_library().int8_gemm_split(
+            int(w.fmt), int(w.fmt2), w.rows2, w.packed.data_ptr(), x.data_ptr(), y.data_ptr(),
+            m, n, w.in_features, torch.get_num_threads(),
+        )  # fmt: skip
+    elif m:
         native_library().int8_gemm(
             int(w.fmt), w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,
             torch.get_num_threads(),

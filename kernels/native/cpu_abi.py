@@ -38,9 +38,12 @@ class AttentionArgs(ctypes.Structure):
 
 
 class Matrix(ctypes.Structure):
-    """di_matrix: GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1)."""
+    """di_matrix: GGUF blocks (int8 == 0) or int8-repacked groups (int8 == 1), the last N2 rows
+    of an int8 one in fmt2 (N2 == 0: one format)."""
 
-    _fields_ = [("data", _p), ("fmt", _i), ("int8", _i), ("N", _i), ("K", _i)]
+    _fields_ = [
+        ("data", _p), ("fmt", _i), ("int8", _i), ("N", _i), ("K", _i), ("fmt2", _i), ("N2", _i),
+    ]  # fmt: skip
 
 
 class LlamaLayer(ctypes.Structure):
@@ -51,7 +54,7 @@ class LlamaLayer(ctypes.Structure):
         ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix), ("down", Matrix),
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
         ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos_sin", _p), ("window", _i),
-        ("activation", _i), ("k_cache", _p), ("v_cache", _p),
+        ("activation", _i), ("k_cache", _p), ("v_cache", _p), ("qkv_bias", _p),
     ]  # fmt: skip
 
 
@@ -86,6 +89,8 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_int8_packed_bytes": (_l, (_i, _i, _i)),
     "di_int8_pack": (_i, (_i, _p, _p, _i, _i, _i)),
     "di_int8_gemm": (_i, _gemm),
+    "di_int8_split_packed_bytes": (_l, (_i, _i, _i, _i, _i)),
+    "di_int8_gemm_split": (_i, (_i, _i, _i, _p, _p, _p, _i, _i, _i, _i)),
     "di_int8_isa": (_i, (_i,)),
     "di_rms_norm": (_i, (ctypes.POINTER(RmsNormArgs),)),
     "di_rotary": (_i, (_p, _l, _i, _p, _l, _i, _p, _p, _l, _i, _i, _i)),

@@ -85,6 +85,22 @@ class NativeLibrary:
         """y[m, n] = x[m, k] @ W^T with x quantized to int8 blocks (pointers to contiguous memory)."""
         _check(self._lib.di_int8_gemm(fmt, packed, x, y, m, n, k, num_threads))
 
+    def int8_gemm_split(
+        self,
+        fmt: int,
+        fmt2: int,
+        n2: int,
+        packed: int,
+        x: int,
+        y: int,
+        m: int,
+        n: int,
+        k: int,
+        num_threads: int,
+    ) -> None:
+        """`int8_gemm` of a weight whose last n2 rows are in fmt2 (see di_int8_gemm_split)."""
+        _check(self._lib.di_int8_gemm_split(fmt, fmt2, n2, packed, x, y, m, n, k, num_threads))
+
     def int8_isa(self, want: int = -1) -> int:
         """The int8 matmuls' instructions: 1 AVX-512 VNNI, 0 AVX2. `want` 1 picks VNNI where the
         CPU has it (what the library loads with), 0 AVX2, -1 keeps the choice. Same bits."""

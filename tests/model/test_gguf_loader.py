@@ -97,8 +97,10 @@ def write_gguf(
     hf_model: Any,
     tie: bool,
     matrices: gguf.GGMLQuantizationType | None = None,
+    formats: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> None:
-    """The layers' matrices in float32, or in `matrices`' blocks."""
+    """The layers' matrices in float32, or in `matrices`' blocks, or in the blocks `formats`
+    names for their GGUF name's ending (`attn_v.weight`: a Q4_K_M file's mixed layers)."""
     cfg = hf_model.config
     writer = gguf_writer(path, arch, cfg, CONFIG["rope_theta"])
     for name, tensor in hf_model.state_dict().items():
@@ -116,7 +118,9 @@ def write_gguf(
                 array = llama_cpp_permute(array, cfg.num_attention_heads)
             elif arch == "llama" and "k_proj" in rest:
                 array = llama_cpp_permute(array, cfg.num_key_value_heads)
-            add_layer_tensor(writer, f"blk.{layer}.{HF_TO_GGUF[rest]}", array, matrices)
+            ours = HF_TO_GGUF[rest]
+            kind = (formats or {}).get(ours, matrices)
+            add_layer_tensor(writer, f"blk.{layer}.{ours}", array, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -190,6 +190,44 @@ def test_windows_and_qk_norms_are_bit_identical_to_the_layers(
         assert torch.equal(a, b)
 
 
+@pytest.fixture(scope="module")
+def mixed_qkv_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 model (q/k/v biases, random) stored as llama.cpp's Q4_K_M stores
+    some layers: q and k in one format, v in another (here Q4_1 and Q8_0, whose widths fit)."""
+    torch.manual_seed(13)
+    config = transformers.Qwen2Config(
+        vocab_size=67, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+        num_hidden_layers=2, rope_theta=5000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.copy_(torch.randn_like(param))
+    path = tmp_path_factory.mktemp("mixed-qkv") / "tiny-qwen2.gguf"
+    write_gguf(path, "qwen2", hf_model, tie=True, matrices=Q4_1, formats={"attn_v.weight": Q8_0})
+    return path
+
+
+@needs_native
+def test_biased_qkv_in_two_formats_is_bit_identical_to_the_layers(
+    mixed_qkv_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen2's q/k/v bias and a q/k/v projection in two formats run in the stack (int8: one
+    packed weight that switches format at v's rows), with the layers' bits."""
+    model = load_model(mixed_qkv_gguf, torch.float32, "cpu", matmul_activations="int8").model
+    qkv = model.layers[0].self_attn.qkv_proj.quantized
+    assert qkv is not None and qkv.fmt2 is not None and qkv.rows2 == 32
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    layered, layered_kv = _window_steps(model, native=False)
+    calls = _counting(monkeypatch)
+    stacked, stacked_kv = _window_steps(model, native=True)
+    assert calls[0] == 11, "every step of this test is all native rows"
+    for a, b in zip(layered + layered_kv, stacked + stacked_kv, strict=True):
+        assert torch.equal(a, b)
+
+
 @needs_native
 def test_the_stack_scales_queries_as_the_layers(qk_norm_gguf: Path) -> None:
     """A query scale other than 1 / sqrt(head_dim) (Gemma 3 27B's kind) reaches the stack."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -313,9 +314,11 @@ class GGUFTensorSource:
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
 
-    def load_quantized(self, name: str) -> QuantizedWeight | None:
+    def load_quantized(self, name: str, copy: bool = True) -> QuantizedWeight | None:
         """The tensor's blocks as stored (rows in the model's order), if it is a matrix in a
-        format the native kernel takes (`_KERNEL_FORMATS`: Q4_0 and Q5_0 repacked); else None."""
+        format the native kernel takes (`_KERNEL_FORMATS`: Q4_0 and Q5_0 repacked); else None.
+        With `copy` False, blocks stored as they are served are a read-only view of the file's
+        mapping (for a repacking that reads them once: never write to it, never keep it)."""
         expert = self._experts.get(name)
         tensor = self._tensors.get(name) if expert is None else expert[0]
         kind = None if tensor is None else tensor.tensor_type.name
@@ -333,7 +336,11 @@ class GGUFTensorSource:
             if repacked is None:
                 return None
             array = repacked
-        blocks = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
+        if copy or array.dtype != np.uint8 or not array.flags.c_contiguous:
+            array = np.array(array, dtype=np.uint8, copy=True)
+        with warnings.catch_warnings():  # torch warns of a read-only array: it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(array)
         return QuantizedWeight(fmt, blocks, array.shape[1] // fmt.block_bytes * fmt.block_weights)
 
     def load(self, name: str) -> torch.Tensor:

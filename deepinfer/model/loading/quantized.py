@@ -14,6 +14,7 @@ kernel instead (deepinfer.kernels.linear.int8_matmul). `quantized_matmul_wanted`
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -23,10 +24,11 @@ from torch import nn
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.linear.fixed_sum import FixedSumWeight
 from deepinfer.kernels.linear.int8_matmul import (
+    GROUP_ROWS,
     BlockWeight,
     FixedOrderWeight,
     NativeWeight,
-    pack_int8,
+    pack_int8_rows,
 )
 from deepinfer.kernels.linear.quant_matmul import QuantizedWeight
 from deepinfer.kernels.native.cpu_native import NativeUnavailableError, native_library
@@ -114,7 +116,7 @@ def quantize_linears(
             total += _quantize_experts(block, source, i, int8, served)
     tied = getattr(model, "lm_head", None) is None
     embedding = source.load_quantized("embed_tokens.weight")
-    blocks = embedding if tied else source.load_quantized("lm_head.weight")
+    blocks = embedding if tied else source.load_quantized("lm_head.weight", copy=not int8)
     if blocks is not None:
         head = _served(blocks, int8)
         setattr(model, "lm_head_quantized", head)  # noqa: B010 (any model with the attribute)
@@ -193,7 +195,7 @@ def _quantize_modules(
     total = 0
     for name, parts in sources.items():
         module = modules.get(name)
-        fused = _fused(source, parts) if isinstance(module, Linear) else None
+        fused = _fused(source, parts, int8) if isinstance(module, Linear) else None
         if fused is not None:
             assert isinstance(module, Linear)
             weight = _served(fused, int8)
@@ -246,8 +248,8 @@ def _quantize_experts(
     for j in range(block.moe.num_experts):
         e = f"layers.{layer}.mlp.experts.{j}."
         names += [e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"]
-        gu = _fused(source, (e + "gate_proj.weight", e + "up_proj.weight"))
-        dn = _fused(source, (e + "down_proj.weight",))
+        gu = _fused(source, (e + "gate_proj.weight", e + "up_proj.weight"), int8)
+        dn = _fused(source, (e + "down_proj.weight",), int8)
         if gu is None or dn is None:
             return total
         pair = _served(gu, int8), _served(dn, int8)
@@ -259,15 +261,30 @@ def _quantize_experts(
     return total
 
 
-def _served(weight: QuantizedWeight, int8: bool) -> NativeWeight:
-    return pack_int8(weight) if int8 else weight
+def _served(weight: QuantizedWeight | list[QuantizedWeight], int8: bool) -> NativeWeight:
+    """The kernel's weight: a fused projection's parts repacked end to end for the int8 kernel
+    (read from the file's mapping, never copied), else their blocks in one tensor."""
+    parts = weight if isinstance(weight, list) else [weight]
+    if int8:
+        return pack_int8_rows(parts)
+    return QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _fused(source: GGUFTensorSource, names: tuple[str, ...]) -> QuantizedWeight | None:
-    parts = [source.load_quantized(n) for n in names]
+def _fused(
+    source: GGUFTensorSource, names: tuple[str, ...], int8: bool
+) -> list[QuantizedWeight] | None:
+    """The parts of a fused projection, if all are in one kernel format and width (or, for the
+    int8 kernel, in two runs of formats: `pack_int8_rows`): views of the file's mapping when the
+    int8 kernel repacks them (nothing keeps them), else copies."""
+    parts = [source.load_quantized(n, copy=not int8) for n in names]
     if any(p is None for p in parts):
         return None
     ready = [p for p in parts if p is not None]
-    if len({(p.fmt, p.in_features) for p in ready}) != 1:
+    if len({p.in_features for p in ready}) != 1:
         return None
-    return QuantizedWeight.cat(ready)
+    if len({p.fmt for p in ready}) == 1:
+        return ready
+    formats = [p.fmt for p in ready]
+    two_runs = sum(a != b for a, b in itertools.pairwise(formats)) == 1
+    aligned = all(p.out_features % GROUP_ROWS == 0 for p in ready[:-1])
+    return ready if int8 and two_runs and aligned else None

@@ -14,6 +14,7 @@ from deepinfer.kernels.linear.int8_matmul import (
     int8_linear,
     int8_linear_reference,
     pack_int8,
+    pack_int8_rows,
     packed_bytes,
     quantize_activations,
 )
@@ -189,3 +190,35 @@ def test_k_quant_sums_at_their_largest(fmt: QuantFormat) -> None:
             _close(int8_linear(x, pack_int8(w)), want)
     finally:
         lib.int8_isa(1)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(QuantFormat.Q4_K, QuantFormat.Q6_K), (QuantFormat.Q4_1, QuantFormat.Q8_0)],
+)
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_parts_in_two_formats_pack_into_one_weight(
+    first: QuantFormat, second: QuantFormat, m: int
+) -> None:
+    """A fused projection stored in two formats (Q4_K_M's Q4_K q and k beside a Q6_K v) is one
+    packed weight: each part's outputs are that part's own product, to the bit, on one and two
+    threads; a third run of formats, or unaligned parts in two, are refused."""
+    k = 512
+    q, kk, v = _weight(first, 24, k, 1), _weight(first, 16, k, 2), _weight(second, 19, k, 3)
+    packed = pack_int8_rows([q, kk, v])
+    assert (packed.fmt, packed.fmt2, packed.rows2, packed.out_features) == (first, second, 19, 59)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want = torch.cat([int8_linear(x, pack_int8(p)) for p in (q, kk, v)], dim=1)
+    assert torch.equal(int8_linear(x, packed), want)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(int8_linear(x, packed), want)
+    finally:
+        torch.set_num_threads(threads)
+    _close(int8_linear(x, packed), torch.cat([int8_linear_reference(x, p) for p in (q, kk, v)], 1))
+    with pytest.raises(ValueError, match="two runs"):
+        pack_int8_rows([q, v, kk])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int8_rows([_weight(first, 20, k, 4), v])
