@@ -41,6 +41,31 @@ TARGETS = {"tok/s 1": 1.3, "tok/s 16": 3.0, "tok/s 64": 4.0}
 TARGETS_AT_MOST = {"TTFT 4096": 0.7, "start-up": 1.0, "RSS": 1.2}
 
 
+AGREEMENT_PROMPTS = [
+    "def fibonacci(n):",
+    "# Quicksort in Python\n",
+    "SELECT name, COUNT(*) FROM",
+    "import numpy as np\n\n",
+    "The capital of France is",
+    "class Stack:\n    def __init__(self):",
+    "fn main() {",
+    "// A binary search in C\nint search(",
+    "To reverse a linked list,",
+    "#include <stdio.h>\n",
+    "def is_prime(n):\n",
+    "const express = require('express');\n",
+    "<html>\n<head>",
+    "The three laws of thermodynamics are",
+    "async function fetchData(url) {",
+    "def merge_sort(items):",
+    "public class HelloWorld {",
+    "git commit -m",
+    "A hash map is",
+    "for i in range(10):",
+]
+"""Twenty raw completion prompts for the greedy agreement check (`--agreement`)."""
+
+
 @dataclass
 class EngineRun:
     engine: str
@@ -50,6 +75,56 @@ class EngineRun:
     levels: dict[int, dict[str, float]] = field(default_factory=dict)
     long: dict[int, dict[str, float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    greedy: list[list[str]] = field(default_factory=list)
+    """Each agreement prompt's greedy tokens (as text pieces)."""
+    top2: list[list[tuple[float, float]]] = field(default_factory=list)
+    """deepinfer: at each of those tokens, the two largest log-probabilities."""
+
+
+async def greedy_pieces(
+    url: str, prompt: str, tokens: int
+) -> tuple[list[str], list[tuple[float, float]]]:
+    """The greedy continuation's tokens through /v1/completions (`logprobs` 2: the top two
+    log-probabilities at each, where the server gives them)."""
+    body = {"model": "default", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+            "logprobs": 2}  # fmt: skip
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        resp = await client.post(f"{url}/v1/completions", json=body)
+        resp.raise_for_status()
+    lp = resp.json()["choices"][0].get("logprobs") or {}
+    if "content" in lp:  # llama-server answers in the chat completions' shape
+        return [str(c.get("token")) for c in lp["content"] or []], []
+    pieces = list(lp.get("tokens") or [])
+    top2 = []
+    for top in lp.get("top_logprobs") or []:
+        values = sorted((top or {}).values(), reverse=True) + [float("-inf")] * 2
+        top2.append((float(values[0]), float(values[1])))
+    return pieces, top2
+
+
+def agreement(ours: EngineRun, peer: EngineRun) -> list[str]:
+    """Per prompt: identical, or where the greedy tokens first differ and the gap between our
+    two most likely tokens there (a near-tie when small)."""
+    identical = 0
+    lines = []
+    gaps = []
+    for i, (a, b) in enumerate(zip(ours.greedy, peer.greedy, strict=False)):
+        if a == b:
+            identical += 1
+            continue
+        at = next(
+            (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        top = ours.top2[i][at] if at < len(ours.top2[i]) else (float("nan"), float("nan"))
+        gap = top[0] - top[1]
+        gaps.append(gap)
+        lines.append(
+            f"- prompt {i}: first differs at token {at}, our top-2 log-probability gap there {gap:.3f}"
+        )
+    head = f"- greedy agreement: {identical}/{len(ours.greedy)} prompts identical"
+    if gaps:
+        head += f"; at the divergences the gap is at most {max(gaps):.3f} (median {sorted(gaps)[len(gaps) // 2]:.3f})"
+    return [head, *lines]
 
 
 def code_prompt(tokens: int, seed: int) -> str:
@@ -123,6 +198,10 @@ def measure(engine: str, cmd: list[str], port: int, ns: argparse.Namespace) -> E
             run.levels[c] = level_row(level)
             run.errors += level.errors
             print(f"  {c:3d} streams: {run.levels[c]['tok_per_s']:.1f} tok/s", flush=True)
+        for prompt in AGREEMENT_PROMPTS[: ns.agreement]:
+            pieces, top2 = asyncio.run(greedy_pieces(url, prompt, ns.agreement_tokens))
+            run.greedy.append(pieces)
+            run.top2.append(top2)
         for i, tokens in enumerate(ns.long):
             run.long[tokens] = asyncio.run(long_prompt_ttft(url, tokens, seed=1000 + i))
             print(f"  {tokens}-token prompt: TTFT {run.long[tokens]['ttft_s']:.1f} s", flush=True)
@@ -171,6 +250,8 @@ def report(model: str, runs: list[EngineRun]) -> str:
     if len(runs) == 2:
         lines += ["", "| deepinfer / llama-server | ratio | target |", "|---|---|---|"]
         lines += [f"| {n} | {v:.2f}x | {verdict} |" for n, v, verdict in ratios(runs[0], runs[1])]
+    if len(runs) == 2 and runs[0].greedy and runs[1].greedy:
+        lines += ["", *agreement(runs[0], runs[1])]
     errors = [e for r in runs for e in r.errors]
     if errors:
         lines += ["", f"errors: {len(errors)}, first: {errors[0]}"]
@@ -197,6 +278,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--long", default="4096,16384", help="long-prompt sizes ('' for none)")
     ap.add_argument("--settle-s", type=float, default=2.0)
+    ap.add_argument("--agreement", type=int, default=20, help="greedy agreement prompts (<= 20)")
+    ap.add_argument("--agreement-tokens", type=int, default=32)
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--deepinfer-args", default="", help="extra flags for server.py")
     ns = ap.parse_args()

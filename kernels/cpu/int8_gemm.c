@@ -354,6 +354,28 @@ static inline void store_group(const __m256 *acc, int mr, float *y, long ldy, in
     }
 }
 
+/* Two groups' outputs (acc lanes 0-7 the first, full; 8-15 the second, `rows2` rows) */
+VNNI static void store_pair(const __m512 *acc, int mr, float *y, long ldy, int rows2) {
+    for (int c = 0; c < mr; c++) {
+        if (rows2 == GROUP) {
+            _mm512_storeu_ps(y + (size_t)c * ldy, acc[c]);
+        } else {
+            float tmp[2 * GROUP];
+            _mm512_storeu_ps(tmp, acc[c]);
+            memcpy(y + (size_t)c * ldy, tmp, (size_t)(GROUP + rows2) * sizeof(float));
+        }
+    }
+}
+
+/* 1 where the VNNI passes of Q4_K and Q5_K take two groups at once in 512-bit vectors
+   (di_int8_pairs); the same bits either way. */
+static int use_pairs = 1;
+
+int di_int8_pairs(int want) {
+    if (want >= 0) use_pairs = want != 0;
+    return use_pairs;
+}
+
 /* Columns [0, N) of y's rows (ldy apart) = the quantized x (q, dx, sx) times the N weight
    rows packed at `packed` in `fmt`: this thread's share of the groups. */
 static void int8_groups_team(int fmt, const uint8_t *packed, const int8_t *q, const float *dx,
@@ -372,9 +394,25 @@ static void int8_groups_team(int fmt, const uint8_t *packed, const int8_t *q, co
             fns[r] = vnni ? GROUP_FNS_VNNI[fmt][r] : GROUP_FNS[fmt][r];
         }
     }
+    pair_fn pairs[MR_VNNI] = {NULL};
+    for (int r = 0; vnni && use_pairs && r < max_rows; r++) {
+        pairs[r] = di_int8_kquant_pair_pass(fmt, r + 1);
+    }
     for (int g = g0; g < g1; g++) {
         const int rows = N - g * GROUP < GROUP ? N - g * GROUP : GROUP;
         const uint8_t *wg = packed + g * gb;
+        if (pairs[0] != NULL && g + 1 < g1) { /* two groups in one 512-bit pass */
+            const int rows2 = N - (g + 1) * GROUP < GROUP ? N - (g + 1) * GROUP : GROUP;
+            for (int m0 = 0; m0 < M; m0 += max_rows) {
+                const int mr = M - m0 < max_rows ? M - m0 : max_rows;
+                __m512 acc2[MR_VNNI];
+                pairs[mr - 1](wg, wg + gb, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
+                              sx + (size_t)m0 * nb, K, m0 == 0, acc2);
+                store_pair(acc2, mr, y + (size_t)m0 * ldy + g * GROUP, ldy, rows2);
+            }
+            g++;
+            continue;
+        }
         __m256 acc[MR_VNNI];
         for (int m0 = 0; m0 < M; m0 += max_rows) {
             const int mr = M - m0 < max_rows ? M - m0 : max_rows;

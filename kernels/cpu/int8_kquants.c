@@ -277,6 +277,115 @@ static inline __m256i pair_at4(__m256i h, int j) {
         for (int c = 0; c < R; c++) acc[c] = a[c];                                             \
     }
 
+/* The Q4_K and Q5_K VNNI passes on two adjacent groups at once, in 512-bit vectors: lanes 0-7
+   are the first group's rows, 8-15 the second's. Each lane does the very operations of the
+   256-bit pass above, in the same order, so the bits are the same; a vector instruction does
+   twice the work where the core has two 512-bit units. */
+VNNI static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+VNNI static inline __m512 scales_pair(const uint8_t *a, const uint8_t *b) {
+    const __m256i h = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+        _mm_loadu_si128((const __m128i *)b), 1);
+    return _mm512_cvtph_ps(h);
+}
+VNNI static inline __m512 u8_pair_ps(const uint8_t *a, const uint8_t *b) {
+    const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                         _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+VNNI static inline __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+#define Q4K_SETUP2(o, o2)
+#define Q5K_SETUP2(o, o2)                                                                      \
+    const __m512i fifth = _mm512_set1_epi8(0x10);                                              \
+    const __m512i h5 = load_pair((o) + 128, (o2) + 128)
+#define Q4K_WEIGHTS2(o, o2, j, lo, hi)                                                         \
+    const __m512i raw = load_pair((o) + 32 * (j), (o2) + 32 * (j));                            \
+    const __m512i lo = _mm512_and_si512(raw, low);                                             \
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)
+#define Q5K_WEIGHTS2(o, o2, j, lo, hi)                                                         \
+    const __m512i raw = load_pair((o) + 32 * (j), (o2) + 32 * (j));                            \
+    const __m512i lo = _mm512_or_si512(                                                        \
+        _mm512_and_si512(raw, low), _mm512_and_si512(_mm512_slli_epi16(h5, 4 - (j)), fifth));  \
+    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),       \
+                                       _mm512_and_si512(_mm512_srli_epi16(h5, (j)), fifth))
+
+#define PASS_K4_PAIR(NAME, R, SUB, GB, SETUP, WEIGHTS)                                         \
+    VNNI static void NAME(const uint8_t *g, const uint8_t *g2, int nb, const int8_t *q,        \
+                          const float *dx, const float *sx, int K, int pf, __m512 *acc) {      \
+        const __m512i low = _mm512_set1_epi8(0x0F);                                            \
+        __m512 a[R];                                                                           \
+        for (int c = 0; c < R; c++) a[c] = _mm512_setzero_ps();                                \
+        for (int b0 = 0; b0 < nb; b0 += SUBS, g += (GB), g2 += (GB)) {                         \
+            if (pf) {                                                                          \
+                prefetch_block(g, (GB));                                                       \
+                prefetch_block(g2, (GB));                                                      \
+            }                                                                                  \
+            const uint8_t *tail = g + SUBS * (SUB), *tail2 = g2 + SUBS * (SUB);                \
+            const __m512 d = scales_pair(tail, tail2);                                         \
+            const __m512 dmin = scales_pair(tail + 16, tail2 + 16);                            \
+            _Pragma("GCC unroll 1") for (int s = 0; s < SUBS; s++) {                           \
+                const uint8_t *o = g + s * (SUB), *o2 = g2 + s * (SUB);                        \
+                SETUP(o, o2);                                                                  \
+                __m512i s_lo[R], s_hi[R];                                                      \
+                for (int c = 0; c < R; c++) s_lo[c] = s_hi[c] = _mm512_setzero_si512();        \
+                const int8_t *qb = q + (size_t)(b0 + s) * QK;                                  \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                          \
+                    WEIGHTS(o, o2, j, lo, hi);                                                 \
+                    for (int c = 0; c < R; c++) {                                              \
+                        const int8_t *qc = qb + (size_t)c * K;                                 \
+                        s_lo[c] = _mm512_dpbusd_epi32(s_lo[c], lo, bcast4_512(qc + 4 * j));    \
+                        s_hi[c] = _mm512_dpbusd_epi32(s_hi[c], hi, bcast4_512(qc + 16 + 4 * j)); \
+                    }                                                                          \
+                }                                                                              \
+                const __m512 ds =                                                              \
+                    _mm512_mul_ps(d, u8_pair_ps(tail + 32 + 8 * s, tail2 + 32 + 8 * s));       \
+                const __m512 ms =                                                              \
+                    _mm512_mul_ps(dmin, u8_pair_ps(tail + 96 + 8 * s, tail2 + 96 + 8 * s));    \
+                for (int c = 0; c < R; c++) {                                                  \
+                    const size_t at = (size_t)c * nb + b0 + s;                                 \
+                    const __m512 dot =                                                         \
+                        _mm512_cvtepi32_ps(_mm512_add_epi32(s_lo[c], s_hi[c]));                \
+                    a[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ds, _mm512_set1_ps(dx[at])), a[c]); \
+                    a[c] = _mm512_fnmadd_ps(ms, _mm512_set1_ps(sx[at]), a[c]);                 \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int c = 0; c < R; c++) acc[c] = a[c];                                             \
+    }
+
+#define PASSES_PAIR(R)                                                                         \
+    PASS_K4_PAIR(q4k_pair_x##R, R, Q4K_SUB, Q4K_GROUP, Q4K_SETUP2, Q4K_WEIGHTS2)               \
+    PASS_K4_PAIR(q5k_pair_x##R, R, Q5K_SUB, Q5K_GROUP, Q5K_SETUP2, Q5K_WEIGHTS2)
+
+PASSES_PAIR(1)
+PASSES_PAIR(2)
+PASSES_PAIR(3)
+PASSES_PAIR(4)
+PASSES_PAIR(5)
+PASSES_PAIR(6)
+PASSES_PAIR(7)
+PASSES_PAIR(8)
+
+static const pair_fn PAIR_PASSES[2][MR_VNNI] = {
+    {q4k_pair_x1, q4k_pair_x2, q4k_pair_x3, q4k_pair_x4, q4k_pair_x5, q4k_pair_x6, q4k_pair_x7,
+     q4k_pair_x8},
+    {q5k_pair_x1, q5k_pair_x2, q5k_pair_x3, q5k_pair_x4, q5k_pair_x5, q5k_pair_x6, q5k_pair_x7,
+     q5k_pair_x8},
+};
+
+pair_fn di_int8_kquant_pair_pass(int fmt, int rows) {
+    if (fmt != DI_FMT_Q4_K && fmt != DI_FMT_Q5_K) return NULL;
+    return PAIR_PASSES[fmt - DI_FMT_Q4_K][rows - 1];
+}
+
 #define NOATTR
 #define PASSES_AVX2(R)                                                                         \
     PASS_K4(q4k_x##R, R, NOATTR, ACC_AVX2, DONE_AVX2, Q4K_SUB, Q4K_GROUP, Q4K_SETUP,           \

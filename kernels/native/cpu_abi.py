@@ -92,6 +92,7 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_int8_split_packed_bytes": (_l, (_i, _i, _i, _i, _i)),
     "di_int8_gemm_split": (_i, (_i, _i, _i, _p, _p, _p, _i, _i, _i, _i)),
     "di_int8_isa": (_i, (_i,)),
+    "di_int8_pairs": (_i, (_i,)),
     "di_rms_norm": (_i, (ctypes.POINTER(RmsNormArgs),)),
     "di_rotary": (_i, (_p, _l, _i, _p, _l, _i, _p, _p, _l, _i, _i, _i)),
     "di_store_kv": (_i, (_p, _l, _p, _l, _p, _p, _l, _p, _i, _i, _i)),

@@ -106,6 +106,11 @@ class NativeLibrary:
         CPU has it (what the library loads with), 0 AVX2, -1 keeps the choice. Same bits."""
         return int(self._lib.di_int8_isa(want))
 
+    def int8_pairs(self, want: int = -1) -> int:
+        """Whether Q4_K/Q5_K VNNI passes take two groups at once in 512-bit vectors (1) or not
+        (0); `want` sets it, -1 keeps it. Same bits."""
+        return int(self._lib.di_int8_pairs(want))
+
     def rms_norm(self, args: RmsNormArgs) -> None:
         """See `di_rms_norm_args` in cpu/deepinfer_kernels.h."""
         _check(self._lib.di_rms_norm(ctypes.byref(args)))

@@ -163,6 +163,37 @@ def test_vnni_and_avx2_passes_give_the_same_bits(fmt: QuantFormat) -> None:
         lib.int8_isa(1)
 
 
+@needs_native
+@pytest.mark.parametrize("fmt", [QuantFormat.Q4_K, QuantFormat.Q5_K])
+@pytest.mark.parametrize("n", [40, 45, 64])
+def test_two_group_passes_give_the_same_bits(fmt: QuantFormat, n: int) -> None:
+    """The 512-bit passes over two groups of rows at once (Q4_K, Q5_K) against one group at a
+    time: lane for lane the same operations, so every bit agrees, whatever the rows of x and
+    however the groups fall (an odd count, a partial last group), on one thread and two."""
+    lib = native_library()
+    if lib.int8_isa(1) != 1:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    k = width(fmt, 2)
+    w = pack_int8(_raw_weight(fmt, n, k, seed=n))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(n)) * 2
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 2, 7, 8, 9, 17, 19):
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                assert lib.int8_pairs(1) == 1
+                pairs = int8_linear(x[:m], w)
+                assert lib.int8_pairs(0) == 0
+                single = int8_linear(x[:m], w)
+                assert torch.equal(pairs, single), f"{m} rows, {t} threads"
+        _close(
+            pairs, int8_linear_reference(x[:m], QuantizedWeight.cat([_raw_weight(fmt, n, k, n)]))
+        )
+    finally:
+        lib.int8_pairs(1)
+        torch.set_num_threads(threads)
+
+
 def _extreme_k_weight(fmt: QuantFormat, n: int, k: int) -> QuantizedWeight:
     """Every quant at its largest magnitude (Q4_K 15, Q5_K 31, Q6_K's q - 32 at -32): the
     integer sums' largest (16-bit on AVX2: 8 x 15 x 127, 8 x 31 x 127, 8 x 32 x 127)."""
