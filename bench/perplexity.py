@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from common import find_llama_binary, provenance
 
-from deepinfer.environment import default_model_path
+from deepinfer.environment import default_model_path, resolve_model
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.kv_layout import allocate_kv_caches
 from deepinfer.model.loading.gguf_loader import gguf_arch, open_gguf
@@ -233,8 +233,9 @@ def main() -> None:
                     help="deepinfer's KV cache (float16: the CPU default, as llama.cpp's f16)")  # fmt: skip
     ap.add_argument("--max-windows", type=int, default=0, help="0: every window")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--model", default=None, help="a GGUF file or a pulled model's name")
     ns = ap.parse_args()
-    model_path = default_model_path()
+    model_path = resolve_model(Path(ns.model)) if ns.model else default_model_path()
     reader = open_gguf(model_path)
     tokenizer, vocab_size = Tokenizer.from_gguf(reader), gguf_arch(reader).vocab_size
     bos = tokenizer.bos_token_id if tokenizer.add_bos else None

@@ -47,7 +47,7 @@ int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const f
    VNNI, 0 for AVX2. `want` 1 picks VNNI where the CPU has it (the default), 0 AVX2, -1 keeps the
    choice; returns the choice now. Both give the same bits. Not for while a matmul runs. */
 int di_int8_isa(int want);
-/* Whether the VNNI passes of Q4_K and Q5_K weights take two groups of rows at once in 512-bit
+/* Whether the VNNI passes of K-quant weights take two groups of rows at once in 512-bit
    vectors (1, the default) or one in 256-bit ones (0); -1 keeps the choice. Same bits. */
 int di_int8_pairs(int want);
 

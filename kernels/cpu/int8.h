@@ -56,7 +56,7 @@ DI_INTERNAL group_fn di_int8_kquant_pass(int fmt, int vnni, int rows);
 
 /* A VNNI pass over two adjacent groups (g2 = the next group) in 512-bit vectors: acc[c] lanes
    0-7 are the first group's y[c, r], 8-15 the second's; the same bits as two group_fn passes.
-   di_int8_kquant_pair_pass: the Q4_K and Q5_K ones (rows 1..MR_VNNI), NULL for other formats. */
+   di_int8_kquant_pair_pass: the K-quants' (rows 1..MR_VNNI), NULL for other formats. */
 typedef void (*pair_fn)(const uint8_t *g, const uint8_t *g2, int nb, const int8_t *q,
                         const float *dx, const float *sx, int K, int pf, __m512 *acc);
 DI_INTERNAL pair_fn di_int8_kquant_pair_pass(int fmt, int rows);

@@ -367,7 +367,7 @@ VNNI static void store_pair(const __m512 *acc, int mr, float *y, long ldy, int r
     }
 }
 
-/* 1 where the VNNI passes of Q4_K and Q5_K take two groups at once in 512-bit vectors
+/* 1 where the VNNI passes of the K-quants take two groups at once in 512-bit vectors
    (di_int8_pairs); the same bits either way. */
 static int use_pairs = 1;
 

@@ -277,7 +277,7 @@ static inline __m256i pair_at4(__m256i h, int j) {
         for (int c = 0; c < R; c++) acc[c] = a[c];                                             \
     }
 
-/* The Q4_K and Q5_K VNNI passes on two adjacent groups at once, in 512-bit vectors: lanes 0-7
+/* The K-quant VNNI passes on two adjacent groups at once, in 512-bit vectors: lanes 0-7
    are the first group's rows, 8-15 the second's. Each lane does the very operations of the
    256-bit pass above, in the same order, so the bits are the same; a vector instruction does
    twice the work where the core has two 512-bit units. */
@@ -361,9 +361,95 @@ VNNI static inline __m512i bcast4_512(const int8_t *p) {
         for (int c = 0; c < R; c++) acc[c] = a[c];                                             \
     }
 
+VNNI static inline __m512 i8_pair_ps(const uint8_t *a, const uint8_t *b) {
+    const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                         _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+/* pair_at4 on 512-bit vectors */
+VNNI static inline __m512i pair_at4_512(__m512i h, int j) {
+    switch (j) {
+    case 0:
+        return _mm512_slli_epi16(h, 4);
+    case 1:
+        return _mm512_slli_epi16(h, 2);
+    case 2:
+        return h;
+    default:
+        return _mm512_srli_epi16(h, 2);
+    }
+}
+
+/* Q6_K on two groups: 512-bit vectors have no byte sign instruction, so x is negated where the
+   weight is negative by a masked subtraction (the same bytes as `vpsignb` where the weight is
+   not zero; where it is, |w| is 0 and so is the product either way). */
+#define PASS_Q6K_PAIR(NAME, R)                                                                 \
+    VNNI static void NAME(const uint8_t *g, const uint8_t *g2, int nb, const int8_t *q,        \
+                          const float *dx, const float *sx, int K, int pf, __m512 *acc) {      \
+        (void)sx;                                                                              \
+        const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);              \
+        const __m512i offset = _mm512_set1_epi8(32), zero = _mm512_setzero_si512();            \
+        __m512 a[R];                                                                           \
+        for (int c = 0; c < R; c++) a[c] = _mm512_setzero_ps();                                \
+        for (int b0 = 0; b0 < nb; b0 += SUBS, g += Q6K_GROUP, g2 += Q6K_GROUP) {               \
+            if (pf) {                                                                          \
+                prefetch_block(g, Q6K_GROUP);                                                  \
+                prefetch_block(g2, Q6K_GROUP);                                                 \
+            }                                                                                  \
+            const uint8_t *tail = g + SUBS * Q6K_SUB, *tail2 = g2 + SUBS * Q6K_SUB;            \
+            const __m512 d = scales_pair(tail, tail2);                                         \
+            _Pragma("GCC unroll 1") for (int s = 0; s < SUBS; s++) {                           \
+                const uint8_t *o = g + s * Q6K_SUB, *o2 = g2 + s * Q6K_SUB;                    \
+                const __m512i h_lo = load_pair(o + 128, o2 + 128);                             \
+                const __m512i h_hi = load_pair(o + 160, o2 + 160);                             \
+                __m512i s_lo[R], s_hi[R];                                                      \
+                for (int c = 0; c < R; c++) s_lo[c] = s_hi[c] = _mm512_setzero_si512();        \
+                const int8_t *qb = q + (size_t)(b0 + s) * QK;                                  \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                          \
+                    const __m512i raw = load_pair(o + 32 * j, o2 + 32 * j);                    \
+                    const __m512i lo = _mm512_sub_epi8(                                        \
+                        _mm512_or_si512(_mm512_and_si512(raw, low),                            \
+                                        _mm512_and_si512(pair_at4_512(h_lo, j), top)),         \
+                        offset);                                                               \
+                    const __m512i hi = _mm512_sub_epi8(                                        \
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),      \
+                                        _mm512_and_si512(pair_at4_512(h_hi, j), top)),         \
+                        offset);                                                               \
+                    const __m512i alo = _mm512_abs_epi8(lo), ahi = _mm512_abs_epi8(hi);        \
+                    const __mmask64 nlo = _mm512_movepi8_mask(lo);                             \
+                    const __mmask64 nhi = _mm512_movepi8_mask(hi);                             \
+                    for (int c = 0; c < R; c++) {                                              \
+                        const int8_t *qc = qb + (size_t)c * K;                                 \
+                        const __m512i xl = bcast4_512(qc + 4 * j);                             \
+                        const __m512i xh = bcast4_512(qc + 16 + 4 * j);                        \
+                        s_lo[c] = _mm512_dpbusd_epi32(s_lo[c], alo,                            \
+                                                      _mm512_mask_sub_epi8(xl, nlo, zero, xl)); \
+                        s_hi[c] = _mm512_dpbusd_epi32(s_hi[c], ahi,                            \
+                                                      _mm512_mask_sub_epi8(xh, nhi, zero, xh)); \
+                    }                                                                          \
+                }                                                                              \
+                const __m512 d_lo =                                                            \
+                    _mm512_mul_ps(d, i8_pair_ps(tail + 16 + 16 * s, tail2 + 16 + 16 * s));     \
+                const __m512 d_hi =                                                            \
+                    _mm512_mul_ps(d, i8_pair_ps(tail + 24 + 16 * s, tail2 + 24 + 16 * s));     \
+                for (int c = 0; c < R; c++) {                                                  \
+                    const __m512 vdx = _mm512_set1_ps(dx[(size_t)c * nb + b0 + s]);            \
+                    a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo[c]),                        \
+                                           _mm512_mul_ps(d_lo, vdx), a[c]);                    \
+                    a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_hi[c]),                        \
+                                           _mm512_mul_ps(d_hi, vdx), a[c]);                    \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int c = 0; c < R; c++) acc[c] = a[c];                                             \
+    }
+
 #define PASSES_PAIR(R)                                                                         \
     PASS_K4_PAIR(q4k_pair_x##R, R, Q4K_SUB, Q4K_GROUP, Q4K_SETUP2, Q4K_WEIGHTS2)               \
-    PASS_K4_PAIR(q5k_pair_x##R, R, Q5K_SUB, Q5K_GROUP, Q5K_SETUP2, Q5K_WEIGHTS2)
+    PASS_K4_PAIR(q5k_pair_x##R, R, Q5K_SUB, Q5K_GROUP, Q5K_SETUP2, Q5K_WEIGHTS2)               \
+    PASS_Q6K_PAIR(q6k_pair_x##R, R)
+
 
 PASSES_PAIR(1)
 PASSES_PAIR(2)
@@ -374,15 +460,17 @@ PASSES_PAIR(6)
 PASSES_PAIR(7)
 PASSES_PAIR(8)
 
-static const pair_fn PAIR_PASSES[2][MR_VNNI] = {
+static const pair_fn PAIR_PASSES[3][MR_VNNI] = {
     {q4k_pair_x1, q4k_pair_x2, q4k_pair_x3, q4k_pair_x4, q4k_pair_x5, q4k_pair_x6, q4k_pair_x7,
      q4k_pair_x8},
     {q5k_pair_x1, q5k_pair_x2, q5k_pair_x3, q5k_pair_x4, q5k_pair_x5, q5k_pair_x6, q5k_pair_x7,
      q5k_pair_x8},
+    {q6k_pair_x1, q6k_pair_x2, q6k_pair_x3, q6k_pair_x4, q6k_pair_x5, q6k_pair_x6, q6k_pair_x7,
+     q6k_pair_x8},
 };
 
 pair_fn di_int8_kquant_pair_pass(int fmt, int rows) {
-    if (fmt != DI_FMT_Q4_K && fmt != DI_FMT_Q5_K) return NULL;
+    if (fmt != DI_FMT_Q4_K && fmt != DI_FMT_Q5_K && fmt != DI_FMT_Q6_K) return NULL;
     return PAIR_PASSES[fmt - DI_FMT_Q4_K][rows - 1];
 }
 

@@ -107,7 +107,7 @@ class NativeLibrary:
         return int(self._lib.di_int8_isa(want))
 
     def int8_pairs(self, want: int = -1) -> int:
-        """Whether Q4_K/Q5_K VNNI passes take two groups at once in 512-bit vectors (1) or not
+        """Whether K-quant VNNI passes take two groups at once in 512-bit vectors (1) or not
         (0); `want` sets it, -1 keeps it. Same bits."""
         return int(self._lib.di_int8_pairs(want))
 

@@ -164,10 +164,10 @@ def test_vnni_and_avx2_passes_give_the_same_bits(fmt: QuantFormat) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", [QuantFormat.Q4_K, QuantFormat.Q5_K])
+@pytest.mark.parametrize("fmt", K_QUANTS)
 @pytest.mark.parametrize("n", [40, 45, 64])
 def test_two_group_passes_give_the_same_bits(fmt: QuantFormat, n: int) -> None:
-    """The 512-bit passes over two groups of rows at once (Q4_K, Q5_K) against one group at a
+    """The 512-bit passes over two groups of rows at once (the K-quants) against one group at a
     time: lane for lane the same operations, so every bit agrees, whatever the rows of x and
     however the groups fall (an odd count, a partial last group), on one thread and two."""
     lib = native_library()
