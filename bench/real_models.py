@@ -13,7 +13,8 @@ tokens, distinct per client), then the TTFT of one long prompt of each `--long` 
 file the prefix cache has not seen, distinct per size; prefill tokens/s beside). llama-server
 runs as a self-hoster would: as many slots as the largest level, one KV cache they share
 (`--kv-unified`) large enough for the longest prompt, every core, `-nr` where the CPU lists
-AMX. Prints and writes bench/out/real_models-<model>.md (+ .json) with deepinfer / llama-server
+AMX. deepinfer runs with its default flags and a disk cache of its own (`--cache-dir`, removed
+after): the disk tier would otherwise serve an earlier run's prompts. Prints and writes bench/out/real_models-<model>.md (+ .json) with deepinfer / llama-server
 ratios against the targets.
 """
 
@@ -23,6 +24,8 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -291,8 +294,14 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     runs = []
     port = free_port()
-    extra = ["--model", str(model), *ns.deepinfer_args.split()]
-    runs.append(measure("deepinfer", deepinfer_cmd(port, extra), port, ns))
+    # The disk tier keeps prefixes across restarts: a cache of its own makes every prompt of
+    # this run new to deepinfer, as to llama-server (whose prompt cache dies with it).
+    cache_dir = Path(tempfile.mkdtemp(prefix="real-models-cache-"))
+    extra = ["--model", str(model), "--cache-dir", str(cache_dir), *ns.deepinfer_args.split()]
+    try:
+        runs.append(measure("deepinfer", deepinfer_cmd(port, extra), port, ns))
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     binary = find_llama_server()
     if ns.skip_llama or binary is None:
         print(
