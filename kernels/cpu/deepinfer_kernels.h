@@ -33,6 +33,8 @@
 int di_quant_gemm(int fmt, const uint8_t *w, const float *x, float *y, int M, int N, int K,
                   int num_threads);
 int di_dequantize(int fmt, const uint8_t *w, float *out, int N, int K, int num_threads);
+/* Q5_0 blocks (22 bytes) as the Q8_0 blocks (34 bytes) of the same values, exactly. */
+int di_q5_0_to_q8_0(const uint8_t *src, uint8_t *dst, long nblocks, int num_threads);
 long di_int8_packed_bytes(int fmt, int N, int K); /* 0 for bad arguments */
 int di_int8_pack(int fmt, const uint8_t *w, uint8_t *out, int N, int K, int num_threads);
 int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N, int K,

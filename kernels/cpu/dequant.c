@@ -5,6 +5,7 @@
    here; `di_dequantize` gives whole matrices (model loading, and long prefill chunks).
 */
 #include <stdint.h>
+#include <string.h>
 
 #include "blocks.h"
 #include "deepinfer_kernels.h"
@@ -155,6 +156,28 @@ int di_dequantize(int fmt, const uint8_t *w, float *out, int N, int K, int num_t
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
     for (int n = 0; n < N; n++) {
         di_dequant_row(fmt, w + (size_t)n * rb, K, out + (size_t)n * K);
+    }
+    return 0;
+}
+
+/* Q5_0 blocks (fp16 d, 32 fifth bits little-endian, 16 bytes of nibbles; a weight is
+   d * (q - 16)) as Q8_0 blocks of the same values: the same d and the int8 q - 16. Exact. */
+int di_q5_0_to_q8_0(const uint8_t *src, uint8_t *dst, long nblocks, int num_threads) {
+    if (nblocks < 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+    for (long b = 0; b < nblocks; b++) {
+        const uint8_t *in = src + b * 22;
+        uint8_t *out = dst + b * 34;
+        uint32_t fifth;
+        memcpy(&fifth, in + 2, 4);
+        out[0] = in[0];
+        out[1] = in[1];
+        for (int i = 0; i < 16; i++) {
+            const int lo = (in[6 + i] & 0x0F) | (int)((fifth >> i) & 1) << 4;
+            const int hi = (in[6 + i] >> 4) | (int)((fifth >> (i + 16)) & 1) << 4;
+            out[2 + i] = (uint8_t)(int8_t)(lo - 16);
+            out[18 + i] = (uint8_t)(int8_t)(hi - 16);
+        }
     }
     return 0;
 }

@@ -86,6 +86,7 @@ _gemm = (_i, _p, _p, _p, _i, _i, _i, _i)  # fmt, w, x, y, M, N, K, num_threads
 FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_quant_gemm": (_i, _gemm),
     "di_dequantize": (_i, (_i, _p, _p, _i, _i, _i)),
+    "di_q5_0_to_q8_0": (_i, (_p, _p, _l, _i)),
     "di_int8_packed_bytes": (_l, (_i, _i, _i)),
     "di_int8_pack": (_i, (_i, _p, _p, _i, _i, _i)),
     "di_int8_gemm": (_i, _gemm),

@@ -68,6 +68,10 @@ class NativeLibrary:
     def dequantize(self, fmt: int, w: int, out: int, n: int, k: int, num_threads: int) -> None:
         _check(self._lib.di_dequantize(fmt, w, out, n, k, num_threads))
 
+    def q5_0_to_q8_0(self, src: int, dst: int, nblocks: int, num_threads: int) -> None:
+        """Q5_0 blocks as the Q8_0 blocks of the same values (see cpu/dequant.c)."""
+        _check(self._lib.di_q5_0_to_q8_0(src, dst, nblocks, num_threads))
+
     def int8_packed_bytes(self, fmt: int, n: int, k: int) -> int:
         """Bytes of an [n, k] weight repacked by `int8_pack`; ValueError for shapes it refuses."""
         size = int(self._lib.di_int8_packed_bytes(fmt, n, k))

@@ -28,7 +28,7 @@ from deepinfer.kernels.native.cpu_native import native_available
 from deepinfer.model import load_model, model_fingerprint
 from deepinfer.model.llama_layers import QuantizedEmbedding
 from deepinfer.model.loading.gguf_loader import GGUFTensorSource
-from deepinfer.model.loading.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0
+from deepinfer.model.loading.gguf_repack import q4_0_as_q4_1, q5_0_as_q8_0, q5_0_as_q8_0_numpy
 from tests.model.model_test_utils import SequentialBlocks, bind_fresh_caches, run_step
 from tests.model.test_gguf_loader import CONFIG as BASE_CONFIG
 from tests.model.test_gguf_loader import HF_TO_GGUF, gguf_writer, llama_cpp_permute, write_gguf
@@ -233,11 +233,13 @@ def test_q5_0_blocks_are_q8_0_blocks_of_the_same_values() -> None:
     raw = rng.integers(0, 256, (5, 3, 22), dtype=np.uint8)
     raw[..., :2] = rng.standard_normal((5, 3)).astype(np.float16).view(np.uint8).reshape(5, 3, 2)
     for blocks in (written, raw.reshape(5, -1)):
-        w = QuantizedWeight(QuantFormat.Q8_0, torch.from_numpy(q5_0_as_q8_0(blocks)), 96)
-        want = torch.from_numpy(gguf.quants.dequantize(blocks, Q5_0).astype(np.float32))
-        assert torch.equal(dequantize_reference(w), want)
-        if native_available():
-            assert torch.equal(dequantize(w), want)
+        for repack in (q5_0_as_q8_0, q5_0_as_q8_0_numpy):  # the native one where it runs
+            w = QuantizedWeight(QuantFormat.Q8_0, torch.from_numpy(repack(blocks)), 96)
+            want = torch.from_numpy(gguf.quants.dequantize(blocks, Q5_0).astype(np.float32))
+            assert torch.equal(dequantize_reference(w), want)
+            if native_available():
+                assert torch.equal(dequantize(w), want)
+        assert np.array_equal(q5_0_as_q8_0(blocks), q5_0_as_q8_0_numpy(blocks))
 
 
 @needs_native
