@@ -54,7 +54,12 @@ def model_layer(path: Path, layer: int) -> list[QuantizedWeight]:
         parts = [source.load_quantized(name) for name in names]
         if any(p is None for p in parts):
             raise SystemExit(f"{path.name} layer {layer}: {names} not served in blocks")
-        weights.append(QuantizedWeight.cat([p for p in parts if p is not None]))
+        ready = [p for p in parts if p is not None]
+        if len({p.fmt for p in ready}) > 1:  # the float kernel takes one format a matrix
+            print(f"layer {layer}: {names} in two formats, measured part by part")
+            weights += ready
+            continue
+        weights.append(QuantizedWeight.cat(ready))
     return weights
 
 
