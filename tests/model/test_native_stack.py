@@ -61,6 +61,19 @@ def _steps(model: Any, native: bool) -> tuple[list[torch.Tensor], list[torch.Ten
     return logits, caches
 
 
+def _assert_stack_is_the_layers(
+    model: Any, steps: Any, native_steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`steps` run layer by layer, then through the stack: every logit and KV bit the same, and
+    every one of the `native_steps` steps through the stack."""
+    layered, layered_kv = steps(model, native=False)
+    calls = _counting(monkeypatch)
+    stacked, stacked_kv = steps(model, native=True)
+    assert calls[0] == native_steps, "every step of this test is all native rows"
+    for a, b in zip(layered + layered_kv, stacked + stacked_kv, strict=True):
+        assert torch.equal(a, b)
+
+
 @needs_native
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_stack_is_bit_identical_to_the_layers(
@@ -70,12 +83,7 @@ def test_stack_is_bit_identical_to_the_layers(
 ) -> None:
     path, _ = quantized_gguf
     model = load_model(path, torch.float32, "cpu", matmul_activations=activations).model
-    layered, layered_kv = _steps(model, native=False)
-    calls = _counting(monkeypatch)
-    stacked, stacked_kv = _steps(model, native=True)
-    assert calls[0] == 6, "every step of this test is all native rows"
-    for a, b in zip(layered + layered_kv, stacked + stacked_kv, strict=True):
-        assert torch.equal(a, b)
+    _assert_stack_is_the_layers(model, _steps, 6, monkeypatch)
 
 
 @needs_native
@@ -182,12 +190,7 @@ def test_windows_and_qk_norms_are_bit_identical_to_the_layers(
     if model.arch.architecture == "gemma3":
         assert model.arch.layer_windows == (WINDOW, WINDOW, 0, WINDOW)
         assert not torch.equal(model.cos_sin, model.cos_sin_local)
-    layered, layered_kv = _window_steps(model, native=False)
-    calls = _counting(monkeypatch)
-    stacked, stacked_kv = _window_steps(model, native=True)
-    assert calls[0] == 11, "every step of this test is all native rows"
-    for a, b in zip(layered + layered_kv, stacked + stacked_kv, strict=True):
-        assert torch.equal(a, b)
+    _assert_stack_is_the_layers(model, _window_steps, 11, monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -220,12 +223,7 @@ def test_biased_qkv_in_two_formats_is_bit_identical_to_the_layers(
     qkv = model.layers[0].self_attn.qkv_proj.quantized
     assert qkv is not None and qkv.fmt2 is not None and qkv.rows2 == 32
     assert model.layers[0].self_attn.qkv_proj.bias is not None
-    layered, layered_kv = _window_steps(model, native=False)
-    calls = _counting(monkeypatch)
-    stacked, stacked_kv = _window_steps(model, native=True)
-    assert calls[0] == 11, "every step of this test is all native rows"
-    for a, b in zip(layered + layered_kv, stacked + stacked_kv, strict=True):
-        assert torch.equal(a, b)
+    _assert_stack_is_the_layers(model, _window_steps, 11, monkeypatch)
 
 
 @needs_native
