@@ -135,6 +135,15 @@ def deepinfer_cmd(port: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, str(ROOT / "server.py"), "--port", str(port), *(extra or [])]
 
 
+def has_amx() -> bool:
+    """Whether the CPU lists AMX (llama.cpp's peers then run with `-nr`: the VM here faults on
+    AMX tiles)."""
+    try:
+        return " amx" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def llama_cmd(binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int) -> list[str]:
     threads = str(os.cpu_count() or 2)
     return [

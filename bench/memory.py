@@ -32,6 +32,7 @@ from common import (
     deepinfer_cmd,
     find_llama_server,
     free_port,
+    has_amx,
     llama_cmd,
     provenance,
     running_process,
@@ -152,13 +153,6 @@ def measure(
             load_s = time.perf_counter() - start
         time.sleep(args.settle_s)
         return idle, sampler.peak, tree_memory(proc.pid), tokens, load_s
-
-
-def has_amx() -> bool:
-    try:
-        return " amx" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def servers(gguf: Path, args: argparse.Namespace) -> list[tuple[str, list[str], int]]:

@@ -9,13 +9,16 @@ For each engine: start-up (process start to /health answering), RSS of the proce
 healthy and `--settle-s` later (anonymous part beside: what the server wrote, without the pages
 of the memory-mapped file), aggregate tokens/s of streaming chat clients at each level (one
 request per client, `--max-tokens` tokens each, `ignore_eos`, greedy; prompts of a few dozen
-tokens, distinct per client), then the TTFT of one long prompt of each `--long` size (a code
-file the prefix cache has not seen, distinct per size; prefill tokens/s beside). llama-server
-runs as a self-hoster would: as many slots as the largest level, one KV cache they share
-(`--kv-unified`) large enough for the longest prompt, every core, `-nr` where the CPU lists
+tokens, distinct per client), the greedy completions of `--agreement` raw prompts (where they
+differ from llama-server's, the gap between our two most likely tokens at the first difference:
+a near-tie or not), then the TTFT of one long prompt of each `--long` size (a code file the
+prefix cache has not seen, distinct per size; prefill tokens/s beside). llama-server runs as a
+self-hoster would: as many slots as the largest level, one KV cache they share (`--kv-unified`)
+large enough for the longest prompt, every core, continuous batching, `-nr` where the CPU lists
 AMX. deepinfer runs with its default flags and a disk cache of its own (`--cache-dir`, removed
-after): the disk tier would otherwise serve an earlier run's prompts. Prints and writes bench/out/real_models-<model>.md (+ .json) with deepinfer / llama-server
-ratios against the targets.
+after): the disk tier would otherwise serve an earlier run's prompts. Prints and writes
+bench/out/real_models-<model>.md (+ .json) with deepinfer / llama-server ratios against the
+targets.
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from common import ROOT, deepinfer_cmd, find_llama_server, free_port, provenance, running_process
+from common import (
+    ROOT,
+    deepinfer_cmd,
+    find_llama_server,
+    free_port,
+    has_amx,
+    llama_cmd,
+    provenance,
+    running_process,
+)  # fmt: skip
 from memory import tree_memory
 from serve import Level, run_level
 
@@ -262,16 +274,9 @@ def report(model: str, runs: list[EngineRun]) -> str:
 
 
 def llama_server_cmd(binary: Path, model: Path, port: int, slots: int, ctx: int) -> list[str]:
-    import os
-
-    threads = str(os.cpu_count() or 2)
-    cmd = [
-        str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1",
-        "-np", str(slots), "-c", str(ctx), "--kv-unified", "-t", threads, "-tb", threads,
-    ]  # fmt: skip
-    if "amx_tile" in Path("/proc/cpuinfo").read_text():
-        cmd.append("-nr")  # the VM faults on AMX tiles: no repacking into AMX layouts
-    return cmd
+    """`llama_cmd` with one KV cache of at least `ctx` tokens that all slots share."""
+    cmd = [*llama_cmd(binary, model, port, slots, -(-ctx // slots)), "--kv-unified"]
+    return [*cmd, "-nr"] if has_amx() else cmd  # the VM faults on AMX tiles: no AMX repacking
 
 
 def main() -> None:

@@ -434,12 +434,6 @@ static void quantize_team(const float *x, int M, int K, int8_t *q, float *dx, fl
     di_team_sync(team);
 }
 
-void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
-                       int K, int8_t *q, float *dx, float *sx, di_team *team) {
-    quantize_team(x, M, K, q, dx, sx, team);
-    int8_groups_team(fmt, packed, q, dx, sx, y, N, M, N, K, team);
-}
-
 long di_int8_split_packed_bytes(int fmt, int fmt2, int N2, int N, int K) {
     if (N2 <= 0) return N2 == 0 ? di_int8_packed_bytes(fmt, N, K) : 0;
     const int N1 = N - N2;

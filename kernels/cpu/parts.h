@@ -34,10 +34,8 @@ DI_INTERNAL void di_silu_mul_rows(const float *gu, long gu_stride, float *out, l
 DI_INTERNAL void di_gelu_tanh_mul_rows(const float *gu, long gu_stride, float *out, long out_stride, int I,
                            int t0, int t1);
 
-/* int8_gemm.c: y = x @ W^T with x quantized into q [M, K], dx and sx [M, K / 32] */
-DI_INTERNAL void di_int8_gemm_team(int fmt, const uint8_t *packed, const float *x, float *y, int M, int N,
-                       int K, int8_t *q, float *dx, float *sx, di_team *team);
-/* The same for a di_matrix (int8), whose last N2 rows may be in a second format */
+/* int8_gemm.c: y = x @ W^T for an int8 di_matrix (its last N2 rows may be in a second format),
+   with x quantized into q [M, K], dx and sx [M, K / 32] */
 DI_INTERNAL void di_int8_matrix_team(const di_matrix *w, const float *x, float *y, int M,
                                      int8_t *q, float *dx, float *sx, di_team *team);
 

@@ -88,9 +88,9 @@ def matrix(w: BlockWeight, out_features: int, in_features: int) -> Matrix:
             f"a {w.out_features}x{w.in_features} matrix where {out_features}x{in_features} belongs"
         )
     if isinstance(w, Int8PackedWeight):
-        fmt2 = w.fmt if w.fmt2 is None else w.fmt2
+        fmt2, rows2 = w.second
         return Matrix(
-            w.packed.data_ptr(), int(w.fmt), 1, out_features, in_features, int(fmt2), w.rows2
+            w.packed.data_ptr(), int(w.fmt), 1, out_features, in_features, int(fmt2), rows2
         )
     return Matrix(w.blocks.data_ptr(), int(w.fmt), 0, out_features, in_features, int(w.fmt), 0)
 
@@ -173,10 +173,10 @@ def _layer_struct(layer: LayerWeights, s: StackShape) -> LlamaLayer:
         _vector(layer.attn_out_norm, s.hidden),
         _vector(layer.mlp_out_norm, s.hidden),
     )
-    width_bias = _vector(layer.qkv_bias, width)
+    qkv_bias = _vector(layer.qkv_bias, width)
     return LlamaLayer(
         *matrices, *norms, layer.cos_sin.data_ptr(), layer.window, int(layer.activation),
-        layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), width_bias,
+        layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), qkv_bias,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ fixed order. `int8_linear_reference` computes the same arithmetic in torch (the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,11 @@ class Int8PackedWeight:
     rows2: int = 0
 
     @property
+    def second(self) -> tuple[QuantFormat, int]:
+        """(the format of the last rows, how many): (`fmt`, 0) for a weight in one format."""
+        return (self.fmt if self.fmt2 is None else self.fmt2), self.rows2
+
+    @property
     def nbytes(self) -> int:
         return self.packed.numel()
 
@@ -66,6 +72,20 @@ def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedW
     return Int8PackedWeight(w.fmt, out, n, k)
 
 
+def fusion_problem(parts: list[QuantizedWeight]) -> str | None:
+    """Why `pack_int8_rows` cannot make one weight of `parts`, or None where it can: one width,
+    at most two runs of formats, and with two, every part but the last a multiple of 8 rows."""
+    if len({p.in_features for p in parts}) != 1:
+        return "fused quantized weights must share their width"
+    formats = [p.fmt for p in parts]
+    switches = sum(a != b for a, b in itertools.pairwise(formats))
+    if switches > 1:
+        return f"a fused weight in more than two runs of formats: {formats}"
+    if switches and any(p.out_features % GROUP_ROWS for p in parts[:-1]):
+        return "parts in two formats must each have a multiple of 8 rows"
+    return None
+
+
 def pack_int8_rows(
     parts: list[QuantizedWeight], num_threads: int | None = None
 ) -> Int8PackedWeight:
@@ -75,16 +95,11 @@ def pack_int8_rows(
     to end (no concatenated copy of the blocks). Other row counts go through one copy. The parts
     may be in two formats, one run of each (Q4_K_M's Q4_K q and k beside a Q6_K v): the kernel
     switches format at the second run's first row."""
+    problem = fusion_problem(parts)
+    if problem is not None:
+        raise ValueError(problem)
     first, last = parts[0], parts[-1]
-    if any(p.in_features != first.in_features for p in parts):
-        raise ValueError("fused quantized weights must share their width")
-    formats = [p.fmt for p in parts]
-    runs = [f for i, f in enumerate(formats) if i == 0 or f != formats[i - 1]]
-    if len(runs) > 2:
-        raise ValueError(f"a fused weight in more than two runs of formats: {formats}")
-    if any(p.out_features % GROUP_ROWS for p in parts[:-1]):
-        if len(runs) > 1:
-            raise ValueError("parts in two formats must each have a multiple of 8 rows")
+    if any(p.out_features % GROUP_ROWS for p in parts[:-1]):  # one format (fusion_problem)
         return pack_int8(QuantizedWeight.cat(parts), num_threads)
     n, k = sum(p.out_features for p in parts), first.in_features
     rows2 = sum(p.out_features for p in parts if p.fmt != first.fmt)
@@ -104,15 +119,11 @@ def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K]
     """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads."""
     x, y = linear_operands("int8_linear", x, w.out_features, w.in_features)
     m, n = y.shape
-    if m and w.fmt2 is not None:
+    if m:
+        fmt2, rows2 = w.second
         native_library().int8_gemm_split(
-            int(w.fmt), int(w.fmt2), w.rows2, w.packed.data_ptr(), x.data_ptr(), y.data_ptr(),
+            int(w.fmt), int(fmt2), rows2, w.packed.data_ptr(), x.data_ptr(), y.data_ptr(),
             m, n, w.in_features, torch.get_num_threads(),
-        )  # fmt: skip
-    elif m:
-        native_library().int8_gemm(
-            int(w.fmt), w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, w.in_features,
-            torch.get_num_threads(),
         )  # fmt: skip
     return y
 

@@ -14,7 +14,6 @@ kernel instead (deepinfer.kernels.linear.int8_matmul). `quantized_matmul_wanted`
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -24,10 +23,10 @@ from torch import nn
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.linear.fixed_sum import FixedSumWeight
 from deepinfer.kernels.linear.int8_matmul import (
-    GROUP_ROWS,
     BlockWeight,
     FixedOrderWeight,
     NativeWeight,
+    fusion_problem,
     pack_int8_rows,
 )
 from deepinfer.kernels.linear.quant_matmul import QuantizedWeight
@@ -280,11 +279,6 @@ def _fused(
     if any(p is None for p in parts):
         return None
     ready = [p for p in parts if p is not None]
-    if len({p.in_features for p in ready}) != 1:
-        return None
-    if len({p.fmt for p in ready}) == 1:
-        return ready
-    formats = [p.fmt for p in ready]
-    two_runs = sum(a != b for a, b in itertools.pairwise(formats)) == 1
-    aligned = all(p.out_features % GROUP_ROWS == 0 for p in ready[:-1])
-    return ready if int8 and two_runs and aligned else None
+    if int8:
+        return ready if fusion_problem(ready) is None else None
+    return ready if len({(p.fmt, p.in_features) for p in ready}) == 1 else None
