@@ -34,6 +34,7 @@ KVDType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 QuantizedMatmul = Literal["auto", "on", "off"]
 MatmulActivations = Literal["auto", "float32", "int8"]
+Bf16Prefill = Literal["auto", "on", "off"]
 CudaGraphsMode = Literal["auto", "on", "off"]
 
 
@@ -59,6 +60,12 @@ class ModelConfig:
     file, bench/RESULTS.md); `float32` the exact fp32 weights by fp32 activations, the numerics
     of transformers on the same file (greedy answers differ where the top two tokens are close);
     `auto` (the default) `int8` wherever the quantized kernel serves the model, else float32."""
+    bf16_prefill: Bf16Prefill = "auto"
+    """Products of 256 rows or more (long prefill chunks) by int8-served matrices run instead as
+    bfloat16 tiles of the weight through torch's matmul (AMX or AVX-512 BF16): 1.6-2.2x the int8
+    kernel's rate on the 1.5B model's projections where AMX runs (bench/RESULTS.md), the weights
+    exact to bf16 rounding. `auto`: where a probe at start (a child process) finds bf16 matmuls
+    at least twice float32's rate; `on`: always; `off`: never. Never in batch-invariant mode."""
     batch_invariant: bool = False
     """The same request gives bitwise the same tokens and logprobs whatever else runs beside
     it, however its prompt is chunked and wherever its prefix comes from (computed, or the
@@ -201,7 +208,8 @@ class WorkersConfig:
     one such step. Off: each worker keeps to its own share."""
     prefill_step_ms: float | None = None
     """Time budget of one prefill step; None: 50 ms on CUDA, 1 s on CPU (where reading the weights alone takes
-    ~0.1-0.2 s a step, so shorter steps waste most of their time)."""
+    ~0.1-0.2 s a step, so shorter steps waste most of their time), 2 s on CPU where the model
+    takes long chunks' products as bf16 tiles (`bf16_prefill`: they pay from 256 rows)."""
     prefill_buckets: tuple[int, ...] = (512, 4096, 32768)
     """Upper bounds of the uncached-prompt-length buckets (one more bucket holds the rest)."""
     prefill_max_batched_tokens: int = 16384
@@ -344,6 +352,14 @@ def _validate(config: Config) -> None:
         raise ConfigError(f"scheduler.max_waiting must be at least 1, got {s.max_waiting}")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         raise ConfigError("model.max_model_len must be positive")
+    if config.model.bf16_prefill not in ("auto", "on", "off"):
+        raise ConfigError(
+            f"model.bf16_prefill must be auto, on or off, got {config.model.bf16_prefill!r}"
+        )
+    if config.model.bf16_prefill == "on" and config.model.batch_invariant:
+        raise ConfigError(
+            "model.bf16_prefill on: not in batch-invariant mode (its rows change the numerics)"
+        )
     if config.model.matmul_activations not in ("auto", "float32", "int8"):
         raise ConfigError(
             f"model.matmul_activations must be auto, float32 or int8, got {config.model.matmul_activations!r}"

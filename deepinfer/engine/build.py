@@ -75,6 +75,7 @@ class RuntimeInfo:
     quantized_bytes: int = 0
     """Bytes of matrices served in GGUF blocks by the native CPU kernel (0: none)."""
     int8_activations: bool = False
+    bf16_prefill: bool = False
     """That kernel quantizes activations to int8 blocks (integer dot products)."""
     decode_graph_sizes: tuple[int, ...] = ()
     """Batch sizes whose decode steps replay from CUDA graphs (empty: eager)."""
@@ -161,7 +162,9 @@ def build_engine(config: Config) -> EngineParts:
         kv=kv,
         decode_kv=decode_kv,
         tiers=KVTiers(kv, host, disk, tier_copies(replicas.prefill), events),
-        scheduler=build_scheduler(config, kv, max_len, groups.prefill, decode_kv),
+        scheduler=build_scheduler(
+            config, kv, max_len, groups.prefill, decode_kv, replicas.loaded.bf16_prefill
+        ),
         constraints=constraints,
         runner=runner,
         decode_runner=decode_runner,
@@ -191,6 +194,7 @@ def runtime_info(
         attention_backend=loaded.model.attention_backend.name,
         quantized_bytes=loaded.quantized_bytes,
         int8_activations=loaded.int8_activations,
+        bf16_prefill=loaded.bf16_prefill,
         decode_graph_sizes=graphs.decode.sizes if graphs.decode is not None else (),
         prefill_graph_buckets=graphs.prefill.buckets if graphs.prefill is not None else (),
         decode_device=decode.device if replicas.split else None,

@@ -135,6 +135,7 @@ def load(
         m.quantized_matmul,
         m.matmul_activations,
         batch_invariant=m.batch_invariant and not draft,
+        bf16_prefill="off" if m.batch_invariant and not draft else m.bf16_prefill,
     )
 
 

@@ -21,6 +21,10 @@ from deepinfer.scheduler.protocol import EngineScheduler
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.scheduler.speculative import build_proposer
 
+CPU_STEP_MS = 1000.0
+"""The CPU prefill step budget (reading the weights alone takes ~0.1-0.2 s a step)."""
+CPU_BF16_STEP_MS = 2000.0
+"""The CPU prefill step budget where long products run as bf16 tiles (see `planner_config`)."""
 CPU_COST_PRIOR = CostCoefficients(step_s=0.01, token_s=6e-3, attention_s=5e-8)
 """A prefill step on one CPU core, roughly (SmolLM2-135M): the model refines it within steps."""
 
@@ -31,14 +35,16 @@ def build_scheduler(
     max_len: int,
     device: torch.device,
     decode_kv: KVCacheManager | None,
+    bf16_prefill: bool = False,
 ) -> EngineScheduler:
     """The colocated scheduler (`--colocated`), else the disaggregated one; `decode_kv` is the
-    decode pool when it is separate (None: decode uses `kv`)."""
+    decode pool when it is separate (None: decode uses `kv`); `bf16_prefill`: the model takes
+    long chunks' products as bf16 tiles (see `planner_config`)."""
     if config.workers.colocated:
         return Scheduler(config.scheduler, kv, max_len, build_drafter(config, device))
     return DisaggScheduler(
         config.scheduler,
-        planner_config(config, device),
+        planner_config(config, device, bf16_prefill),
         kv,
         max_len,
         StepCostModel(CostModelConfig(prior=cost_prior(device))),
@@ -84,11 +90,17 @@ def cost_prior(device: torch.device) -> CostCoefficients:
     return CPU_COST_PRIOR if device.type == "cpu" else CostModelConfig().prior
 
 
-def planner_config(config: Config, device: torch.device) -> PrefillPlannerConfig:
-    """The prefill planner's budget (50 ms on CUDA, 1 s on CPU unless configured), buckets
-    (shorter ones weighted more) and batch bounds."""
+def planner_config(
+    config: Config, device: torch.device, bf16_prefill: bool = False
+) -> PrefillPlannerConfig:
+    """The prefill planner's budget (50 ms on CUDA, 1 s on CPU, 2 s where the model takes long
+    chunks' products as bf16 tiles, unless configured), buckets (shorter ones weighted more)
+    and batch bounds. The tiles pay from 256 rows, which a 1.5B model's 1 s chunk (about 120
+    tokens on 2 cores) never reaches: its 2 s chunks are some 350 tokens, and a 4.6k-token
+    prompt fills 1.47x faster than in 1 s chunks of the int8 kernel (bench/RESULTS.md)."""
     w = config.workers
-    step_ms = w.prefill_step_ms or (50.0 if device.type == "cuda" else 1000.0)
+    cpu_ms = CPU_BF16_STEP_MS if bf16_prefill else CPU_STEP_MS
+    step_ms = w.prefill_step_ms or (50.0 if device.type == "cuda" else cpu_ms)
     num_buckets = len(w.prefill_buckets) + 1
     return PrefillPlannerConfig(
         step_budget_ms=step_ms,

@@ -20,47 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from ..native.cpu_native import native_library
+from .bf16_tiles import bf16_tiled_linear
 from .fixed_sum import FixedSumWeight, FloatMatrix, fixed_sum_linear
+from .int8_packed import GROUP_ROWS, Int8PackedWeight, packed_bytes
 from .quant_matmul import (
     QK,
-    QuantFormat,
     QuantizedWeight,
     block_fields,
     dequantize_reference,
     linear_operands,
     quant_linear,
 )
-
-GROUP_ROWS = 8
-"""Rows the kernel packs together (`GROUP` in cpu/int8_gemm.c)."""
-
-
-@dataclass(frozen=True)
-class Int8PackedWeight:
-    """A [out_features, in_features] weight repacked for the int8 kernel (see int8_gemm.c)."""
-
-    fmt: QuantFormat
-    packed: torch.Tensor  # uint8 [di_int8_packed_bytes], contiguous CPU
-    out_features: int
-    in_features: int
-    fmt2: QuantFormat | None = None
-    """The format of the last `rows2` rows, packed after the others (a fused projection whose
-    parts are stored in two formats); None: every row is in `fmt`."""
-    rows2: int = 0
-
-    @property
-    def second(self) -> tuple[QuantFormat, int]:
-        """(the format of the last rows, how many): (`fmt`, 0) for a weight in one format."""
-        return (self.fmt if self.fmt2 is None else self.fmt2), self.rows2
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
-
-
-def packed_bytes(fmt: QuantFormat, out_features: int, in_features: int) -> int:
-    """Bytes of the repacked weight, as the kernel computes them (`di_int8_packed_bytes`)."""
-    return native_library().int8_packed_bytes(int(fmt), out_features, in_features)
 
 
 def pack_int8(w: QuantizedWeight, num_threads: int | None = None) -> Int8PackedWeight:
@@ -151,7 +121,11 @@ def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
         return matmul(x, w.weight.t())
     if isinstance(w, FixedSumWeight):
         return fixed_sum_linear(x, w.weight)
-    return int8_linear(x, w) if isinstance(w, Int8PackedWeight) else quant_linear(x, w)
+    if isinstance(w, Int8PackedWeight):
+        if w.bf16_rows and x.shape[0] >= w.bf16_rows:
+            return bf16_tiled_linear(x, w)
+        return int8_linear(x, w)
+    return quant_linear(x, w)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

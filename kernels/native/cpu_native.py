@@ -29,8 +29,9 @@ from .cpu_abi import AttentionArgs, LlamaLayer, LlamaStep, Matrix, RmsNormArgs, 
 SOURCES = tuple(
     Path(__file__).parents[1] / "cpu" / n
     for n in (
-        "dequant.c", "quant_gemm.c", "int8_gemm.c", "int8_kquants.c", "paged_attention.c",
-        "elementwise.c", "llama_layers.c", "moe_experts.c", "sampling.c", "abi.c",
+        "dequant.c", "quant_gemm.c", "int8_gemm.c", "int8_kquants.c", "int8_unpack.c",
+        "paged_attention.c", "elementwise.c", "llama_layers.c", "moe_experts.c", "sampling.c",
+        "abi.c",
     )
 )  # fmt: skip
 HEADERS = tuple(
@@ -104,6 +105,13 @@ class NativeLibrary:
     ) -> None:
         """`int8_gemm` of a weight whose last n2 rows are in fmt2 (see di_int8_gemm_split)."""
         _check(self._lib.di_int8_gemm_split(fmt, fmt2, n2, packed, x, y, m, n, k, num_threads))
+
+    def int8_unpack_bf16(
+        self, fmt: int, packed: int, n: int, k: int, row0: int, rows: int, out: int, threads: int
+    ) -> None:
+        """Rows [row0, row0 + rows) of an `int8_pack`ed weight as bfloat16 into out[rows, k]
+        (row0 a multiple of 8): the weights `dequantize_reference` gives, rounded to nearest."""
+        _check(self._lib.di_int8_unpack_bf16(fmt, packed, n, k, row0, rows, out, threads))
 
     def int8_isa(self, want: int = -1) -> int:
         """The int8 matmuls' instructions: 1 AVX-512 VNNI, 0 AVX2. `want` 1 picks VNNI where the

@@ -9,6 +9,7 @@ import gguf
 import torch
 
 from deepinfer.errors import ModelLoadError
+from deepinfer.kernels.linear.bf16_probe import Bf16Probe
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend
 from deepinfer.model.loading.fingerprint import directory_digest, file_digest, kv_fingerprint
@@ -23,9 +24,11 @@ from deepinfer.model.loading.quantized import (
     Served,
     float_matrices,
     int8_activations_wanted,
+    probe_passes,
     quantize_linears,
     quantized_matmul_wanted,
     serve_fixed_order,
+    serve_long_rows_bf16,
     serve_routers_fixed_sum,
 )
 from deepinfer.model.loading.safetensors_loader import open_safetensors_dir
@@ -53,6 +56,8 @@ class LoadedModel:
     """The quantized kernel quantizes activations to int8 (integer dot products)."""
     batch_invariant: bool = False
     """Every row's arithmetic is independent of the step it runs in (`--batch-invariant`)."""
+    bf16_prefill: bool = False
+    """Long products by the int8-served matrices run as bf16 tiles (`--bf16-prefill`)."""
 
 
 def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | None]:
@@ -75,6 +80,7 @@ def load_model(
     matmul_activations: str = "float32",
     *,
     batch_invariant: bool = False,
+    bf16_prefill: str = "off",
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
@@ -82,6 +88,8 @@ def load_model(
     Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their blocks through the native CPU kernel (see deepinfer.model.loading.quantized); `matmul_activations`
     (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
+    `bf16_prefill` (`auto|on|off`): int8-served matrices take long products as bf16 tiles
+    (`auto`: where `Bf16Probe` finds bf16 matmuls fast; never when batch invariant).
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """
@@ -98,6 +106,7 @@ def load_model(
         quantized_matmul, device, dtype
     )
     int8 = int8_activations_wanted(matmul_activations, wanted)
+    probe = Bf16Probe.shared() if int8 and bf16_prefill == "auto" and not batch_invariant else None
     served = Served(0, frozenset())
     if isinstance(source, GGUFTensorSource) and wanted:  # first: those are never dequantized
         served = quantize_linears(model, source, arch.num_layers, int8)
@@ -112,6 +121,9 @@ def load_model(
     if reader is not None:
         release_mapped_pages(reader)
     quantized = served.nbytes
+    tiles = int8 and (bf16_prefill == "on" or (probe is not None and probe_passes(probe)))
+    if tiles:
+        serve_long_rows_bf16(model)
     if int8 and not quantized:
         raise ModelLoadError(
             f"--matmul-activations int8: {path} has no matrices in a format the quantized "
@@ -125,7 +137,7 @@ def load_model(
     causal_lm: CausalLM = model  # type: ignore[assignment]
     return LoadedModel(
         causal_lm, arch, path, dtype, device, weights_digest, reader, quantized, int8,
-        batch_invariant,
+        batch_invariant, tiles,
     )  # fmt: skip
 
 

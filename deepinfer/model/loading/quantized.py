@@ -15,16 +15,19 @@ kernel instead (deepinfer.kernels.linear.int8_matmul). `quantized_matmul_wanted`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from deepinfer.errors import ModelLoadError
+from deepinfer.kernels.linear.bf16_probe import Bf16Probe
+from deepinfer.kernels.linear.bf16_tiles import MIN_ROWS
 from deepinfer.kernels.linear.fixed_sum import FixedSumWeight
 from deepinfer.kernels.linear.int8_matmul import (
     BlockWeight,
     FixedOrderWeight,
+    Int8PackedWeight,
     NativeWeight,
     fusion_problem,
     pack_int8_rows,
@@ -282,3 +285,25 @@ def _fused(
     if int8:
         return ready if fusion_problem(ready) is None else None
     return ready if len({(p.fmt, p.in_features) for p in ready}) == 1 else None
+
+
+def probe_passes(probe: Bf16Probe) -> bool:
+    """The probe's answer, logged."""
+    fast, said = probe.result()
+    log.info("bf16 prefill tiles %s: %s", "on" if fast else "off", said)
+    return fast
+
+
+def serve_long_rows_bf16(model: nn.Module) -> int:
+    """Let every int8-served matrix (the LM head's too) take products of `MIN_ROWS` rows or
+    more as bf16 tiles; the number of matrices."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.quantized, Int8PackedWeight):
+            module.quantized = replace(module.quantized, bf16_rows=MIN_ROWS)
+            count += 1
+    head = getattr(model, "lm_head_quantized", None)
+    if isinstance(head, Int8PackedWeight):
+        setattr(model, "lm_head_quantized", replace(head, bf16_rows=MIN_ROWS))  # noqa: B010
+        count += 1
+    return count
