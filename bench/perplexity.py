@@ -69,6 +69,8 @@ class Scores:
     nll_int8: list[float] = field(default_factory=list)
     kld: list[float] = field(default_factory=list)
     same_top: list[bool] = field(default_factory=list)
+    int8_name: str = "int8"
+    """The second arithmetic: int8, with long products as bf16 tiles where they served."""
 
     def add(self, base: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> None:
         logp = torch.log_softmax(base.double(), -1)  # [R, V]
@@ -150,18 +152,26 @@ def llama_kl(binary: Path, model: Path, base: Path, ctx: int) -> dict[str, float
 
 
 def score(
-    model_path: Path, chunks: list[list[int]], kv_dtype: torch.dtype, bases: dict[str, BinaryIO]
+    model_path: Path,
+    chunks: list[list[int]],
+    kv_dtype: torch.dtype,
+    bases: dict[str, BinaryIO],
+    bf16_prefill: str = "auto",
 ) -> Scores:
-    """Both arithmetics over every window; each one's rows go to `bases[name]` when given."""
+    """Both arithmetics over every window; each one's rows go to `bases[name]` when given.
+    int8 takes `bf16_prefill` as the server does (`auto`: its bf16 tiles where the probe
+    passes; a window is one product of `ctx` rows, so they serve it from 256)."""
     models = {
         "float32": load_model(model_path, torch.float32, "cpu"),
-        "int8": load_model(model_path, torch.float32, "cpu", matmul_activations="int8"),
+        "int8": load_model(
+            model_path, torch.float32, "cpu", matmul_activations="int8", bf16_prefill=bf16_prefill
+        ),
     }
     for loaded in models.values():
         num_blocks = -(-len(chunks[0]) // BLOCK_SIZE) + 1
         caches = allocate_kv_caches(loaded.arch, num_blocks, BLOCK_SIZE, kv_dtype, "cpu")
         loaded.model.bind_kv_caches(caches)
-    scores = Scores()
+    scores = Scores(int8_name="int8 + bf16 tiles" if models["int8"].bf16_prefill else "int8")
     for i, window in enumerate(chunks):
         first = len(window) // 2
         logits = {name: scored_logits(m.model, window, first) for name, m in models.items()}
@@ -194,7 +204,10 @@ def report(
     yield ""
     yield "| engine | PPL | +/- |"
     yield "|---|---|---|"
-    for name, nll in (("deepinfer float32", scores.nll_float), ("deepinfer int8", scores.nll_int8)):
+    for name, nll in (
+        ("deepinfer float32", scores.nll_float),
+        (f"deepinfer {scores.int8_name}", scores.nll_int8),
+    ):
         ppl, err = perplexity(nll)
         yield f"| {name} | {ppl:.4f} | {err:.4f} |"
     if llama.ppl:
@@ -206,7 +219,7 @@ def report(
     kld = np.asarray(scores.kld)
     yield "| KL divergence | mean | p99 | same top-1 % |"
     yield "|---|---|---|---|"
-    yield (f"| deepinfer int8 from deepinfer float32 | {kld.mean():.6f} | "
+    yield (f"| deepinfer {scores.int8_name} from deepinfer float32 | {kld.mean():.6f} | "
            f"{np.percentile(kld, 99):.6f} | {100 * np.mean(scores.same_top):.2f} |")  # fmt: skip
     for base, kl in llama.kl.items():
         yield (f"| llama.cpp from deepinfer {base} (`--kl-divergence`; base PPL read back "
@@ -233,6 +246,8 @@ def main() -> None:
                     help="deepinfer's KV cache (float16: the CPU default, as llama.cpp's f16)")  # fmt: skip
     ap.add_argument("--max-windows", type=int, default=0, help="0: every window")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--bf16-prefill", choices=["auto", "on", "off"], default="auto",
+                    help="int8's long products as bf16 tiles, as the server's flag")  # fmt: skip
     ap.add_argument("--model", default=None, help="a GGUF file or a pulled model's name")
     ns = ap.parse_args()
     model_path = resolve_model(Path(ns.model)) if ns.model else default_model_path()
@@ -253,7 +268,7 @@ def main() -> None:
         }
         for out in bases.values():
             write_kl_header(out, ns.ctx, vocab_size, chunks)
-        scores = score(model_path, chunks, getattr(torch, ns.kv_dtype), bases)
+        scores = score(model_path, chunks, getattr(torch, ns.kv_dtype), bases, ns.bf16_prefill)
         stack.close()
         llama = run_llama(binary, ns, model_path, paths) if binary else Llama()
     print("\n".join(report(ns, len(tokens), len(chunks), scores, llama)))
