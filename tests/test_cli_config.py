@@ -409,3 +409,11 @@ def test_every_variable_the_docs_name_is_read() -> None:
         lower = name.removeprefix("DEEPINFER_").lower()
         assert f'env_value("{lower}")' in sources or f'"{name}"' in sources, name
     assert "DEEPINFER_MODEL" in names
+
+
+def test_bf16_prefill_is_refused_in_batch_invariant_mode() -> None:
+    """Which rows take the bf16 tiles depends on the chunk: not with `--batch-invariant`."""
+    assert _config([]).model.bf16_prefill == "auto"
+    assert _config(["--bf16-prefill", "off", "--batch-invariant"]).model.batch_invariant
+    with pytest.raises(ConfigError, match="bf16_prefill on"):
+        _config(["--bf16-prefill", "on", "--batch-invariant"])

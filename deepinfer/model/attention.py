@@ -8,6 +8,7 @@ launcher modules, so the other backends never load Triton.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -187,6 +188,20 @@ def cpu_backend(batch_invariant: bool = False) -> KernelBackend:
     ops["paged_decode_attention"] = cpu.paged_decode_attention_cpu
     ops["paged_prefill_attention"] = cpu.paged_prefill_attention_cpu
     return KernelBackend(name="cpu", **ops)
+
+
+BF16_ATTENTION_FROM = 1024
+"""Context length from which the cpu backend's prefill chunks attend in bf16 where bf16 is fast
+(shorter contexts cost little attention either way)."""
+
+
+def with_bf16_long_prefill(backend: AttentionBackend) -> AttentionBackend:
+    """The cpu backend with prefill chunks of `BF16_ATTENTION_FROM` tokens of context or more
+    attending in bf16 (`attend_multi_token_queries`); other backends unchanged."""
+    if not isinstance(backend, KernelBackend) or backend.name != "cpu":
+        return backend
+    op = functools.partial(backend.paged_prefill_attention, bf16_from=BF16_ATTENTION_FROM)
+    return dataclasses.replace(backend, paged_prefill_attention=op)
 
 
 def _batch_invariant_backend(name: str, device: torch.device) -> KernelBackend:

@@ -179,13 +179,16 @@ def paged_prefill_attention_cpu(
     *,
     plan: PagedAttentionPlan | None = None,
     window: int | None = None,
+    bf16_from: int = 0,
 ) -> torch.Tensor:  # [T, H, D]
+    """`bf16_from`: chunks with that much context or more attend in bf16 (see
+    `attend_multi_token_queries`); 0: never."""
     if plan is None:
         plan = plan_paged_attention_cpu(block_tables, query_start_loc, context_lens, k_cache)
     if plan.native is None:
         return paged_prefill_attention_reference(
             q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, plan=plan,
-            window=window,
+            window=window, bf16_from=bf16_from,
         )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype)
     attended = _attend_native(q, k_cache, v_cache, plan.native, scale, window)
@@ -193,4 +196,6 @@ def paged_prefill_attention_cpu(
         out.copy_(attended)
     else:
         out.index_copy_(0, plan.native.rows, attended)
-    return attend_multi_token_queries(q, k_cache, v_cache, block_tables, plan, scale, out, window)
+    return attend_multi_token_queries(
+        q, k_cache, v_cache, block_tables, plan, scale, out, window, bf16_from
+    )

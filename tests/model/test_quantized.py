@@ -321,3 +321,38 @@ def test_auto_activations_are_int8_exactly_where_the_quantized_kernel_serves() -
     assert not int8_activations_wanted("float32", quantized=True)
     with pytest.raises(ModelLoadError, match="needs the quantized matmul"):
         int8_activations_wanted("int8", quantized=False)
+
+
+@needs_native
+def test_bf16_prefill_serves_long_products_as_tiles(quantized_gguf: Any) -> None:
+    """`bf16_prefill="on"`: every int8-served matrix (the head too) takes products of
+    `MIN_ROWS` rows or more as bf16 tiles and long-context chunks attend in bf16; a step that
+    many rows long (five prompts) gives logits close to the int8 kernel's alone. `off` leaves
+    both untouched."""
+    from deepinfer.kernels.linear.bf16_tiles import MIN_ROWS
+    from deepinfer.model.attention import BF16_ATTENTION_FROM
+
+    path, _ = quantized_gguf
+    on = load_model(path, torch.float32, "cpu", matmul_activations="int8", bf16_prefill="on")
+    off = load_model(path, torch.float32, "cpu", matmul_activations="int8", bf16_prefill="off")
+    assert on.bf16_prefill and not off.bf16_prefill
+    for loaded, rows in ((on, MIN_ROWS), (off, 0)):
+        model: Any = loaded.model
+        weights = [m.quantized for m in model.modules() if getattr(m, "quantized", None)]
+        weights.append(model.lm_head_quantized)
+        assert weights and all(
+            isinstance(w, Int8PackedWeight) and w.bf16_rows == rows for w in weights
+        )
+        op = model.attention_backend.paged_prefill_attention
+        assert getattr(op, "keywords", {}).get("bf16_from", 0) == (
+            BF16_ATTENTION_FROM if rows else 0
+        )
+    gen = torch.Generator().manual_seed(2)
+    pieces = [(r, torch.randint(0, 67, (60,), generator=gen).tolist(), 0) for r in range(5)]
+    logits = []
+    for loaded in (on, off):
+        bind_fresh_caches(loaded.model, num_blocks=96, block_size=4)
+        logits.append(torch.cat(run_step(loaded.model, SequentialBlocks(4), pieces, True)))
+    got, want = logits
+    assert got.shape[0] == 300 >= MIN_ROWS and not torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=5e-2 * want.abs().max().item(), rtol=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import gguf
 import torch
@@ -11,7 +12,7 @@ import torch
 from deepinfer.errors import ModelLoadError
 from deepinfer.kernels.linear.bf16_probe import Bf16Probe
 from deepinfer.model.arch import ModelArch
-from deepinfer.model.attention import select_attention_backend
+from deepinfer.model.attention import select_attention_backend, with_bf16_long_prefill
 from deepinfer.model.loading.fingerprint import directory_digest, file_digest, kv_fingerprint
 from deepinfer.model.loading.gguf_loader import (
     KERNEL_FORMAT_NAMES,
@@ -88,8 +89,9 @@ def load_model(
     Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their blocks through the native CPU kernel (see deepinfer.model.loading.quantized); `matmul_activations`
     (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
-    `bf16_prefill` (`auto|on|off`): int8-served matrices take long products as bf16 tiles
-    (`auto`: where `Bf16Probe` finds bf16 matmuls fast; never when batch invariant).
+    `bf16_prefill` (`auto|on|off`): int8-served matrices take long products as bf16 tiles,
+    and long-context prefill chunks attend in bf16 (`auto`: where `Bf16Probe` finds bf16
+    matmuls fast; never when batch invariant).
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """
@@ -124,6 +126,8 @@ def load_model(
     tiles = int8 and (bf16_prefill == "on" or (probe is not None and probe_passes(probe)))
     if tiles:
         serve_long_rows_bf16(model)
+        causal = cast(CausalLM, model)
+        causal.set_attention_backend(with_bf16_long_prefill(backend))
     if int8 and not quantized:
         raise ModelLoadError(
             f"--matmul-activations int8: {path} has no matrices in a format the quantized "

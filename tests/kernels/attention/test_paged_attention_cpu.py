@@ -100,6 +100,33 @@ def test_mixed_step_native_decodes_and_torch_chunks() -> None:
             torch.testing.assert_close(got[lo:hi].double(), want[lo:hi], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_long_context_chunks_attend_in_bf16_from_bf16_from(cache_dtype: torch.dtype) -> None:
+    """With `bf16_from`, a chunk with that much context attends in bf16 (close to float64, not
+    float32's bits); shorter chunks and single-query rows keep float32's bits exactly."""
+    requests = [(700, 40), (300, 1), (200, 30), (520, 520)]  # (context, new tokens)
+    lens = [n for n, _ in requests]
+    k_cache, v_cache, tables = _caches(lens, 16, 2, 64, seed=11)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q_lens = torch.tensor([0] + [t for _, t in requests])
+    starts = q_lens.cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), 6, 64, generator=torch.Generator().manual_seed(3))
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, starts, context_lens, 0.125)
+    exact = paged_prefill_attention_cpu(*args)
+    got = paged_prefill_attention_cpu(*args, bf16_from=512)
+    want = paged_prefill_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), tables, starts, context_lens, 0.125
+    )
+    for b, (ctx, _) in enumerate(requests):
+        lo, hi = int(starts[b]), int(starts[b + 1])
+        if ctx >= 512:
+            assert not torch.equal(got[lo:hi], exact[lo:hi])
+            torch.testing.assert_close(got[lo:hi].double(), want[lo:hi], atol=3e-2, rtol=3e-2)
+        else:
+            assert torch.equal(got[lo:hi], exact[lo:hi])
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 64, 100, 1000])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_sliding_window_matches_reference(window: int, block_size: int) -> None:
