@@ -5,7 +5,8 @@ Bounds. Decode: a step of B streams reads every weight once (the bytes each engi
 GGUF's blocks, or fp32 for transformers) plus each stream's KV, so at most
 B x bandwidth / (weight bytes + B x context x KV bytes per token) tokens/s. Prefill: 2 x the
 layers' matrix parameters FLOPs per token (attention and the one lm_head row not counted) over
-the fp32 matmul rate.
+the fp32 matmul rate, or over the bf16 rate where deepinfer runs prefill as bf16 tiles
+(`--bf16-prefill`, on where a probe finds bf16 matmuls fast: AMX).
 
 deepinfer runs through `EngineCore.step` (no HTTP; one colocated lane, so a 512-token prompt is
 one step); transformers is fp32 from the same file (`gguf_file=`: dequantized), driven with its
@@ -16,6 +17,7 @@ two lengths (the difference cancels the prompts). Run from the repository root:
     python bench/offline.py
     python bench/offline.py --batch 1 32 64 --context 128 --skip-transformers --skip-llama
     python bench/offline.py --model ~/.cache/deepinfer/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf
+    python bench/offline.py --model qwen2.5-coder-1.5b --batch 1 16 64 --skip-transformers --matmul-activations int8
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from deepinfer.config import (
     WorkersConfig,
 )
 from deepinfer.engine.core import EngineCore
-from deepinfer.environment import default_model_path
+from deepinfer.environment import default_model_path, resolve_model
 from deepinfer.model.loading.gguf_loader import gguf_arch, open_gguf
 from deepinfer.request import Request, SamplingParams
 
@@ -56,6 +58,7 @@ PREFILL_TOKENS = 512
 class Machine:
     read_bytes_s: float
     fp32_flop_s: float
+    bf16_flop_s: float
     int8_kernel_op_s: float
     """deepinfer's native int8 kernel on cache-resident Q4_1 weights (a kernel rate, not a peak)."""
 
@@ -90,7 +93,12 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def measure_machine(buffer_mib: int, matmul_n: int) -> Machine:
-    return Machine(read_rate(buffer_mib), fp32_rate(matmul_n), int8_kernel_rate(rows=128))
+    return Machine(
+        read_rate(buffer_mib),
+        matmul_rate(matmul_n, torch.float32),
+        matmul_rate(matmul_n, torch.bfloat16),
+        int8_kernel_rate(rows=128),
+    )
 
 
 def read_rate(buffer_mib: int) -> float:
@@ -99,8 +107,8 @@ def read_rate(buffer_mib: int) -> float:
     return buf.numel() * 4 / best_time(buf.sum, 5)
 
 
-def fp32_rate(n: int) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_rate(n: int, dtype: torch.dtype) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / best_time(lambda: a @ b, 5)
 
 
@@ -132,8 +140,8 @@ def decode_bound(m: Machine, weight_bytes: float, kv_bytes_token: float, b: int,
     return b * m.read_bytes_s / (weight_bytes + b * ctx * kv_bytes_token)
 
 
-def prefill_bound(m: Machine, f: Facts) -> float:
-    return m.fp32_flop_s / (2 * f.matmul_params)
+def prefill_bound(m: Machine, f: Facts, bf16: bool = False) -> float:
+    return (m.bf16_flop_s if bf16 else m.fp32_flop_s) / (2 * f.matmul_params)
 
 
 def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
@@ -202,7 +210,9 @@ def deepinfer_rows(ns: argparse.Namespace, m: Machine, f: Facts) -> Iterator[Row
         weight_bytes = info.quantized_bytes or f.num_params * 4
         kv_bytes = f.kv_elems_per_token * info.kv_dtype.itemsize
         tok_s, steps = deepinfer_prefill(core, ns.reps)
-        yield Row(name, f"prefill {PREFILL_TOKENS}", tok_s, prefill_bound(m, f), f"{steps} step(s)")
+        tiles = ", bf16 tiles" if info.bf16_prefill else ""
+        yield Row(name, f"prefill {PREFILL_TOKENS}", tok_s, prefill_bound(m, f, info.bf16_prefill),
+                  f"{steps} step(s){tiles}")  # fmt: skip
         for b in ns.batch:
             bound = decode_bound(m, weight_bytes, kv_bytes, b, ns.context + ns.steps // 2)
             yield Row(name, f"decode B={b}", deepinfer_decode(core, b, ns.context, ns.steps), bound,
@@ -320,7 +330,8 @@ def table(rows: list[Row]) -> Iterator[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=default_model_path(), help="a GGUF file")
+    ap.add_argument("--model", type=Path, default=default_model_path(),
+                    help="a GGUF file, or a model `deepinfer pull` knows")  # fmt: skip
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens of each stream")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
@@ -330,13 +341,16 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
     ns = ap.parse_args()
-    path = ns.model.expanduser()
+    path = resolve_model(ns.model.expanduser())
+    if not path.is_file():
+        raise SystemExit(f"no model file for {str(ns.model)!r}: run `deepinfer pull {ns.model}`")
     ns.model = path
     facts = model_facts(path)
     load_start = os.getloadavg()[0]
     machine = measure_machine(ns.buffer_mib, matmul_n=2048)
     print(f"machine: read {machine.read_bytes_s / 1e9:.1f} GB/s (sum over {ns.buffer_mib} MiB), "
-          f"fp32 matmul {machine.fp32_flop_s / 1e9:.1f} GFLOP/s (2048^3), int8 kernel "
+          f"fp32 matmul {machine.fp32_flop_s / 1e9:.1f} GFLOP/s, bf16 "
+          f"{machine.bf16_flop_s / 1e9:.1f} (2048^3), int8 kernel "
           f"{machine.int8_kernel_op_s / 1e9:.1f} GOP/s; {torch.get_num_threads()} threads", flush=True)  # fmt: skip
     rows: list[Row] = []
     sources: list[Iterator[Row]] = [deepinfer_rows(ns, machine, facts)]
@@ -350,7 +364,8 @@ def main() -> None:
     print(f"{path.name}: {facts.gguf_bytes / 1e6:.1f} MB of tensors, {facts.num_params / 1e6:.1f}M "
           f"parameters ({facts.matmul_params / 1e6:.1f}M in the layers' matrices); decode streams "
           f"of {ns.context} prompt tokens. Machine: read {machine.read_bytes_s / 1e9:.1f} GB/s, "
-          f"fp32 matmul {machine.fp32_flop_s / 1e9:.1f} GFLOP/s, deepinfer's int8 kernel "
+          f"fp32 matmul {machine.fp32_flop_s / 1e9:.1f} GFLOP/s, bf16 "
+          f"{machine.bf16_flop_s / 1e9:.1f}, deepinfer's int8 kernel "
           f"{machine.int8_kernel_op_s / 1e9:.1f} GOP/s (M=128, cache-resident). Load average "
           f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n")  # fmt: skip
     print("\n".join(table(rows)))
