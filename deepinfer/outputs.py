@@ -60,6 +60,8 @@ class TokenDelta:
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     """On the first token's delta of a request asking for them: its prompt tokens' logprobs
     after the first (`RunnerOutput.prompt_logprobs`); None on any other delta."""
+    num_accepted_prediction_tokens: int = 0
+    """Tokens of the request's prediction kept so far (`Request.num_accepted_prediction_tokens`)."""
 
     @property
     def finished(self) -> bool:

@@ -248,6 +248,11 @@ class Request:
     """Prompt tokens whose KV was loaded from the disk tier on submit."""
     num_host_cached_tokens: int = 0
     """Prompt tokens whose KV was loaded from the host-RAM tier on submit."""
+    predicted_token_ids: tuple[int, ...] = ()
+    """The client's prediction of the output (OpenAI's `prediction`), drafted from
+    (`scheduler/prediction.py`); the output is the model's own either way."""
+    num_accepted_prediction_tokens: int = 0
+    """Tokens of the prediction verified as drafts and kept."""
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -103,6 +103,7 @@ class ApiContext:
         request_id: str,
         cache: CacheOptions | None = None,
         param: str = "n",
+        prediction: str | None = None,
     ) -> list[OutputStream]:
         """Submit one engine request per (prompt, params) pair, all or none: if one is refused,
         those already queued are aborted and the error propagates (before any output). More
@@ -118,6 +119,7 @@ class ApiContext:
                     request_id=f"{request_id}-{i}",
                     cache_salt=cache.salt if cache else None,
                     cache_retention=cache.retention if cache else None,
+                    prediction=prediction,
                 )
                 streams.append(self.metrics.track(stream, arrival_s))
         except BaseException:

@@ -124,9 +124,11 @@ class EngineClient(Protocol):
         reasoning_effort: Any = None,
         cache_salt: str | None = None,
         cache_retention: str | None = None,
+        prediction: str | None = None,
     ) -> OutputStream:
         """Validate and enqueue; raises InvalidRequestError, ContextLengthError or OverloadedError
-        before any output, so the API can answer 400/429 before a stream starts."""
+        before any output, so the API can answer 400/429 before a stream starts. `prediction`:
+        text the answer is expected to repeat (Predicted Outputs), drafted from."""
         ...
 
     def abort(self, request_id: str) -> bool: ...

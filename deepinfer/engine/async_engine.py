@@ -35,7 +35,7 @@ from deepinfer.engine.core import EngineCore, RuntimeInfo
 from deepinfer.engine.driver import EngineDriver, StepObserver
 from deepinfer.engine.frame_pacer import FramePacer
 from deepinfer.engine.process_settings import ProcessSettings
-from deepinfer.engine.prompts import Prompt, encode_prompt, is_chat
+from deepinfer.engine.prompts import Prompt, encode_prediction, encode_prompt, is_chat
 from deepinfer.engine.stream import RequestStream
 from deepinfer.engine.stream_table import StreamTable
 from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
@@ -215,8 +215,11 @@ class AsyncEngine:
         reasoning_effort: ReasoningEffort | None = None,
         cache_salt: str | None = None,
         cache_retention: str | None = None,
+        prediction: str | None = None,
     ) -> RequestStream:
-        """Validate and enqueue a request; raises before any output if it cannot be served."""
+        """Validate and enqueue a request; raises before any output if it cannot be served.
+        `prediction`: text the output is expected to repeat much of (an edited file), drafted
+        from (the output is the same without it)."""
         if not self.is_running:
             reason = self.dead_reason
             raise EngineDeadError("the engine is not running" + (f": {reason}" if reason else ""))
@@ -228,6 +231,11 @@ class AsyncEngine:
         waiting, max_waiting = core.scheduler.num_waiting, self.config.scheduler.max_waiting
         check_admissible(ids, params, self.max_model_len, waiting, max_waiting)
         await check_sampling_inputs(params, self.tokenizer.vocab_size, core.constraints)
+        predicted = (
+            await encode_prediction(self.recipe, prediction, self.max_model_len)
+            if prediction
+            else ()
+        )
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
         request = Request(
             request_id=rid,
@@ -236,6 +244,7 @@ class AsyncEngine:
             eos_token_ids=self.recipe.end_of_turn_ids,
             cache_salt=cache_salt,
             retention=cache_retention,
+            predicted_token_ids=predicted,
         )
         fill = await self.core.tiers.fill(request, self._kv_io)
         request = dataclasses.replace(
@@ -253,6 +262,7 @@ class AsyncEngine:
             disk_cached_tokens=request.num_disk_cached_tokens,
             host_cached_tokens=request.num_host_cached_tokens,
             include_stop=params.include_stop_str_in_output,
+            num_prediction_tokens=len(predicted),
         )
         self.core.add_request(request)
         self._streams.open(stream)
@@ -268,6 +278,7 @@ class AsyncEngine:
         reasoning_effort: ReasoningEffort | None = None,
         cache_salt: str | None = None,
         cache_retention: str | None = None,
+        prediction: str | None = None,
     ) -> AsyncGenerator[GenerationOutput, None]:
         """Submit and stream; cancelling or closing the iterator aborts the request."""
         stream = await self.submit(
@@ -277,6 +288,7 @@ class AsyncEngine:
             reasoning_effort=reasoning_effort,
             cache_salt=cache_salt,
             cache_retention=cache_retention,
+            prediction=prediction,
         )
         try:
             async for out in stream:

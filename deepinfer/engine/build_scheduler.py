@@ -53,19 +53,21 @@ def build_scheduler(
     )
 
 
-def build_drafter(config: Config, device: torch.device) -> Drafter | None:
-    """Speculative decoding's drafter: the configured proposer and its gate; None when off."""
+def build_drafter(config: Config, device: torch.device) -> Drafter:
+    """Speculative decoding's drafter: the configured proposer (None: `--speculative none`,
+    where only requests with a prediction draft) and its gate."""
     spec = config.speculative
     proposer = build_proposer(spec)
-    if proposer is None:
-        return None
     cost = StepCostModel(
         CostModelConfig(
             prior=decode_cost_prior(device), prior_weight=0.5, prior_shapes=DECODE_PRIOR_SHAPES
         )
     )
     gate = DraftGate(
-        cost, proposer.num_signals, spec.num_draft_tokens, enabled=spec.speculative_gate == "on"
+        cost,
+        proposer.num_signals if proposer is not None else 1,
+        spec.num_draft_tokens,
+        enabled=spec.speculative_gate == "on",
     )
     return Drafter(proposer, gate, spec.num_draft_tokens)
 

@@ -13,6 +13,7 @@ from deepinfer.config import CacheConfig, Config
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.model.arch import ModelArch
 from deepinfer.runner.device import resolve_kv_dtype
+from deepinfer.scheduler.prediction import PREDICTION_DRAFT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,9 @@ def max_step_tokens(config: Config) -> int:
     s, w = config.scheduler, config.workers
     if w.colocated:
         return s.max_num_batched_tokens
-    max_drafts = (
-        config.speculative.num_draft_tokens if config.speculative.speculative != "none" else 0
-    )
+    spec = config.speculative
+    configured = spec.num_draft_tokens if spec.speculative != "none" else 0
+    max_drafts = max(configured, PREDICTION_DRAFT_TOKENS)  # a request's prediction drafts too
     return w.prefill_max_batched_tokens + s.max_num_seqs * (1 + max_drafts)
 
 

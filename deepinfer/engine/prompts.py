@@ -86,3 +86,26 @@ def check_token_ids(items: list[object], vocab_size: int) -> list[int]:
             f"prompt token ids must be integers in [0, {vocab_size})", param="prompt"
         )
     return [int(t) for t in items]  # type: ignore[call-overload]
+
+
+async def encode_prediction(recipe: ChatRecipe, text: str, max_model_len: int) -> tuple[int, ...]:
+    """A prediction's token ids (the text as an answer's content: no BOS, control-token text
+    stays plain), for drafts (`scheduler/prediction.py`). A prediction whose size proves it
+    longer than the context is refused before it is tokenized, one that is by its tokens after."""
+    max_token_bytes = recipe.tokenizer.max_token_bytes
+    if max_token_bytes is not None:
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if num_bytes > max_model_len * max_token_bytes:
+            raise _prediction_too_long(-(-num_bytes // max_token_bytes), max_model_len)
+    ids = await off_loop(len(text), lambda: recipe.tokenizer.encode(text))
+    if len(ids) > max_model_len:
+        raise _prediction_too_long(len(ids), max_model_len)
+    return tuple(ids)
+
+
+def _prediction_too_long(num_tokens: int, max_model_len: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the prediction is at least {num_tokens} tokens, more than this model's context of "
+        f"{max_model_len}; send a shorter one",
+        param="prediction",
+    )

@@ -45,6 +45,7 @@ class RequestStream:
         disk_cached_tokens: int = 0,
         host_cached_tokens: int = 0,
         include_stop: bool = False,
+        num_prediction_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -60,6 +61,8 @@ class RequestStream:
         """The reader's, while it waits for output."""
         self._disk_cached_tokens = disk_cached_tokens
         self._host_cached_tokens = host_cached_tokens
+        self._num_prediction_tokens = num_prediction_tokens
+        self._accepted_prediction_tokens = 0
         self._counts = (num_prompt_tokens, 0, 0)
         """(prompt, output, cached) tokens as of the last delta; `Usage` is made per take."""
         self._finish: FinishReason | None = None
@@ -127,6 +130,8 @@ class RequestStream:
         if delta.num_prompt_tokens:
             counts = delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
             self._counts = counts
+            if delta.num_accepted_prediction_tokens:
+                self._accepted_prediction_tokens = delta.num_accepted_prediction_tokens
         p = self._pending
         p.token_ids.extend(delta.token_ids)
         if delta.logprobs:
@@ -220,6 +225,9 @@ class RequestStream:
             cached,
             disk_cached_tokens=min(self._disk_cached_tokens, cached - host),
             host_cached_tokens=host,
+            accepted_prediction_tokens=self._accepted_prediction_tokens,
+            rejected_prediction_tokens=self._num_prediction_tokens
+            - self._accepted_prediction_tokens,
         )
 
     async def aclose(self) -> None:

@@ -24,6 +24,10 @@ class Usage:
     """Of `cached_tokens`, those loaded from the disk tier."""
     host_cached_tokens: int = 0
     """Of `cached_tokens`, those loaded from the host-RAM tier."""
+    accepted_prediction_tokens: int = 0
+    """Of the request's prediction, the tokens verified as drafts and kept so far."""
+    rejected_prediction_tokens: int = 0
+    """Of the request's prediction, the others (all of it until the answer ends)."""
 
     @property
     def device_cached_tokens(self) -> int:

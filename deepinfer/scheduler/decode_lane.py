@@ -105,7 +105,7 @@ def apply_sampling(
     num_drafts = len(chunk.draft_token_ids) + chunk.num_worker_drafts
     if drafter is not None and num_drafts:
         verified = out.drafted.get(request.request_id, num_drafts)
-        drafter.observe_request(request.request_id, verified, out)
+        drafter.observe_request(request, verified, out)
     end = chunk.start_position + chunk.num_new_tokens
     request.num_computed_tokens = end - num_drafts + len(taken) - 1
     kv.cache_blocks(request)

@@ -108,6 +108,7 @@ class AcceptanceModel:
         window: int = 4096,
         prior_strength: tuple[float, float] = (10.0, 1.0),
     ) -> None:
+        self.num_signals = num_signals
         self.prior = (0.0, 1.0, 0.0, *([0.0] * num_signals))
         """Weights of (bias, logit of the request's rate, position, *signals)."""
         self.weights = list(self.prior)

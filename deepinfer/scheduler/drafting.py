@@ -1,6 +1,8 @@
-"""`Drafter`: the decode lane's speculative decoding, one object the scheduler holds (None: off).
+"""`Drafter`: the decode lane's speculative decoding, one object the scheduler holds.
 
-It asks the proposer for each decoder's drafts where the gate says a first one could pay, cuts
+It asks for each decoder's drafts where the gate says a first one could pay: from the request's
+prediction where it has one and the output is in step with it (`scheduler/prediction.py`), else
+from the configured proposer (None: `--speculative none`, where only predictions draft); cuts
 them to what the gate chooses, learns from each applied step (acceptances, and the step's time
 for the gate's cost model), and counts what was drafted and accepted. The scheduler allocates
 the slots and builds the chunks (`DisaggScheduler.schedule_decode`); see
@@ -20,6 +22,7 @@ from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import ChunkShape
 from deepinfer.scheduler.draft_gate import Draft, DraftGate
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
+from deepinfer.scheduler.prediction import PREDICTION_DRAFT_TOKENS, PredictionProposer
 from deepinfer.scheduler.speculative import Proposer, SpeculativeCounts, can_speculate
 
 PLAIN_STEPS_OBSERVED = 16
@@ -67,21 +70,26 @@ class LoopOverhead:
 class Drafter:
     def __init__(
         self,
-        proposer: Proposer,
+        proposer: Proposer | None,
         gate: DraftGate,
         num_draft_tokens: int,
         loop: LoopOverhead | None = None,
     ) -> None:
         self.proposer = proposer
+        self.predictions = PredictionProposer(gate.model.num_signals)
         self.gate = gate
         self.num_draft_tokens = num_draft_tokens
         self.loop = loop or LoopOverhead()
         self._drafted = self._accepted = self._verified = 0
+        self._from_prediction: set[str] = set()
+        """Requests whose drafts this step came from their prediction."""
 
     def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, Draft]:
         """The drafts each decoder's next step verifies (`max_tokens`: the most a request may
         hold): the proposer's, cut by the gate; requests without drafts are left out."""
         self.loop.planned()
+        if self.proposer is None and not any(r.predicted_token_ids for r in decoding):
+            return {}
         self.gate.loop_s = self.loop.seconds
         worth = self.gate.worth_proposing(decoding)
         proposals = [
@@ -98,14 +106,23 @@ class Drafter:
         }
 
     def _propose(self, request: Request, max_tokens: int) -> Draft:
+        self._from_prediction.discard(request.request_id)
         if not can_speculate(request):
             return Draft()
         room = min(
-            self.num_draft_tokens,
             request.sampling.max_tokens - len(request.output_token_ids) - 1,
             max_tokens - request.num_tokens,
         )
-        return self.proposer.propose(request, room) if room > 0 else Draft()
+        if room <= 0:
+            return Draft()
+        if request.predicted_token_ids:
+            draft = self.predictions.propose(request, min(room, PREDICTION_DRAFT_TOKENS))
+            if draft.size:
+                self._from_prediction.add(request.request_id)
+                return draft
+        if self.proposer is None:
+            return Draft()
+        return self.proposer.propose(request, min(room, self.num_draft_tokens))
 
     def take_slots(
         self, kv: KVCacheManager, request: Request, draft: Draft, reserve_blocks: int
@@ -127,12 +144,15 @@ class Drafter:
             shapes = [ChunkShape(_computed(c, out), c.start_position) for c in so.chunks]
             self.gate.observe_cost(shapes, out.elapsed_s)
 
-    def observe_request(self, request_id: str, num_drafts: int, out: RunnerOutput) -> None:
+    def observe_request(self, request: Request, num_drafts: int, out: RunnerOutput) -> None:
         """How many of a request's `num_drafts` verified drafts the step accepted (none
         verified: a worker drafter made none, nothing to learn)."""
         if not num_drafts:
             return
+        request_id = request.request_id
         accepted = len(out.accepted.get(request_id, ()))
+        if request_id in self._from_prediction:
+            request.num_accepted_prediction_tokens += accepted
         self._drafted += num_drafts
         self._verified += 1
         self._accepted += accepted
@@ -140,11 +160,14 @@ class Drafter:
 
     def forget(self, request_id: str) -> None:
         self.gate.forget(request_id)
-        self.proposer.forget(request_id)
+        self.predictions.forget(request_id)
+        self._from_prediction.discard(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def counts(self) -> SpeculativeCounts:
         return SpeculativeCounts(
-            self.proposer.name,
+            self.proposer.name if self.proposer is not None else self.predictions.name,
             self._drafted,
             self._accepted,
             self._verified,

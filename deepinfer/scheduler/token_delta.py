@@ -47,4 +47,5 @@ def token_delta(
         max(request.num_cached_tokens, 0),
         len(request.output_token_ids),
         prompt_logprobs,
+        request.num_accepted_prediction_tokens,
     )

@@ -189,6 +189,8 @@ class FakeEngine:
         """The sampling parameters of the latest request submitted."""
         self.last_cache_retention: str | None = None
         """The retention class of the latest request submitted."""
+        self.last_prediction: str | None = None
+        """The prediction text of the latest request submitted."""
         self._reqs: dict[str, _Req] = {}
         self._seen_prefixes: set[tuple[int, ...]] = set()
         self._used_blocks = 0
@@ -235,7 +237,7 @@ class FakeEngine:
     async def submit(
         self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
         reasoning_effort: Any = None, cache_salt: str | None = None,
-        cache_retention: str | None = None,
+        cache_retention: str | None = None, prediction: str | None = None,
     ) -> FakeStream:  # fmt: skip
         if not self.is_running:
             raise EngineDeadError("not running")
@@ -248,6 +250,7 @@ class FakeEngine:
         self._counter += 1
         self.last_params, self.last_prompt = params, ids
         self.last_cache_retention = cache_retention
+        self.last_prediction = prediction
         rid = request_id or f"fake-{self._counter}"
         reply, stop_reason = self.reply, None
         for s in params.stop:

@@ -36,7 +36,6 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
     ("store", True, False),
     ("modalities", ["text", "audio"], ["text"]),
     ("audio", {"voice": "alloy", "format": "wav"}, None),
-    ("prediction", {"type": "content", "content": "x"}, None),
     ("web_search_options", {}, None),
     ("functions", [{"name": "f", "parameters": {}}], []),
     ("function_call", "auto", None),
@@ -47,6 +46,7 @@ OPENAI_REFUSED: list[tuple[str, Any, Any]] = [
 ]
 COMPLETION_REFUSED: list[tuple[str, Any, Any]] = [
     # honoured by chat (api/prompt_options.py); a completion prompt has no chat turns
+    ("prediction", {"type": "content", "content": "x"}, None),
     ("add_generation_prompt", False, True),
     ("continue_final_message", True, False),
     ("chat_template_kwargs", {"enable_thinking": True}, None),

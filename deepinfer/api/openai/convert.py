@@ -13,6 +13,8 @@ from deepinfer.api.openai.schemas import (
     ChatMessageIn,
     ChoiceLogprobs,
     CompletionLogprobs,
+    CompletionTokensDetails,
+    PredictionContent,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
@@ -88,6 +90,32 @@ def _content_text(m: ChatMessageIn, param: str) -> str:
     return "".join(texts)
 
 
+def prediction_text(raw: msgspec.Raw) -> str | None:
+    """The text of a chat request's `prediction` (Predicted Outputs), None when not sent or
+    empty; 400 naming the field when it is not `{"type": "content", "content": ...}` with text
+    or text parts."""
+    if not raw:
+        return None
+    try:
+        found = msgspec.json.decode(raw, type=PredictionContent | None)
+    except msgspec.ValidationError as exc:
+        raise invalid(
+            "prediction", f"expected {{'type': 'content', 'content': text}}: {exc}"
+        ) from None
+    if found is None:
+        return None
+    if found.type != "content":
+        raise invalid("prediction.type", f"only 'content' is supported, got {found.type!r}")
+    if isinstance(found.content, str):
+        return found.content or None
+    texts: list[str] = []
+    for i, part in enumerate(found.content):
+        if part.type != "text" or part.text is None:
+            raise invalid(f"prediction.content[{i}]", "only text parts are supported")
+        texts.append(part.text)
+    return "".join(texts) or None
+
+
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -160,6 +188,12 @@ def usage_out(usage: Usage) -> UsageOut:
             if usage.cached_tokens
             else None,
         ),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=usage.accepted_prediction_tokens,
+            rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        )
+        if usage.accepted_prediction_tokens or usage.rejected_prediction_tokens
+        else None,
     )
 
 

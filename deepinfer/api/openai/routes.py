@@ -24,6 +24,7 @@ from deepinfer.api.openai.convert import (
     finish_reason,
     invalid,
     no_output,
+    prediction_text,
     sampling_params,
     usage_out,
 )
@@ -118,7 +119,9 @@ def _chat_handler(ctx: ApiContext) -> Handler:
                 req.prompt_cache_key,
                 req.prompt_cache_retention,
             )
-            streams = await ctx.submit_all([ids] * n, params, request_id=rid, cache=cache)
+            streams = await ctx.submit_all(
+                [ids] * n, params, request_id=rid, cache=cache, prediction=prompt.prediction
+            )
         except Exception as exc:
             return openai_error_response(exc)
         created = int(time.time())
@@ -184,6 +187,8 @@ class ChatPrompt:
     ids: list[int]
     plan: ToolPlan
     options: PromptOptions
+    prediction: str | None = None
+    """The request's Predicted Outputs text (`prediction`), drafted from."""
 
 
 async def chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> ChatPrompt:
@@ -197,8 +202,9 @@ async def chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> ChatPrompt
     plan = NO_TOOLS  # a plain request never enters the tool machinery
     if req.tools or req.tool_choice is not None:
         plan = openai_plan(req).written_in(recipe_format(ctx.engine.recipe))
+    prediction = prediction_text(req.prediction)
     ids = await ctx.encode_chat(messages, req.reasoning_effort, tools=plan.specs, options=options)
-    return ChatPrompt(ids, plan, options)
+    return ChatPrompt(ids, plan, options, prediction)
 
 
 def chat_max_tokens(ctx: ApiContext, req: ChatCompletionRequest, num_prompt: int) -> int:

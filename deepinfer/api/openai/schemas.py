@@ -73,7 +73,7 @@ def check_refused(req: OpenAIRefusedFields, *, chat: bool = False) -> None:
             "truncate_prompt_tokens": req.truncate_prompt_tokens is not None,
             "store": bool(req.store),
             "audio": is_set(req.audio),
-            "prediction": is_set(req.prediction),
+            "prediction": not chat and is_set(req.prediction),
             "web_search_options": is_set(req.web_search_options),
             "functions": bool(req.functions),
             "function_call": is_set(req.function_call),
@@ -228,11 +228,27 @@ class PromptTokensDetails(msgspec.Struct, omit_defaults=True):
     """deepinfer extension, present when `cached_tokens` > 0 (SDKs keep unknown keys)."""
 
 
-class UsageOut(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    """Present when the request sent a `prediction`: of its tokens, those kept as the answer's
+    (verified as drafts) and the others."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class UsageOut(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class PredictionContent(msgspec.Struct):
+    """OpenAI's Predicted Outputs: `{"type": "content", "content": text or text parts}`."""
+
+    type: str
+    content: str | list[ContentPart]
 
 
 class TopLogprob(msgspec.Struct):

@@ -39,6 +39,33 @@ def test_chat_non_streaming(client: openai.OpenAI, fake_engine: FakeEngine) -> N
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+@pytest.mark.parametrize(
+    ("prediction", "text"),
+    [
+        ({"type": "content", "content": "def f():\n    return 1\n"}, "def f():\n    return 1\n"),
+        (
+            {
+                "type": "content",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            "ab",
+        ),
+        ({"type": "content", "content": ""}, None),
+        (None, None),
+    ],
+)
+def test_chat_prediction_reaches_the_engine_as_text(
+    client: openai.OpenAI, fake_engine: FakeEngine, prediction: Any, text: str | None
+) -> None:
+    """Predicted Outputs: the SDK's `prediction` is handed to the engine as its text (parts
+    joined); an empty one or none is no prediction, and the usage then has no
+    `completion_tokens_details`."""
+    r = client.chat.completions.create(model="m", messages=user("hi"), prediction=prediction)
+    assert fake_engine.last_prediction == text
+    assert r.choices[0].message.content == REPLY
+    assert r.usage is not None and r.usage.completion_tokens_details is None
+
+
 def _msg(role: str, content: str):  # type: ignore[no-untyped-def]
     from deepinfer.text.recipe import ChatMessage
 
@@ -156,6 +183,19 @@ def test_models(client: openai.OpenAI) -> None:
             "messages[0].content[0].type",
         ),
         ({"messages": user("x"), "max_tokens": 100_000}, "max_tokens"),
+        (
+            {"messages": user("x"), "prediction": {"type": "diff", "content": "x"}},
+            "prediction.type",
+        ),
+        ({"messages": user("x"), "prediction": {"type": "content"}}, "prediction"),
+        ({"messages": user("x"), "prediction": "def f(): pass"}, "prediction"),
+        (
+            {
+                "messages": user("x"),
+                "prediction": {"type": "content", "content": [{"type": "image_url"}]},
+            },
+            "prediction.content[0]",
+        ),
     ],
 )
 def test_chat_bad_input_is_400_naming_the_field(
