@@ -136,8 +136,9 @@ def deepinfer_cmd(port: int, extra: list[str] | None = None) -> list[str]:
 
 
 def has_amx() -> bool:
-    """Whether the CPU lists AMX (llama.cpp's peers then run with `-nr`: the VM here faults on
-    AMX tiles)."""
+    """Whether the CPU lists AMX: llama.cpp's peers then run with `-nr` (no repacking into its
+    AMX buffers; llama-server dies of a segmentation fault at load without it here, although
+    torch's oneDNN runs AMX tiles on the same machine)."""
     try:
         return " amx" in Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -149,5 +150,5 @@ def llama_cmd(binary: Path, model: Path, port: int, slots: int, ctx_per_slot: in
     return [
         str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1",
         "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
-        "--cont-batching",
+        "--cont-batching", *(["-nr"] if has_amx() else []),
     ]  # fmt: skip

@@ -32,7 +32,6 @@ from common import (
     deepinfer_cmd,
     find_llama_server,
     free_port,
-    has_amx,
     llama_cmd,
     provenance,
     running_process,
@@ -166,7 +165,7 @@ def servers(gguf: Path, args: argparse.Namespace) -> list[tuple[str, list[str], 
         return found
     port = free_port()
     cmd = llama_cmd(binary, gguf, port, args.streams, args.llama_ctx_per_slot)
-    return [*found, ("llama-server", cmd + (["-nr"] if has_amx() else []), port)]
+    return [*found, ("llama-server", cmd, port)]
 
 
 def mib(n: int) -> str:

@@ -39,7 +39,6 @@ from common import (
     deepinfer_cmd,
     find_llama_server,
     free_port,
-    has_amx,
     llama_cmd,
     provenance,
     running_process,
@@ -275,8 +274,7 @@ def report(model: str, runs: list[EngineRun]) -> str:
 
 def llama_server_cmd(binary: Path, model: Path, port: int, slots: int, ctx: int) -> list[str]:
     """`llama_cmd` with one KV cache of at least `ctx` tokens that all slots share."""
-    cmd = [*llama_cmd(binary, model, port, slots, -(-ctx // slots)), "--kv-unified"]
-    return [*cmd, "-nr"] if has_amx() else cmd  # the VM faults on AMX tiles: no AMX repacking
+    return [*llama_cmd(binary, model, port, slots, -(-ctx // slots)), "--kv-unified"]
 
 
 def main() -> None:

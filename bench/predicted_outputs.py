@@ -1,0 +1,146 @@
+"""Predicted Outputs against plain decoding, engine only (the embedding API, no HTTP), with the
+default flags: a coding agent's edits of a ~30-line file (`speculative.py`'s agent workload:
+rename a function, add a docstring line, change an argument), each request sent with the file as
+it was before the edit as its `prediction`, as an editor sends it, and without.
+
+Each round runs every edit one request at a time in both modes, back to back, the mode that goes
+first alternating from round to round (single stream: decode tokens/s from the first token to
+the last), then `--streams` requests at once (the edits cycled), each mode's batch timed from
+the first submit to the last token (tokens/s over that wall time). The outputs with a prediction
+are checked equal to those without, token for token; the table gives medians over the rounds
+and the prediction's accepted tokens (verified as drafts and kept) and rejected ones. A third
+mode, `answer`, sends the plain run's own answer as the prediction: the ceiling, where every
+predicted token is the model's.
+
+    python bench/predicted_outputs.py
+    python bench/predicted_outputs.py --model qwen2.5-coder-1.5b --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import uvloop
+from common import provenance
+from speculative import AGENT, FILE
+
+import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
+from deepinfer.config import Config, DiskCacheConfig, ModelConfig
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.types import Usage
+from deepinfer.environment import default_model_path, resolve_model
+from deepinfer.request import SamplingParams
+from deepinfer.text.messages import ChatMessage
+
+MODES = ("plain", "predicted", "answer")
+
+
+async def one(
+    engine: AsyncEngine, prompt: list[ChatMessage], max_tokens: int, prediction: str | None
+) -> tuple[list[int], str, float, float, Usage]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ids: list[int] = []
+    text: list[str] = []
+    first = last = 0.0
+    usage: Usage | None = None
+    async for out in engine.generate(prompt, params, prediction=prediction):
+        now = time.perf_counter()
+        first = first or now
+        last = now
+        ids.extend(out.token_ids)
+        text.append(out.text)
+        usage = out.usage
+    assert usage is not None
+    return ids, "".join(text), first, last, usage
+
+
+def _prediction(mode: str, answer: str) -> str | None:
+    return {"plain": None, "predicted": FILE, "answer": answer}[mode]
+
+
+async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    model = resolve_model(Path(ns.model))
+    config = Config(model=ModelConfig(path=model), disk_cache=DiskCacheConfig(enabled=False))
+    figures: dict[str, dict[str, list[float]]] = {
+        m: {"single": [], "multi": [], "accepted": [], "rejected": []} for m in MODES
+    }
+    async with AsyncEngine(config) as engine:
+        answers = {}
+        for i, prompt in enumerate(AGENT):  # warm-up, and the prompts' prefixes cached
+            ids, text, *_ = await one(engine, prompt, ns.max_tokens, None)
+            answers[i] = (ids, text)
+        for r in range(ns.rounds):
+            order = MODES if r % 2 == 0 else MODES[::-1]
+            decoded = {m: 0 for m in MODES}
+            seconds = {m: 0.0 for m in MODES}
+            for i, prompt in enumerate(AGENT):
+                want, answer = answers[i]
+                for mode in order:
+                    ids, _, first, last, usage = await one(
+                        engine, prompt, ns.max_tokens, _prediction(mode, answer)
+                    )
+                    if ids != want:
+                        raise SystemExit(f"{mode}: edit {i} differs from plain decoding")
+                    decoded[mode] += len(ids) - 1
+                    seconds[mode] += last - first
+                    figures[mode]["accepted"].append(usage.accepted_prediction_tokens)
+                    figures[mode]["rejected"].append(usage.rejected_prediction_tokens)
+            for mode in order:
+                figures[mode]["single"].append(decoded[mode] / seconds[mode])
+                prompts = [i % len(AGENT) for i in range(ns.streams)]
+                start = time.perf_counter()
+                runs = await asyncio.gather(
+                    *(
+                        one(engine, AGENT[i], ns.max_tokens, _prediction(mode, answers[i][1]))
+                        for i in prompts
+                    )
+                )
+                wall = time.perf_counter() - start
+                figures[mode]["multi"].append(sum(len(run[0]) for run in runs) / wall)
+            print(
+                f"round {r + 1}: "
+                + ", ".join(
+                    f"{m} {figures[m]['single'][-1]:.1f} / {figures[m]['multi'][-1]:.1f} tok/s"
+                    for m in MODES
+                ),
+                flush=True,
+            )
+    return figures
+
+
+def report(ns: argparse.Namespace, figures: dict[str, dict[str, list[float]]]) -> None:
+    med = {m: {k: statistics.median(v) for k, v in f.items()} for m, f in figures.items()}
+    print(f"\n### Predicted Outputs: `bench/predicted_outputs.py`\n\n{provenance()}\n")
+    print(f"model {Path(ns.model).name}, {ns.rounds} rounds, max_tokens {ns.max_tokens}\n")
+    print(f"| mode | 1 stream tok/s | x plain | {ns.streams} streams tok/s | x plain | "
+          "accepted / rejected prediction tokens (median per request) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for m in MODES:
+        single, multi = med[m]["single"], med[m]["multi"]
+        ratio_1 = statistics.median(
+            a / b for a, b in zip(figures[m]["single"], figures["plain"]["single"], strict=True)
+        )
+        ratio_n = statistics.median(
+            a / b for a, b in zip(figures[m]["multi"], figures["plain"]["multi"], strict=True)
+        )
+        print(f"| {m} | {single:.1f} | {ratio_1:.2f}x | {multi:.1f} | {ratio_n:.2f}x | "
+              f"{med[m]['accepted']:.0f} / {med[m]['rejected']:.0f} |")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(default_model_path()), help="a GGUF file or a name")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--streams", type=int, default=8)
+    ns = ap.parse_args()
+    figures = uvloop.run(measure(ns))
+    report(ns, figures)
+
+
+if __name__ == "__main__":
+    main()
