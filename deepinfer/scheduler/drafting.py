@@ -83,13 +83,16 @@ class Drafter:
         self._drafted = self._accepted = self._verified = 0
         self._from_prediction: set[str] = set()
         """Requests whose drafts this step came from their prediction."""
+        self._idle = False
+        """The step planned last could not draft (no proposer, no prediction)."""
 
     def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, Draft]:
         """The drafts each decoder's next step verifies (`max_tokens`: the most a request may
         hold): the proposer's, cut by the gate; requests without drafts are left out."""
-        self.loop.planned()
-        if self.proposer is None and not any(r.predicted_token_ids for r in decoding):
+        self._idle = self.proposer is None and not any(r.predicted_token_ids for r in decoding)
+        if self._idle:  # only predictions draft, and nobody has one: a plain step, unobserved
             return {}
+        self.loop.planned()
         self.gate.loop_s = self.loop.seconds
         worth = self.gate.worth_proposing(decoding)
         proposals = [
@@ -138,7 +141,10 @@ class Drafter:
         return True
 
     def observe_step(self, so: ScheduleOutput, out: RunnerOutput) -> None:
-        """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without)."""
+        """A decode step's cost (every step with drafts, one in PLAIN_STEPS_OBSERVED without,
+        none while nothing could draft)."""
+        if self._idle:
+            return
         self.loop.applied(out.elapsed_s)
         if any(c.num_drafts for c in so.chunks) or so.step % PLAIN_STEPS_OBSERVED == 0:
             shapes = [ChunkShape(_computed(c, out), c.start_position) for c in so.chunks]
