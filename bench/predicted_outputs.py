@@ -7,7 +7,9 @@ Each round runs every edit one request at a time in both modes, back to back, th
 first alternating from round to round (single stream: decode tokens/s from the first token to
 the last), then `--streams` requests at once (the edits cycled), each mode's batch timed from
 the first submit to the last token (tokens/s over that wall time). The outputs with a prediction
-are checked equal to those without, token for token; the table gives medians over the rounds
+are checked equal to those without, token for token (every run of a prompt starts from its
+prefix in the cache: with int8 activations a prefix computed in the same step and one read from
+the cache can decode differently); the table gives medians over the rounds
 and the prediction's accepted tokens (verified as drafts and kept) and rejected ones. A third
 mode, `answer`, sends the plain run's own answer as the prediction: the ceiling, where every
 predicted token is the model's.
@@ -70,8 +72,9 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     }
     async with AsyncEngine(config) as engine:
         answers = {}
-        for i, prompt in enumerate(AGENT):  # warm-up, and the prompts' prefixes cached
-            ids, text, *_ = await one(engine, prompt, ns.max_tokens, None)
+        for i, prompt in enumerate(AGENT):
+            await one(engine, prompt, ns.max_tokens, None)  # warm-up, the prompt's prefix cached
+            ids, text, *_ = await one(engine, prompt, ns.max_tokens, None)  # from the cache
             answers[i] = (ids, text)
         for r in range(ns.rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
