@@ -219,15 +219,16 @@ class RequestStream:
         # Tiers fill the prefix in order (device, host, disk): a shortfall (loaded blocks
         # evicted before admission) comes off the end, the disk part first.
         host = min(self._host_cached_tokens, cached)
+        # an answer that repeats itself may take a prediction's tokens as drafts more than once
+        accepted = min(self._accepted_prediction_tokens, self._num_prediction_tokens)
         return Usage(
             prompt,
             output,
             cached,
             disk_cached_tokens=min(self._disk_cached_tokens, cached - host),
             host_cached_tokens=host,
-            accepted_prediction_tokens=self._accepted_prediction_tokens,
-            rejected_prediction_tokens=self._num_prediction_tokens
-            - self._accepted_prediction_tokens,
+            accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=self._num_prediction_tokens - accepted,
         )
 
     async def aclose(self) -> None:

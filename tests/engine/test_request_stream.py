@@ -142,3 +142,19 @@ async def test_shown_control_tokens_reach_the_reader_as_marks() -> None:
             stream.push(_delta([t], i, FinishReason.LENGTH if i == len(ids) - 1 else None))
         out = await anext(stream)
         assert out.text == f"Sure <|im_start|>{CONTROL_MARK} [1]", stops
+
+
+async def test_prediction_tokens_in_the_usage_never_exceed_the_prediction() -> None:
+    """The usage counts a prediction's accepted tokens from the engine's deltas and the rest as
+    rejected; an answer that took the prediction's tokens as drafts more than once (it repeats
+    itself) still reports at most the prediction's length, and nothing negative."""
+    tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+    detok = IncrementalDetokenizer(tokenizer)
+    for accepted, want in ((2, (2, 3)), (9, (5, 0))):
+        stream = RequestStream(
+            "r", 3, detok, (), frozenset(), lambda _rid: None, num_prediction_tokens=5
+        )
+        delta = dataclasses.replace(_delta([40, 41], 0), num_accepted_prediction_tokens=accepted)
+        stream.push(delta)
+        usage = (await anext(stream)).usage
+        assert (usage.accepted_prediction_tokens, usage.rejected_prediction_tokens) == want
