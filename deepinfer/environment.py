@@ -48,8 +48,14 @@ def default_model_dir() -> Path:
     override = env_value("model_dir")
     if override:
         return Path(override)
+    return machine_cache_dir() / "models"
+
+
+def machine_cache_dir() -> Path:
+    """What deepinfer keeps about this machine between runs (the bf16 probe's verdict):
+    `$XDG_CACHE_HOME/deepinfer`, else `~/.cache/deepinfer`."""
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "deepinfer" / "models"
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "deepinfer"
 
 
 def default_model_path() -> Path:

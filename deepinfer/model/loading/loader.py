@@ -9,8 +9,9 @@ from typing import cast
 import gguf
 import torch
 
+from deepinfer.environment import machine_cache_dir
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.linear.bf16_probe import Bf16Probe
+from deepinfer.kernels.linear.bf16_probe import VERDICT_FILE, Bf16Probe
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import select_attention_backend, with_bf16_long_prefill
 from deepinfer.model.loading.fingerprint import directory_digest, file_digest, kv_fingerprint
@@ -108,7 +109,11 @@ def load_model(
         quantized_matmul, device, dtype
     )
     int8 = int8_activations_wanted(matmul_activations, wanted)
-    probe = Bf16Probe.shared() if int8 and bf16_prefill == "auto" and not batch_invariant else None
+    probe = (
+        Bf16Probe.shared(machine_cache_dir() / VERDICT_FILE)
+        if int8 and bf16_prefill == "auto" and not batch_invariant
+        else None
+    )
     served = Served(0, frozenset())
     if isinstance(source, GGUFTensorSource) and wanted:  # first: those are never dequantized
         served = quantize_linears(model, source, arch.num_layers, int8)

@@ -1,16 +1,18 @@
 """The bf16 tiles of long prefill products: the unpacked weights are gguf-py's dequantized
 values rounded to bf16 (to the bit), the tiled product is torch's bf16 product of them, the
-dispatch takes them from `bf16_rows` rows only, and the probe answers from a real child."""
+dispatch takes them from `bf16_rows` rows only, and the probe answers from a real child, its
+verdict kept for the next start on the same machine."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from deepinfer.kernels.linear import bf16_tiles
-from deepinfer.kernels.linear.bf16_probe import run_probe
+from deepinfer.kernels.linear import bf16_probe, bf16_tiles
+from deepinfer.kernels.linear.bf16_probe import Bf16Probe, machine_key, run_probe
 from deepinfer.kernels.linear.bf16_tiles import bf16_tiled_linear, unpack_bf16
 from deepinfer.kernels.linear.int8_matmul import (
     block_linear,
@@ -113,3 +115,35 @@ def test_the_probe_measures_a_real_child() -> None:
     assert isinstance(fast, bool)
     no, why = run_probe(timeout_s=0.001)
     assert not no and "did not finish" in why
+
+
+def test_a_verdict_is_kept_for_this_machine_and_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished probe's verdict is written under this machine's key, and the next probe
+    with the same file reads it instead of starting a child; a verdict under another key, a
+    broken file or a probe that timed out is not used or kept."""
+    runs: list[int] = []
+
+    def fake(timeout_s: float = bf16_probe.TIMEOUT_S) -> tuple[bool, str]:
+        runs.append(1)
+        return True, "bf16 900 GFLOP/s, float32 100 (9.0x)"
+
+    monkeypatch.setattr(bf16_probe, "run_probe", fake)
+    verdicts = tmp_path / "machine" / bf16_probe.VERDICT_FILE
+    assert Bf16Probe(verdicts).result() == (True, "bf16 900 GFLOP/s, float32 100 (9.0x)")
+    assert len(runs) == 1 and verdicts.is_file()
+    fast, said = Bf16Probe(verdicts).result()
+    assert fast and "9.0x" in said and "kept" in said and len(runs) == 1  # no child this time
+    assert bf16_probe.read_verdict(verdicts, machine_key()) is not None
+    assert bf16_probe.read_verdict(verdicts, "another machine") is None
+    verdicts.write_text("{not json")
+    assert Bf16Probe(verdicts).result()[0] and len(runs) == 2  # unreadable: probed again
+
+    def timed_out(timeout_s: float = bf16_probe.TIMEOUT_S) -> tuple[bool, str]:
+        return False, f"{bf16_probe.NOT_FINISHED}: timed out"
+
+    monkeypatch.setattr(bf16_probe, "run_probe", timed_out)
+    other = tmp_path / "other.json"
+    assert not Bf16Probe(other).result()[0]
+    assert not other.exists()
