@@ -125,7 +125,8 @@ class Drafter:
                 return draft
         if self.proposer is None:
             return Draft()
-        return self.proposer.propose(request, min(room, self.num_draft_tokens))
+        limit = self.proposer.max_draft_tokens or self.num_draft_tokens
+        return self.proposer.propose(request, min(room, limit))
 
     def take_slots(
         self, kv: KVCacheManager, request: Request, draft: Draft, reserve_blocks: int
@@ -159,6 +160,8 @@ class Drafter:
         accepted = len(out.accepted.get(request_id, ()))
         if request_id in self._from_prediction:
             request.num_accepted_prediction_tokens += accepted
+        elif self.proposer is not None:
+            self.proposer.observe(request_id, num_drafts, accepted)
         self._drafted += num_drafts
         self._verified += 1
         self._accepted += accepted

@@ -25,6 +25,7 @@ from typing import Protocol
 from deepinfer.config import SpeculativeConfig
 from deepinfer.request import Request
 from deepinfer.scheduler.draft_gate import CalibrationBucket, Draft
+from deepinfer.scheduler.suffix import SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,17 @@ class Proposer(Protocol):
     name: str
     num_signals: int
     """How many confidence signals each of its drafts carries (`Draft.signals`)."""
+    max_draft_tokens: int | None
+    """Most tokens one of its drafts holds where it sizes its own drafts (suffix decoding's
+    estimates decide); None: `--num-draft-tokens`."""
 
     def propose(self, request: Request, max_tokens: int) -> Draft:
         """At most `max_tokens` tokens (maybe none) likely to follow `request.all_token_ids`."""
+        ...
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` of the request's latest drafts and kept the first
+        `num_accepted`."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -73,6 +82,7 @@ class NgramProposer:
 
     name = "ngram"
     num_signals = 1
+    max_draft_tokens: int | None = None
     """The matched n-gram's length, as n / max_n."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4, window: int = 4096) -> None:
@@ -93,6 +103,9 @@ class NgramProposer:
         start = max(0, len(packed) - self.window)
         found, n = ngram_lookup(packed, self.min_n, self.max_n, max_tokens, packed, start)
         return Draft(found, (n / self.max_n,)) if found else Draft()
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass
 
     def forget(self, request_id: str) -> None:
         self._seen.pop(request_id, None)
@@ -136,6 +149,7 @@ class WorkerProposer:
     for them is asked."""
 
     num_signals = 0
+    max_draft_tokens: int | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -143,14 +157,78 @@ class WorkerProposer:
     def propose(self, request: Request, max_tokens: int) -> Draft:
         return Draft(num_worker_tokens=max(max_tokens, 0))
 
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass
+
     def forget(self, request_id: str) -> None:
         pass
+
+
+CHOICE_RECENCY = 0.8
+"""A request's earlier verifications count this much less at each new one (`ChoiceProposer`)."""
+
+
+class ChoiceProposer:
+    """`auto`: for each request, the proposer whose drafts it has accepted the larger share of
+    (verified drafts and accepted ones, recency-weighted, from an even prior of one in two; the
+    first listed wins ties), the next one where that one has nothing. The gate then cuts the
+    draft, to nothing where it would not pay. Signals: the chosen proposer's, padded with 0.5
+    (the gate's neutral value) to the most any of them has."""
+
+    name = "auto"
+
+    def __init__(self, proposers: Sequence[Proposer], num_draft_tokens: int) -> None:
+        self.proposers = tuple(proposers)
+        self.num_signals = max(p.num_signals for p in self.proposers)
+        self._limits = [p.max_draft_tokens or num_draft_tokens for p in self.proposers]
+        self.max_draft_tokens: int | None = max(self._limits)
+        self._rates: dict[str, list[list[float]]] = {}
+        """Each request's [accepted, verified] by proposer."""
+        self._last: dict[str, int] = {}
+        """The proposer of each request's latest draft."""
+
+    def propose(self, request: Request, max_tokens: int) -> Draft:
+        rid = request.request_id
+        rates = self._rates.setdefault(rid, [[1.0, 2.0] for _ in self.proposers])
+        ranked = sorted(range(len(rates)), key=lambda i: -rates[i][0] / rates[i][1])
+        for i in ranked:
+            draft = self.proposers[i].propose(request, min(max_tokens, self._limits[i]))
+            if draft.size:
+                self._last[rid] = i
+                pad = (0.5,) * (self.num_signals - len(draft.signals))
+                return Draft(draft.token_ids, draft.signals + pad, draft.num_worker_tokens)
+        self._last.pop(rid, None)
+        return Draft()
+
+    def chosen(self, request_id: str) -> str | None:
+        """The proposer of the request's latest draft."""
+        i = self._last.get(request_id)
+        return self.proposers[i].name if i is not None else None
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        i = self._last.get(request_id)
+        if i is None:
+            return
+        self.proposers[i].observe(request_id, num_drafts, num_accepted)
+        rate = self._rates[request_id][i]
+        rate[0] = rate[0] * CHOICE_RECENCY + num_accepted
+        rate[1] = rate[1] * CHOICE_RECENCY + num_drafts
+
+    def forget(self, request_id: str) -> None:
+        self._rates.pop(request_id, None)
+        self._last.pop(request_id, None)
+        for proposer in self.proposers:
+            proposer.forget(request_id)
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer | None:
     """The configured proposer; None when speculative decoding is off."""
     if config.speculative == "ngram":
         return NgramProposer()
+    if config.speculative == "suffix":
+        return SuffixProposer()
+    if config.speculative == "auto":
+        return ChoiceProposer([SuffixProposer(), NgramProposer()], config.num_draft_tokens)
     if config.speculative in ("layers", "draft-model"):
         return WorkerProposer(config.speculative)
     return None

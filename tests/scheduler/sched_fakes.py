@@ -96,6 +96,7 @@ class FakeProposer:
 
     name = "fake"
     num_signals = 0
+    max_draft_tokens: int | None = None
 
     def __init__(self, rng: random.Random, vocab: int, on_worker: bool = False) -> None:
         self.rng, self.vocab, self.on_worker = rng, vocab, on_worker
@@ -105,6 +106,9 @@ class FakeProposer:
         if self.on_worker:
             return Draft(num_worker_tokens=k)
         return Draft(fake_drafts(request.all_token_ids, k, self.vocab, self.rng))
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass
 
     def forget(self, request_id: str) -> None:
         pass

@@ -22,10 +22,18 @@ from tests.engine.tiny_engine import run_all, tiny_config
 NGRAM = SpeculativeConfig(speculative="ngram")
 
 
-def _with_ngram(config: Config, num_draft_tokens: int = 5, gate: str = "on") -> Config:
-    """Prompt lookup. The tiny-model tests turn the gate off: what the gate drafts depends on
-    the step times it measures, and they count drafts."""
-    spec = dataclasses.replace(NGRAM, num_draft_tokens=num_draft_tokens, speculative_gate=gate)  # type: ignore[arg-type]
+def _with_ngram(
+    config: Config, num_draft_tokens: int = 5, gate: str = "on", method: str = "ngram"
+) -> Config:
+    """Prompt lookup (or another proposer on the loop: `suffix`, `auto`). The tiny-model tests
+    turn the gate off: what the gate drafts depends on the step times it measures, and they
+    count drafts."""
+    spec = dataclasses.replace(
+        NGRAM,
+        speculative=method,  # type: ignore[arg-type]
+        num_draft_tokens=num_draft_tokens,
+        speculative_gate=gate,  # type: ignore[arg-type]
+    )
     return config.replace(speculative=spec)
 
 
@@ -42,16 +50,25 @@ def _repetitive_prompts() -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("num_draft_tokens", "colocated"), [(1, False), (5, False), (5, True)])
+@pytest.mark.parametrize(
+    ("method", "num_draft_tokens", "colocated"),
+    [
+        ("ngram", 1, False),
+        ("ngram", 5, False),
+        ("ngram", 5, True),
+        ("suffix", 5, False),
+        ("auto", 5, True),
+    ],
+)
 async def test_tiny_model_gives_the_plain_tokens(
-    tiny_llama_dir: Path, num_draft_tokens: int, colocated: bool
+    tiny_llama_dir: Path, method: str, num_draft_tokens: int, colocated: bool
 ) -> None:
     config = tiny_config(tiny_llama_dir, WorkersConfig(colocated=colocated), num_blocks=160)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = _repetitive_prompts()
     async with AsyncEngine(config) as plain:
         want = await run_all(plain, prompts, params)
-    async with AsyncEngine(_with_ngram(config, num_draft_tokens, "off")) as engine:
+    async with AsyncEngine(_with_ngram(config, num_draft_tokens, "off", method)) as engine:
         together = await run_all(engine, prompts, params)
         alone = [(await run_all(engine, [p], params))[0] for p in prompts[:3]]
         counts = engine.stats().speculative
@@ -60,7 +77,7 @@ async def test_tiny_model_gives_the_plain_tokens(
         assert engine.stats().num_blocks_used == 0
     assert together == want
     assert alone == want[:3]
-    assert counts.proposer == "ngram" and counts.num_drafted > 0 and counts.num_verified > 0
+    assert counts.proposer == method and counts.num_drafted > 0 and counts.num_verified > 0
     assert counts.num_accepted <= counts.num_drafted
     lines = metrics.splitlines()
     for name, value in (
@@ -68,13 +85,13 @@ async def test_tiny_model_gives_the_plain_tokens(
         ("accepted", counts.num_accepted),
         ("verified", counts.num_verified),
     ):
-        assert f'deepinfer_speculative_{name}_total{{proposer="ngram"}} {float(value)}' in lines
+        assert f'deepinfer_speculative_{name}_total{{proposer="{method}"}} {float(value)}' in lines
     mean = counts.num_accepted / counts.num_verified
-    assert f'deepinfer_speculative_mean_accepted_length{{proposer="ngram"}} {mean}' in lines
+    assert f'deepinfer_speculative_mean_accepted_length{{proposer="{method}"}} {mean}' in lines
     # every accepted position was observed, plus at most one rejected one per request-step
     trials = sum(b.num_trials for b in counts.calibration)
     assert counts.num_accepted < trials <= counts.num_accepted + counts.num_verified
-    assert 'deepinfer_speculative_gate_trials_total{bucket="0.5",proposer="ngram"}' in metrics
+    assert f'deepinfer_speculative_gate_trials_total{{bucket="0.5",proposer="{method}"}}' in metrics
 
 
 SAMPLED = [
