@@ -1,8 +1,10 @@
 """Speculative decoding against plain decoding, engine only (the embedding API, no HTTP), on
-SmolLM2 with greedy requests, four workloads:
+SmolLM2 with greedy requests (or seeded sampled ones: `--temperature`), five workloads:
 
 - agent: a tool-using session's turn that quotes and edits a file from its context (the model
   rewrites a ~30-line file with one change);
+- trace: a tool loop replayed (run the tests, read the file, write it back fixed, run the
+  tests again): four turns of one session, each the session up to a tool's result;
 - code: completing a Python module from its first functions;
 - chat: open questions (serve.py's kind of prompt);
 - mixed: all nine prompts of the three, run only with several streams.
@@ -24,6 +26,14 @@ can decode differently), and the single-stream outputs of every mode are checked
 plain decoding's, token for token.
 
     python bench/speculative.py
+    python bench/speculative.py --proposers ngram,suffix,auto --streams 8,32
+    python bench/speculative.py --proposers ngram,suffix,auto --streams "" --temperature 0.7
+
+Suffix decoding's stores of earlier outputs are emptied before each measurement (the bench
+repeats its prompts; their earlier outputs would draft whole answers): single stream, a
+workload's own earlier answers still draft for its later prompts (the trace's turns); with
+several streams the store fills within the run, where the same prompts recur by design.
+`--temperature` above 0 makes every request sampled and seeded: the same tokens in every mode.
     python bench/speculative.py --proposers ngram,layers,draft-model --rounds 3 --streams 8,32
 
 `draft-model` drafts with `--draft-model PATH`; without it, with SmolLM2's first 8 layers
@@ -54,6 +64,7 @@ from deepinfer.request import SamplingParams
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN
 from deepinfer.scheduler.drafting import Drafter
 from deepinfer.scheduler.speculative import SpeculativeCounts
+from deepinfer.scheduler.suffix import SuffixProposer, TenantOutputs
 from deepinfer.text.messages import ChatMessage
 
 FILE = '''import json
@@ -112,7 +123,43 @@ CHAT = [
     [ChatMessage("user", "What makes a good cup of tea? Answer in a few sentences.")],
     [ChatMessage("user", "Describe a lighthouse at night for a children's story.")],
 ]
-WORKLOADS = {"agent": AGENT, "code": CODE, "chat": CHAT, "mixed": AGENT + CODE + CHAT}
+FIXED = FILE.replace("out[key] = value", "if value is not None:\n            out[key] = value")
+
+
+def _trace() -> list[list[ChatMessage]]:
+    """A tool loop replayed: the agent runs the tests, reads the file, writes it back with a
+    fix, runs the tests again, writes it again; each prompt is the session up to a tool's result
+    (the earlier actions as recorded), the next action the model's own."""
+    task = (
+        "You are a coding agent. Act with one tool call per turn: run_tests(), "
+        "read_file(path), or write_file(path) followed by the whole file in a python block."
+    )
+    failing = (
+        "FAILED test_config.py::test_merge_skips_none - AssertionError: "
+        "assert {'a': None} == {'a': 1}\n1 failed, 4 passed"
+    )
+    steps = [
+        ("run_tests()", failing),
+        ('read_file("config.py")', FILE),
+        (f'write_file("config.py")\n```python\n{FIXED}```', "written"),
+        ("run_tests()", "5 passed"),
+    ]
+    session = [ChatMessage("system", task), ChatMessage("user", "Make test_merge pass.")]
+    prompts = []
+    for action, result in steps:
+        session = [*session, ChatMessage("assistant", action), ChatMessage("user", result)]
+        prompts.append(session)
+    return prompts
+
+
+TRACE = _trace()
+WORKLOADS = {
+    "agent": AGENT,
+    "trace": TRACE,
+    "code": CODE,
+    "chat": CHAT,
+    "mixed": AGENT + CODE + CHAT,
+}
 """`mixed` runs only with several streams: every prompt of the others, in turn."""
 
 
@@ -130,9 +177,8 @@ Counts = tuple[int, int, int]
 
 
 async def one(
-    engine: AsyncEngine, prompt: list[ChatMessage], max_tokens: int
+    engine: AsyncEngine, prompt: list[ChatMessage], params: SamplingParams
 ) -> tuple[list[int], float, float]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     ids: list[int] = []
     first = last = 0.0
     async for out in engine.generate(prompt, params):
@@ -143,10 +189,12 @@ async def one(
     return ids, first, last
 
 
-async def single_stream(engine: AsyncEngine, prompts: list, max_tokens: int) -> tuple[list, float]:
+async def single_stream(
+    engine: AsyncEngine, prompts: list, params: SamplingParams
+) -> tuple[list, float]:
     tokens, decode_s, decoded = [], 0.0, 0
     for prompt in prompts:
-        ids, first, last = await one(engine, prompt, max_tokens)
+        ids, first, last = await one(engine, prompt, params)
         tokens.append(ids)
         decode_s += last - first
         decoded += len(ids) - 1
@@ -157,7 +205,7 @@ async def many_streams(
     engine: AsyncEngine,
     drafter: Drafter,
     prompts: list,
-    max_tokens: int,
+    params: SamplingParams,
     streams: int,
     flip: bool,
 ) -> dict[str, tuple[float, Counts]]:
@@ -168,7 +216,6 @@ async def many_streams(
     took ~10% longer: more requests ended in its turn, and their successors' prefill falls in
     the next), so it is kept out of the comparison of plain with the gate; its tokens/s are put
     on the first run's scale (the gate's there times all's ratio to the gate in the second)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     seconds = 2 * window_seconds(streams)
     pairs = (("plain", "gate"), ("gate", "all"))
     first, second = [
@@ -208,6 +255,16 @@ def _add(a: Counts, b: Counts) -> Counts:
 MODES = ("plain", "gate", "all")
 
 
+def forget_outputs(drafter: Drafter) -> None:
+    """Empty suffix decoding's stores of earlier outputs: every measurement repeats prompts the
+    engine has answered before (in another mode, or round), and their outputs would draft the
+    whole answer; a workload's own earlier outputs (the trace's turns) still do."""
+    proposer = drafter.proposer
+    for p in getattr(proposer, "proposers", (proposer,)):
+        if isinstance(p, SuffixProposer):
+            p.outputs = TenantOutputs()
+
+
 def set_mode(engine: AsyncEngine, drafter: object, mode: str) -> None:
     """Between runs (nothing in flight): plain decoding (no drafter), or drafting with the gate
     on or off (the worker drafter's confidence cut goes with the gate, as at start-up)."""
@@ -226,7 +283,7 @@ async def run_round(
     engine: AsyncEngine,
     drafter: Drafter,
     order: tuple[str, ...],
-    max_tokens: int,
+    params: SamplingParams,
     streams: list[int],
 ) -> dict[str, tuple[dict[str, Run], dict[str, Counts]]]:
     """Every workload single-stream (the mixed one only with several streams), the modes back to
@@ -238,15 +295,17 @@ async def run_round(
         if workload != "mixed":
             for mode in order:
                 set_mode(engine, drafter, mode)
+                forget_outputs(drafter)
                 before = engine.stats().speculative
-                tokens, tok_s = await single_stream(engine, prompts, max_tokens)
+                tokens, tok_s = await single_stream(engine, prompts, params)
                 after = engine.stats().speculative
                 counts[mode][workload] = _add(counts[mode][workload], _delta(before, after))
                 runs[mode][workload].tokens = tokens
                 runs[mode][workload].single_tok_s = tok_s
         for n in streams:
             flip = order[0] != "plain"
-            measured = await many_streams(engine, drafter, prompts, max_tokens, n, flip)
+            forget_outputs(drafter)
+            measured = await many_streams(engine, drafter, prompts, params, n, flip)
             for mode, (tok_s, c) in measured.items():
                 runs[mode][workload].multi_tok_s[n] = tok_s
                 counts[mode][workload] = _add(counts[mode][workload], c)
@@ -254,7 +313,11 @@ async def run_round(
 
 
 async def run_proposer(
-    proposer: str, draft_model: Path | None, max_tokens: int, streams: list[int], rounds: int
+    proposer: str,
+    draft_model: Path | None,
+    params: SamplingParams,
+    streams: list[int],
+    rounds: int,
 ) -> list[dict[str, tuple[dict[str, Run], dict[str, Counts]]]]:
     """One engine with the proposer; each round every mode, in a rotating order."""
     spec = SpeculativeConfig(
@@ -268,10 +331,10 @@ async def run_proposer(
         drafter = engine._core.scheduler.drafter
         assert drafter is not None
         for prompt in WORKLOADS["mixed"]:  # warm-up, and every prompt in the prefix cache
-            await one(engine, prompt, 1)
+            await one(engine, prompt, dataclasses.replace(params, max_tokens=1))
         for r in range(rounds):
             order = MODES[r % 3 :] + MODES[: r % 3]
-            out.append(await run_round(engine, drafter, order, max_tokens, streams))
+            out.append(await run_round(engine, drafter, order, params, streams))
     return out
 
 
@@ -290,7 +353,18 @@ def main() -> None:
         help="stream counts, comma-separated (empty: single stream only)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="every mode once per round")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="above 0: sampled requests, each seeded (the same tokens in every mode)",
+    )
     ns = ap.parse_args()
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        seed=7 if ns.temperature > 0 else None,
+    )
     started = provenance()  # the code that runs is the tree at the start
     proposers = ns.proposers.split(",")
     streams = [int(n) for n in ns.streams.split(",") if n]
@@ -300,8 +374,7 @@ def main() -> None:
             draft = Path(tmp) / "smollm2-first-8-layers.gguf"
             truncate(default_model_path(), draft, 8)
         results = {
-            p: uvloop.run(run_proposer(p, draft, ns.max_tokens, streams, ns.rounds))
-            for p in proposers
+            p: uvloop.run(run_proposer(p, draft, params, streams, ns.rounds)) for p in proposers
         }
     print(started)
     print()

@@ -5,13 +5,15 @@ by the position's input token).
 - Each seeded request gives the same tokens with drafts as without, step for step, whatever
   the drafts (good, bad, or mixed), with temperature, top-k, penalties and `min_tokens`.
 - The tokens follow the target distribution: a chi-square test of every transition's counts
-  against the table's softmax, over thousands of tokens made with drafts.
+  against the table's softmax, over thousands of tokens made with drafts; and the same test
+  rejects a verifier that lets one rejected draft in five through (its power).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -20,6 +22,7 @@ from scipy import stats
 
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.outputs import SampledToken
 from deepinfer.request import Request, SamplingParams
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput, StepKind
@@ -141,24 +144,59 @@ def test_plain_decode_steps_match_the_general_path() -> None:
     assert len({tuple(o) for o in lean}) > len(params) // 3  # the requests differ
 
 
-@pytest.mark.slow
-def test_tokens_follow_the_target_distribution() -> None:
-    """2,000 unseeded requests (the shared generator: not the plain draws) at temperature 1,
-    drafts on every step: each transition's counts against softmax(table[prev])."""
-    model = MarkovLM()
-    params = [SamplingParams(max_tokens=64, temperature=1.0)] * 2000
-    runner = ModelRunner(model, block_size=64, device=torch.device("cpu"), seed=11)  # type: ignore[arg-type]
-    outputs = _run(runner, params, _mixed, steps=6)
+def _p_values(model: MarkovLM, outputs: list[list[int]]) -> list[float]:
+    """Each state's chi-square p-value: its transitions' counts against softmax(table[prev])."""
     counts = torch.zeros(VOCAB, VOCAB)
     for out in outputs:
         for prev, nxt in itertools.pairwise(out):
             counts[prev, nxt] += 1
     probs = model.table.softmax(dim=1)
+    p_values = []
     for prev in range(VOCAB):
         row = counts[prev]
         assert row.sum() > 200
         expected = probs[prev] * row.sum()
-        _, p_value = stats.chisquare(row.numpy(), expected.numpy())
-        assert p_value > 1e-4, (prev, row.tolist(), expected.tolist())
+        p_values.append(float(stats.chisquare(row.numpy(), expected.numpy())[1]))
+    return p_values
+
+
+def _sampled_with_drafts(model: MarkovLM) -> list[list[int]]:
+    """2,000 unseeded requests (the shared generator: not the plain draws) at temperature 1,
+    drafts on every step."""
+    params = [SamplingParams(max_tokens=64, temperature=1.0)] * 2000
+    runner = ModelRunner(model, block_size=64, device=torch.device("cpu"), seed=11)  # type: ignore[arg-type]
+    return _run(runner, params, _mixed, steps=6)
+
+
+@pytest.mark.slow
+def test_tokens_follow_the_target_distribution() -> None:
+    """Each transition's counts against softmax(table[prev])."""
+    model = MarkovLM()
+    outputs = _sampled_with_drafts(model)
+    p_values = _p_values(model, outputs)
+    assert min(p_values) > 1e-4, p_values
     drafted_runs = sum(len(o) for o in outputs) - 7 * len(outputs)
     assert drafted_runs > 1000  # many tokens came from accepted drafts
+
+
+@pytest.mark.slow
+def test_the_test_fails_a_lenient_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The power check: a verifier that lets a rejected draft through one time in five (the
+    draft kept in place of the model's pick) skews the distribution toward the drafts, and the
+    same test, on as many tokens, rejects it."""
+    import deepinfer.runner.model_runner as model_runner
+
+    honest = model_runner.verify_drafts
+    rng = random.Random(0)
+
+    def lenient(chunks: Sequence[ScheduledChunk], picks: Sequence[SampledToken]) -> tuple:
+        sampled, accepted = honest(chunks, picks)
+        for chunk in chunks:
+            drafts, kept = chunk.draft_token_ids, accepted.get(chunk.request_id, ())
+            if len(kept) < len(drafts) and rng.random() < 0.2:
+                accepted[chunk.request_id] = (*kept, SampledToken(drafts[len(kept)]))
+        return sampled, accepted
+
+    monkeypatch.setattr(model_runner, "verify_drafts", lenient)
+    model = MarkovLM()
+    assert min(_p_values(model, _sampled_with_drafts(model))) < 1e-6
