@@ -330,7 +330,8 @@ async def run_proposer(
         assert engine._core is not None
         drafter = engine._core.scheduler.drafter
         assert drafter is not None
-        for prompt in WORKLOADS["mixed"]:  # warm-up, and every prompt in the prefix cache
+        warm = [p for w, prompts in WORKLOADS.items() if w != "mixed" for p in prompts]
+        for prompt in warm:  # warm-up, and every prompt in the prefix cache
             await one(engine, prompt, dataclasses.replace(params, max_tokens=1))
         for r in range(rounds):
             order = MODES[r % 3 :] + MODES[: r % 3]
