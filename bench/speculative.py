@@ -28,13 +28,13 @@ plain decoding's, token for token.
     python bench/speculative.py
     python bench/speculative.py --proposers ngram,suffix,auto --streams 8,32
     python bench/speculative.py --proposers ngram,suffix,auto --streams "" --temperature 0.7
+    python bench/speculative.py --proposers ngram,layers,draft-model --rounds 3 --streams 8,32
 
 Suffix decoding's stores of earlier outputs are emptied before each measurement (the bench
 repeats its prompts; their earlier outputs would draft whole answers): single stream, a
 workload's own earlier answers still draft for its later prompts (the trace's turns); with
 several streams the store fills within the run, where the same prompts recur by design.
 `--temperature` above 0 makes every request sampled and seeded: the same tokens in every mode.
-    python bench/speculative.py --proposers ngram,layers,draft-model --rounds 3 --streams 8,32
 
 `draft-model` drafts with `--draft-model PATH`; without it, with SmolLM2's first 8 layers
 written as a GGUF of their own (`bench/truncated_draft.py`): no smaller model with SmolLM2's
@@ -128,7 +128,7 @@ FIXED = FILE.replace("out[key] = value", "if value is not None:\n            out
 
 def _trace() -> list[list[ChatMessage]]:
     """A tool loop replayed: the agent runs the tests, reads the file, writes it back with a
-    fix, runs the tests again, writes it again; each prompt is the session up to a tool's result
+    fix, runs the tests again; each prompt is the session up to a tool's result
     (the earlier actions as recorded), the next action the model's own."""
     task = (
         "You are a coding agent. Act with one tool call per turn: run_tests(), "

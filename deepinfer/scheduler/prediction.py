@@ -100,13 +100,13 @@ def _realign(a: _Alignment, outputs: list[int]) -> tuple[int | None, int]:
     for n in range(min(MAX_MATCH, len(outputs)), MIN_MATCH - 1, -1):
         needle = array("q", outputs[-n:]).tobytes()
         for start in (max(a.lost_at - n, 0), 0):
-            at = _find_aligned(a.packed, needle, start * _WIDTH)
+            at = find_aligned(a.packed, needle, start * _WIDTH)
             if at >= 0:
                 return at // _WIDTH + n, n
     return None, 0
 
 
-def _find_aligned(data: bytes, needle: bytes, start: int) -> int:
+def find_aligned(data: bytes | bytearray, needle: bytes, start: int) -> int:
     """`data.find(needle, start)` kept to whole tokens; -1 if none."""
     at = data.find(needle, start)
     while at >= 0 and at % _WIDTH:

@@ -82,8 +82,8 @@ class NgramProposer:
 
     name = "ngram"
     num_signals = 1
-    max_draft_tokens: int | None = None
     """The matched n-gram's length, as n / max_n."""
+    max_draft_tokens: int | None = None
 
     def __init__(self, min_n: int = 2, max_n: int = 4, window: int = 4096) -> None:
         self.min_n, self.max_n, self.window = min_n, max_n, window

@@ -17,8 +17,8 @@ n-gram and copies what followed it. Here every recent occurrence of the context'
   draft stops where that estimate falls under `MIN_TOKEN_PROB`, or at `SPEC_FACTOR` x m tokens
   (a short match earns a short draft).
 - Among a few match lengths (the longest found, and `MATCH_THRESHOLDS`), and between the
-  request's own tokens and the tenant's outputs, the draft with the largest expected accepted length (the sum of its
-  estimates) wins.
+  request's own tokens and the tenant's outputs, the draft with the largest expected accepted
+  length (the sum of its estimates) wins.
 
 Signals for the gate: the winning match's share of `MAX_MATCH`, and its first token's estimate.
 The search runs in C (`bytearray.rfind` over the tokens packed as int64 bytes, kept to whole
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from deepinfer.request import Request
 from deepinfer.scheduler.draft_gate import Draft
+from deepinfer.scheduler.prediction import find_aligned
 
 MIN_MATCH = 2
 """Shortest tail matched (one token, a newline or a bracket, occurs everywhere in code)."""
@@ -100,7 +101,7 @@ class TenantOutputs:
         store += packed + _SEPARATOR_BYTES
         excess = len(store) - (self.max_tokens + 1) * _WIDTH
         if excess > 0:  # cut at the separator that ends the last output to leave
-            cut = _find_aligned(store, _SEPARATOR_BYTES, excess)
+            cut = find_aligned(store, _SEPARATOR_BYTES, excess)
             del store[: cut if cut >= 0 else len(store) - _WIDTH]
         while len(self._stores) > self.max_tenants:
             self._stores.popitem(last=False)
@@ -256,11 +257,3 @@ def _match_length(store: bytearray, tail: bytes, start: int, known: int) -> int:
         else:
             bad = m
     return good
-
-
-def _find_aligned(data: bytearray, needle: bytes, start: int) -> int:
-    """`data.find(needle, start)` kept to whole tokens; -1 if none."""
-    at = data.find(needle, start)
-    while at >= 0 and at % _WIDTH:
-        at = data.find(needle, at + 1)
-    return at
