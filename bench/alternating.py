@@ -118,13 +118,13 @@ class Alternation:
         if self._step is not None and self._step[0] != "plain":
             self.drafter.observe_step(so, out)
 
-    def observe_request(self, request_id: str, num_drafts: int, out: RunnerOutput) -> None:
+    def observe_request(self, request: Request, num_drafts: int, out: RunnerOutput) -> None:
         tally = self._counted()
         if tally is not None and num_drafts:
             tally.drafted += num_drafts
-            tally.accepted += len(out.accepted.get(request_id, ()))
+            tally.accepted += len(out.accepted.get(request.request_id, ()))
             tally.verified += 1
-        self.drafter.observe_request(request_id, num_drafts, out)
+        self.drafter.observe_request(request, num_drafts, out)
 
     def take_slots(self, *args: Any, **kwargs: Any) -> bool:
         return self.drafter.take_slots(*args, **kwargs)

@@ -105,7 +105,7 @@ class CacheConfig:
     from a stored window or by a bounded replay, and the host and disk tiers store the full
     layers' KV alone. `all` keeps every token in every layer (and caches every layer). With
     separate prefill and decode device groups or a worker-side draft (`--speculative layers`,
-    `draft-model`), `all` is used (logged)."""
+    `draft-model`, `mtp`), `all` is used (logged)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class WorkersConfig:
     more throughput at 32 streams (bench/RESULTS.md)."""
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "suffix", "auto", "layers", "draft-model")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "auto", "layers", "draft-model", "mtp")
 MAX_DRAFT_TOKENS = 32
 
 
@@ -241,7 +241,7 @@ class SpeculativeConfig:
     next token, in one forward pass, and keeps the drafts the model agrees with (the output is
     the same tokens as without it, greedy or seeded; requests with a grammar never draft)."""
 
-    speculative: Literal["none", "ngram", "suffix", "auto", "layers", "draft-model"] = "none"
+    speculative: Literal["none", "ngram", "suffix", "auto", "layers", "draft-model", "mtp"] = "none"
     """How drafts are proposed: `none`; `ngram` (prompt lookup: the request's own context
     continues its longest recent n-gram match; no extra model); `suffix` (suffix decoding: the
     most frequent continuation of the context's tail in the request's own tokens and in its
@@ -251,11 +251,13 @@ class SpeculativeConfig:
     model's first `draft_layers` layers, its final norm and LM head draft greedily, on the
     worker, at the start of the step that verifies them); `draft-model` (a smaller model with
     the same vocabulary, `draft_model`, drafts greedily on the worker, its KV in the same
-    blocks as the model's)."""
+    blocks as the model's); `mtp` (the checkpoint's multi-token-prediction layer, DeepSeek-V3's
+    `num_nextn_predict_layers`, drafts greedily on the worker from the model's hidden states;
+    one device group)."""
     num_draft_tokens: int = 5
-    """Most draft tokens a request verifies in one step (`ngram`, `layers`, `draft-model`;
-    suffix decoding and a request's prediction size their own drafts, up to 16, and the gate
-    cuts every draft to what pays)."""
+    """Most draft tokens a request verifies in one step (`ngram`, `layers`, `draft-model`,
+    `mtp`; suffix decoding and a request's prediction size their own drafts, up to 16, and the
+    gate cuts every draft to what pays)."""
     draft_layers: int = 8
     """`layers`: how many of the model's first layers draft (fewer than it has)."""
     draft_model: str | None = None

@@ -42,7 +42,8 @@ from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.runner.step_graphs import StepGraphs
-from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, WorkerDrafter
+from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, Drafter, WorkerDrafter
+from deepinfer.runner.worker_mtp import MTPDrafter
 from deepinfer.sampling.constraints import CompilerLimits, ConstraintCompiler
 from deepinfer.sampling.vocabulary import GrammarVocabulary, vocabulary_from
 from deepinfer.scheduler.protocol import EngineScheduler
@@ -350,13 +351,16 @@ def build_runners(
     )
 
 
-def _worker_drafter(config: Config, decode: Replica) -> WorkerDrafter | None:
-    """The decode runner's draft maker for `--speculative layers` (the model's first layers)
-    or `draft-model` (the replica's draft); None for other methods."""
+def _worker_drafter(config: Config, decode: Replica) -> Drafter | None:
+    """The decode runner's draft maker for `--speculative layers` (the model's first layers),
+    `draft-model` (the replica's draft) or `mtp` (the replica's MTP layer); None for other
+    methods."""
     spec, block_size = config.speculative, config.cache.block_size
     sure = DRAFT_CONFIDENCE_MIN if spec.speculative_gate == "on" else 0.0
     if decode.draft is not None:
         return WorkerDrafter(decode.draft, block_size, decode.device, None, sure)
+    if decode.mtp is not None:
+        return MTPDrafter(decode.mtp, block_size, decode.device, sure)
     if spec.speculative != "layers":
         return None
     try:

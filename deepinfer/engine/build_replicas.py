@@ -4,7 +4,8 @@ and the decode group's when the groups are separate devices (else one replica se
 With `--speculative draft-model` the decode group's replica carries the draft model too: its KV
 lives in caches of its own indexed by the same block ids as the model's, so a block is one unit
 of the pool (its bytes are both models' and the pool holds fewer blocks), and the draft needs no
-block tables, allocation or accounting of its own."""
+block tables, allocation or accounting of its own. So does `--speculative mtp` with the
+checkpoint's multi-token-prediction layer (one layer's KV more a block)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from deepinfer.cache.window_group import WindowSpec
 from deepinfer.config import Config
 from deepinfer.engine.kv_sizing import kv_cache_dtype, num_kv_blocks, split_kv_blocks, window_spec
 from deepinfer.environment import resolve_model
-from deepinfer.errors import ConfigError
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.model.kv_layout import (
     KVCaches,
     allocate_kv_caches,
     full_layer_caches,
     kv_bytes_per_block,
 )
+from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.loading.loader import LoadedModel, load_model
+from deepinfer.model.mtp import MTPHead, load_mtp_head
 from deepinfer.model.protocol import CausalLM
 from deepinfer.runner.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from deepinfer.runner.device import resolve_dtype
@@ -45,6 +48,8 @@ class Replica:
     window: WindowSpec | None = None
     """The sliding-window layers' KV in a pool of its own (`--window-kv window`), else None."""
     num_window_blocks: int = 0
+    mtp: MTPHead | None = None
+    """`--speculative mtp`: the model's MTP layer, bound to caches of `num_blocks` blocks."""
 
     @property
     def window_caches(self) -> KVCaches:
@@ -82,9 +87,11 @@ def build_replicas(config: Config, path: Path, groups: DeviceGroups) -> Replicas
     kv_dtype = kv_cache_dtype(config.cache, dtype, backend, groups.prefill)
     draft = load_draft(config, loaded, groups.decode)
     split = groups.split
+    mtp = load_mtp(config, loaded, path, split)
     prefill = build_replica(
-        config, loaded, loaded.model, kv_dtype, groups.prefill, None if split else draft, split
-    )
+        config, loaded, loaded.model, kv_dtype, groups.prefill, None if split else draft, split,
+        mtp,
+    )  # fmt: skip
     decode = prefill
     if split:
         decode_model = load(config, path, dtype, groups.decode).model
@@ -109,6 +116,24 @@ def load_draft(config: Config, loaded: LoadedModel, device: torch.device) -> Loa
             f"({draft.arch.vocab_size} vs {loaded.arch.vocab_size} tokens)"
         )
     return draft
+
+
+def load_mtp(config: Config, loaded: LoadedModel, path: Path, split: bool) -> MTPHead | None:
+    """The model's MTP layer for `--speculative mtp` (else None); refused with separate device
+    groups (the prompt's hidden states stay on the prefill group) and for a model without one."""
+    if config.speculative.speculative != "mtp":
+        return None
+    if split:
+        raise ConfigError("--speculative mtp needs one device group (--workers colocated)")
+    if not isinstance(loaded.model, LlamaForCausalLM) or not loaded.arch.num_mtp_layers:
+        raise ConfigError(
+            f"--speculative mtp: {path} has no multi-token-prediction layer "
+            "(DeepSeek-V3's num_nextn_predict_layers, in a model directory)"
+        )
+    try:
+        return load_mtp_head(loaded.model, path)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--speculative mtp: {exc}") from exc
 
 
 def _vocab(loaded: LoadedModel) -> list[bytes] | None:
@@ -147,6 +172,7 @@ def build_replica(
     device: torch.device,
     draft: LoadedModel | None = None,
     split: bool = False,
+    mtp: MTPHead | None = None,
 ) -> Replica:
     """A KV pool on `device`, sized by the cache config and bound to `model` (and `draft`:
     each block holds both models' KV)."""
@@ -164,6 +190,8 @@ def build_replica(
         block_bytes = kv_bytes_per_block(arch, block_size, kv_dtype)
         if draft is not None:
             block_bytes += kv_bytes_per_block(draft.arch, block_size, kv_dtype)
+        if mtp is not None:
+            block_bytes += kv_bytes_per_block(mtp.arch, block_size, kv_dtype)
         num_blocks = num_kv_blocks(config.cache, block_bytes, device)
     kv_caches = allocate_kv_caches(
         arch, num_blocks, block_size, kv_dtype, device, num_window_blocks
@@ -173,8 +201,10 @@ def build_replica(
         draft.model.bind_kv_caches(
             allocate_kv_caches(draft.arch, num_blocks, block_size, kv_dtype, device)
         )
+    if mtp is not None:
+        mtp.bind_kv_caches(allocate_kv_caches(mtp.arch, num_blocks, block_size, kv_dtype, device))
     draft_model = draft.model if draft else None
-    return Replica(model, kv_caches, num_blocks, device, draft_model, spec, num_window_blocks)
+    return Replica(model, kv_caches, num_blocks, device, draft_model, spec, num_window_blocks, mtp)
 
 
 def capture_graphs(config: Config, decode: Replica, max_len: int) -> DecodeGraphs | None:

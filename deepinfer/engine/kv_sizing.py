@@ -89,7 +89,7 @@ def window_spec(config: Config, arch: ModelArch, split: bool) -> WindowSpec | No
     pool (the model has no windowed layer, `--window-kv all`, or a setup that needs it)."""
     if config.cache.window_kv == "all" or not arch.windowed:
         return None
-    worker_drafts = config.speculative.speculative in ("layers", "draft-model")
+    worker_drafts = config.speculative.speculative in ("layers", "draft-model", "mtp")
     if split or worker_drafts:
         why = "separate prefill and decode device groups" if split else "a worker-side draft"
         log.info("--window-kv window is not supported with %s: every layer keeps its KV", why)

@@ -147,6 +147,10 @@ class ModelArch:
     """Latent attention in every layer (None: grouped-query attention)."""
     rope_yarn: YarnRope | None = None
     """YaRN scaling of the full layers' RoPE (None: plain)."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint stores after the decoder's (DeepSeek-V3's
+    `num_nextn_predict_layers`, at layer indices from `num_layers`): the model does not run
+    them; `--speculative mtp` drafts with the first (`model/mtp.py`)."""
 
     def __post_init__(self) -> None:
         sizes = {

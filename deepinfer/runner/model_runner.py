@@ -6,6 +6,7 @@ are ready (`deepinfer/sampling/mask_fill.py` holds the design and its invariants
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import cast
 
@@ -19,7 +20,7 @@ from deepinfer.runner.batch_builder import decode_batch, schedule_to_batch
 from deepinfer.runner.prompt_logprobs import PromptLogprobTable
 from deepinfer.runner.speculative import DrawnStreams, verify_drafts
 from deepinfer.runner.step_graphs import StepGraphs
-from deepinfer.runner.worker_draft import WorkerDrafter
+from deepinfer.runner.worker_draft import Drafter
 from deepinfer.sampling.constraints import ConstraintCompiler, ConstraintMatcher
 from deepinfer.sampling.generators import make_generator
 from deepinfer.sampling.mask_fill import MaskFiller
@@ -44,7 +45,7 @@ class ModelRunner:
         seed: int,
         graphs: StepGraphs | None = None,
         constraints: ConstraintCompiler | None = None,
-        drafter: WorkerDrafter | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -120,13 +121,22 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, so: ScheduleOutput) -> torch.Tensor:
         """The sampling rows' logits `[B_sample, V]`; a step with prompt rows scores them into
         `prompt_logprobs` on the way (eagerly: no graph was captured for extra rows)."""
-        if not batch.num_prompt_logits:
+        keep = self.drafter is not None and self.drafter.keeps_hidden
+        if not batch.num_prompt_logits and not keep:
             if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
                 return logits
             return self.model(batch)
-        hidden = self.model.forward_hidden(batch)  # [B_sample + P, hidden]
+        if keep:  # every row's final hidden state, for the drafter (`worker_mtp.py`)
+            assert self.drafter is not None
+            every = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+            rows = self.model.forward_hidden(dataclasses.replace(batch, logits_indices=every))
+            self.drafter.record(so.chunks, rows)
+            hidden = rows[batch.logits_indices]
+        else:
+            hidden = self.model.forward_hidden(batch)  # [B_sample + P, hidden]
         num_sampled = hidden.shape[0] - batch.num_prompt_logits
-        self.prompt_logprobs.add(so.chunks, hidden[num_sampled:], self.model.compute_logits)
+        if batch.num_prompt_logits:
+            self.prompt_logprobs.add(so.chunks, hidden[num_sampled:], self.model.compute_logits)
         return self.model.compute_logits(hidden[:num_sampled])
 
     def _rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:

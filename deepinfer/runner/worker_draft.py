@@ -21,7 +21,7 @@ drafts) are valid, and everything after them up to the chunk, the "catch-up" (th
 first, and any steps decoded without drafts), is computed as one prefill chunk ending in the
 first pass, `CATCH_UP_TOKENS` a step at most across requests (a request still catching up
 drafts nothing that step). Whole blocks of the draft's KV are found by their tokens too
-(`_BlockKeys`): a prompt prefix that another request's draft computed, in blocks the prefix
+(`BlockKeys`): a prompt prefix that another request's draft computed, in blocks the prefix
 cache shares, is not computed again. A request preempted or finished is forgotten (and one whose blocks
 are not those its draft KV was written in starts over). Whatever the draft's
 KV holds, only which tokens are tried depends on it: outputs are verification's alone.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
 import torch
@@ -48,7 +49,7 @@ CATCH_UP_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class _Written:
+class Written:
     """A draft model's KV of a request: valid before `start`; its last passes wrote `count`
     positions from `start`, the first with the request's token there, the others with drafts,
     in the blocks `block_ids`."""
@@ -68,21 +69,25 @@ class _Written:
         return valid if chunk.block_ids[:n] == self.block_ids[:n] else 0
 
 
-class _BlockKeys:
-    """Which blocks hold a draft model's KV of which tokens: a full block's key chains its
-    tokens with every earlier block's (as the prefix cache's hashes do), set when the draft
-    computed the whole block and dropped when it writes there again. A request whose blocks
-    carry the keys of its own tokens finds the draft's KV there, whoever computed it: a prefix
-    served from the prefix cache is not computed again by the draft either."""
+class BlockKeys:
+    """Which blocks hold a draft's KV of which tokens: a full block's key chains its tokens
+    with every earlier block's (as the prefix cache's hashes do), set when the draft computed
+    the whole block and dropped when it writes there again. A request whose blocks carry the
+    keys of its own tokens finds the draft's KV there, whoever computed it: a prefix served
+    from the prefix cache is not computed again by the draft either. With `shift`, a
+    position's KV depends on the tokens up to `shift` after it (an MTP layer's, on the next
+    token): a block's key chains those."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, shift: int = 0) -> None:
         self.block_size = block_size
+        self.shift = shift
         self._keys: dict[int, int] = {}
 
     def _chain(self, tokens: Sequence[int], num_blocks: int) -> list[int]:
-        bs, key, keys = self.block_size, 0, []
+        bs, shift, keys = self.block_size, self.shift, []
+        key = hash(tuple(tokens[:shift]))
         for i in range(num_blocks):
-            key = hash((key, tuple(tokens[i * bs : (i + 1) * bs])))
+            key = hash((key, tuple(tokens[i * bs + shift : (i + 1) * bs + shift])))
             keys.append(key)
         return keys
 
@@ -112,7 +117,27 @@ class _BlockKeys:
             self._keys.pop(block_ids[i], None)
 
 
+class Drafter(Protocol):
+    """Makes the worker's drafts of a step before its forward pass (`WorkerDrafter`,
+    `worker_mtp.MTPDrafter`)."""
+
+    keeps_hidden: bool
+    """Wants the model's final hidden state of every row each step computes (`record`)."""
+    num_caught_up: int
+
+    def fill(self, so: ScheduleOutput) -> tuple[ScheduleOutput, dict[str, int]]: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+    def record(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """The final (normed) hidden states `[T, hidden]` of a step's rows: `chunks`' tokens,
+        in order."""
+        ...
+
+
 class WorkerDrafter:
+    keeps_hidden = False
+
     def __init__(
         self,
         model: CausalLM,
@@ -134,9 +159,9 @@ class WorkerDrafter:
         self.min_confidence = min_confidence
         self.block_size = block_size
         self.device = device
-        self._written: dict[str, _Written] = {}
+        self._written: dict[str, Written] = {}
         """A draft model's KV per request (self-speculation needs none)."""
-        self._blocks = _BlockKeys(block_size)
+        self._blocks = BlockKeys(block_size)
         self.num_caught_up = 0
         """Tokens a draft model computed to bring its KV up to date (before the first passes)."""
 
@@ -150,7 +175,7 @@ class WorkerDrafter:
             return so, {}
         drafts = self._draft(wanting)
         chunks = tuple(
-            _with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
+            with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
         )
         return msgspec.structs.replace(so, chunks=chunks), {
             rid: len(d) for rid, d in drafts.items()
@@ -160,6 +185,9 @@ class WorkerDrafter:
         """Forget requests that finished or lost their blocks."""
         for rid in request_ids:
             self._written.pop(rid, None)
+
+    def record(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        pass
 
     def _draft(self, wanting: list[ScheduledChunk]) -> dict[str, list[int]]:
         drafts: dict[str, list[int]] = {c.request_id: [] for c in wanting}
@@ -214,7 +242,7 @@ class WorkerDrafter:
                 budget = 0
                 tokens = c.request.token_span(start, end)
                 behind.append(BatchChunk(tokens, start, c.block_ids, sample=False))
-                self._written[c.request_id] = _Written(end, 0, c.block_ids)
+                self._written[c.request_id] = Written(end, 0, c.block_ids)
                 self._blocks.computed(c, end)
         return ready, batch + behind
 
@@ -229,14 +257,7 @@ class WorkerDrafter:
         hidden = self.model.forward_hidden(forward, self.num_layers)
         if not chunks:
             return []
-        logits = self.model.compute_logits(hidden)  # [B, V]
-        ids = greedy_ids(logits).clamp(min=0)  # a row with no finite logit drafts token 0
-        if self.min_confidence <= 0:
-            return [(i, True) for i in ids.tolist()]
-        top = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
-        prob = torch.exp(top - torch.logsumexp(logits, dim=-1))  # the pick's probability
-        sure = prob >= self.min_confidence  # NaN: never
-        return list(zip(ids.tolist(), sure.tolist(), strict=True))
+        return greedy_picks(self.model.compute_logits(hidden), self.min_confidence)
 
     def _valid_until(self, chunk: ScheduledChunk) -> int:
         """Where the drafter's valid KV of the chunk's request ends (the chunk's start for
@@ -254,11 +275,23 @@ class WorkerDrafter:
         written, the first with its token (its KV is valid up to it), the others with drafts."""
         if self.num_layers is None:
             start = chunk.start_position
-            self._written[chunk.request_id] = _Written(start, count, chunk.block_ids)
+            self._written[chunk.request_id] = Written(start, count, chunk.block_ids)
             self._blocks.overwritten(chunk.block_ids, start + 1, start + count)
 
 
-def _with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:
+def greedy_picks(logits: torch.Tensor, min_confidence: float) -> list[tuple[int, bool]]:
+    """Each row's greedy pick and whether its probability is at least `min_confidence` (0:
+    always sure)."""
+    ids = greedy_ids(logits).clamp(min=0)  # a row with no finite logit drafts token 0
+    if min_confidence <= 0:
+        return [(i, True) for i in ids.tolist()]
+    top = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+    prob = torch.exp(top - torch.logsumexp(logits, dim=-1))  # the pick's probability
+    sure = prob >= min_confidence  # NaN: never
+    return list(zip(ids.tolist(), sure.tolist(), strict=True))
+
+
+def with_drafts(chunk: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:
     return dataclasses.replace(
         chunk,
         draft_token_ids=tuple(drafts),

@@ -145,8 +145,9 @@ def _rfind(data: memoryview, needle: bytes, lo: int, hi: int) -> int:
 
 class WorkerProposer:
     """Drafts made on the worker at the start of the step that verifies them
-    (`runner/worker_draft.py`: the model's first layers, or a draft model); here only the room
-    for them is asked."""
+    (`runner/worker_draft.py`: the model's first layers, or a draft model;
+    `runner/worker_mtp.py`: the checkpoint's MTP layer); here only the room for them is
+    asked."""
 
     num_signals = 0
     max_draft_tokens: int | None = None
@@ -229,6 +230,6 @@ def build_proposer(config: SpeculativeConfig) -> Proposer | None:
         return SuffixProposer()
     if config.speculative == "auto":
         return ChoiceProposer([SuffixProposer(), NgramProposer()], config.num_draft_tokens)
-    if config.speculative in ("layers", "draft-model"):
+    if config.speculative in ("layers", "draft-model", "mtp"):
         return WorkerProposer(config.speculative)
     return None

@@ -255,6 +255,9 @@ def hf_arch(config: dict[str, Any], has_lm_head: bool) -> ModelArch:
             qkv_bias=name in _QKV_BIAS,
             qk_norm=name in ("qwen3", "qwen3_moe", "gemma3", "dots1"),
             moe=_moe(config, name, num_layers) if name in _MOE else None,
+            num_mtp_layers=int(config.get("num_nextn_predict_layers") or 0)
+            if name == "deepseek_v3"
+            else 0,
             **(_gemma3(config, num_layers) if name == "gemma3" else {}),
             **_attention(config, name),
         )

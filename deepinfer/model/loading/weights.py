@@ -218,6 +218,7 @@ def build_state_dict(
         state["lm_head.weight"] = take("lm_head.weight")
     if arch.tie_word_embeddings:  # some tied checkpoints also store a copy of the head
         ignored = ignored | {"lm_head.weight"}
+    ignored = ignored | mtp_names(arch, source)  # loaded apart (`mtp_state_dict`), if at all
     unused = source.names() - take.used - ignored
     if unused:
         raise ModelLoadError(
@@ -225,3 +226,47 @@ def build_state_dict(
             f"(unsupported feature?): {', '.join(sorted(unused)[:8])}"
         )
     return {name: tensor for name, tensor in state.items() if tensor is not _SERVED}
+
+
+def mtp_names(arch: ModelArch, source: TensorSource) -> frozenset[str]:
+    """The source's tensors of its multi-token-prediction layers (`ModelArch.num_mtp_layers`)."""
+    prefixes = tuple(f"layers.{arch.num_layers + j}." for j in range(arch.num_mtp_layers))
+    if not prefixes:
+        return frozenset()
+    return frozenset(name for name in source.names() if name.startswith(prefixes))
+
+
+MTP_TENSORS = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+    "embed_tokens.weight": "embed_tokens.weight",
+    "head.weight": "shared_head.head.weight",
+}
+"""An MTP layer's own tensors beside its decoder layer's (`MTPHead` names: DeepSeek-V3's)."""
+
+
+def mtp_state_dict(
+    arch: ModelArch, source: TensorSource, dtype: torch.dtype, device: torch.device
+) -> StateDict:
+    """The first multi-token-prediction layer's state dict (`model/mtp.py`'s `MTPHead`): its
+    decoder layer under `block.`, its norms, projection, embedding and head; every tensor of
+    that layer must be used."""
+    if not arch.num_mtp_layers:
+        raise ModelLoadError("the checkpoint has no multi-token-prediction layers")
+    index = arch.num_layers
+    take = _Taker(source, dtype, device)
+    prefix = f"layers.{index}."
+    state = {
+        "block." + name.removeprefix(prefix): tensor
+        for name, tensor in _layer_state(arch, take, index).items()
+    }
+    state.update({ours: take(prefix + theirs) for ours, theirs in MTP_TENSORS.items()})
+    unused = {n for n in source.names() if n.startswith(prefix)} - take.used
+    if unused:
+        raise ModelLoadError(
+            f"the multi-token-prediction layer has tensors this implementation does not use: "
+            f"{', '.join(sorted(unused)[:8])}"
+        )
+    return state
