@@ -164,7 +164,13 @@ def build_engine(config: Config) -> EngineParts:
         decode_kv=decode_kv,
         tiers=KVTiers(kv, host, disk, tier_copies(replicas.prefill), events),
         scheduler=build_scheduler(
-            config, kv, max_len, groups.prefill, decode_kv, replicas.loaded.bf16_prefill
+            config,
+            kv,
+            max_len,
+            groups.prefill,
+            decode_kv,
+            replicas.loaded.bf16_prefill,
+            mtp=replicas.decode.mtp is not None,
         ),
         constraints=constraints,
         runner=runner,

@@ -120,8 +120,14 @@ def load_draft(config: Config, loaded: LoadedModel, device: torch.device) -> Loa
 
 def load_mtp(config: Config, loaded: LoadedModel, path: Path, split: bool) -> MTPHead | None:
     """The model's MTP layer for `--speculative mtp` (else None); refused with separate device
-    groups (the prompt's hidden states stay on the prefill group) and for a model without one."""
-    if config.speculative.speculative != "mtp":
+    groups (the prompt's hidden states stay on the prefill group) and for a model without one.
+    `auto` loads it where it can (one device group, a model directory that has one)."""
+    method = config.speculative.speculative
+    if method == "auto":
+        has = path.is_dir() and loaded.arch.num_mtp_layers > 0
+        if not has or split or not isinstance(loaded.model, LlamaForCausalLM):
+            return None
+    elif method != "mtp":
         return None
     if split:
         raise ConfigError("--speculative mtp needs one device group (--workers colocated)")

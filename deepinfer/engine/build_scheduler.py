@@ -36,12 +36,14 @@ def build_scheduler(
     device: torch.device,
     decode_kv: KVCacheManager | None,
     bf16_prefill: bool = False,
+    mtp: bool = False,
 ) -> EngineScheduler:
     """The colocated scheduler (`--colocated`), else the disaggregated one; `decode_kv` is the
     decode pool when it is separate (None: decode uses `kv`); `bf16_prefill`: the model takes
-    long chunks' products as bf16 tiles (see `planner_config`)."""
+    long chunks' products as bf16 tiles (see `planner_config`); `mtp`: the decode runner
+    drafts with the model's MTP layer."""
     if config.workers.colocated:
-        return Scheduler(config.scheduler, kv, max_len, build_drafter(config, device))
+        return Scheduler(config.scheduler, kv, max_len, build_drafter(config, device, mtp))
     return DisaggScheduler(
         config.scheduler,
         planner_config(config, device, bf16_prefill),
@@ -49,15 +51,16 @@ def build_scheduler(
         max_len,
         StepCostModel(CostModelConfig(prior=cost_prior(device))),
         decode_kv,
-        build_drafter(config, device),
+        build_drafter(config, device, mtp),
     )
 
 
-def build_drafter(config: Config, device: torch.device) -> Drafter:
+def build_drafter(config: Config, device: torch.device, mtp: bool = False) -> Drafter:
     """Speculative decoding's drafter: the configured proposer (None: `--speculative none`,
-    where only requests with a prediction draft) and its gate."""
+    where only requests with a prediction draft; `mtp`: the runner has the model's MTP layer,
+    which `auto` chooses from too) and its gate."""
     spec = config.speculative
-    proposer = build_proposer(spec)
+    proposer = build_proposer(spec, mtp)
     cost = StepCostModel(
         CostModelConfig(
             prior=decode_cost_prior(device), prior_weight=0.5, prior_shapes=DECODE_PRIOR_SHAPES

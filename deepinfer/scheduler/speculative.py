@@ -222,14 +222,18 @@ class ChoiceProposer:
             proposer.forget(request_id)
 
 
-def build_proposer(config: SpeculativeConfig) -> Proposer | None:
-    """The configured proposer; None when speculative decoding is off."""
+def build_proposer(config: SpeculativeConfig, mtp: bool = False) -> Proposer | None:
+    """The configured proposer; None when speculative decoding is off. `auto` chooses among
+    suffix decoding, n-gram and, where the runner has the model's MTP layer (`mtp`), it."""
     if config.speculative == "ngram":
         return NgramProposer()
     if config.speculative == "suffix":
         return SuffixProposer()
     if config.speculative == "auto":
-        return ChoiceProposer([SuffixProposer(), NgramProposer()], config.num_draft_tokens)
+        choices: list[Proposer] = [SuffixProposer(), NgramProposer()]
+        if mtp:
+            choices.append(WorkerProposer("mtp"))
+        return ChoiceProposer(choices, config.num_draft_tokens)
     if config.speculative in ("layers", "draft-model", "mtp"):
         return WorkerProposer(config.speculative)
     return None

@@ -110,6 +110,27 @@ async def test_mtp_drafts_are_the_layers_and_outputs_plain(
     assert _check_against_reference(reference, log) >= 0.9 * len(log) > 40
 
 
+async def test_auto_chooses_the_layer_too(
+    deepseek: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`auto` on a model with the layer: suffix decoding, n-gram and the layer, per request."""
+    directory, reference = deepseek
+    config = tiny_config(directory, WorkersConfig(), num_blocks=200)
+    prompts = _prompts()
+    async with AsyncEngine(config) as plain:
+        want = await run_all(plain, prompts, GREEDY)
+    log = _log_first_drafts(monkeypatch)
+    spec = SpeculativeConfig(speculative="auto", speculative_gate="off")
+    async with AsyncEngine(config.replace(speculative=spec)) as engine:
+        core = engine._core
+        assert core is not None and isinstance(core.decode_runner.drafter, MTPDrafter)
+        got = await run_all(engine, prompts, GREEDY)
+        counts = engine.stats().speculative
+    assert got == want
+    assert counts.proposer == "auto" and counts.num_drafted > len(log) > 0
+    assert _check_against_reference(reference, log) >= 0.9 * len(log)
+
+
 async def test_a_prompt_run_again_finds_the_layers_kv(
     deepseek: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
