@@ -30,7 +30,7 @@ KV holds, only which tokens are tried depends on it: outputs are verification's 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -170,16 +170,7 @@ class WorkerDrafter:
         """`so` with every chunk's worker drafts made (`draft_token_ids`), and how many each
         got; `so` itself when no chunk asks for any."""
         self.release(so.preempted_ids)
-        wanting = [c for c in so.chunks if c.num_worker_drafts]
-        if not wanting:
-            return so, {}
-        drafts = self._draft(wanting)
-        chunks = tuple(
-            with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
-        )
-        return msgspec.structs.replace(so, chunks=chunks), {
-            rid: len(d) for rid, d in drafts.items()
-        }
+        return fill_drafts(so, self._draft)
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget requests that finished or lost their blocks."""
@@ -277,6 +268,21 @@ class WorkerDrafter:
             start = chunk.start_position
             self._written[chunk.request_id] = Written(start, count, chunk.block_ids)
             self._blocks.overwritten(chunk.block_ids, start + 1, start + count)
+
+
+def fill_drafts(
+    so: ScheduleOutput, draft: Callable[[list[ScheduledChunk]], dict[str, list[int]]]
+) -> tuple[ScheduleOutput, dict[str, int]]:
+    """`so` with the drafts `draft` makes for the chunks that ask for them, and how many each
+    got; `so` itself when no chunk asks."""
+    wanting = [c for c in so.chunks if c.num_worker_drafts]
+    if not wanting:
+        return so, {}
+    drafts = draft(wanting)
+    chunks = tuple(
+        with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
+    )
+    return msgspec.structs.replace(so, chunks=chunks), {rid: len(d) for rid, d in drafts.items()}
 
 
 def greedy_picks(logits: torch.Tensor, min_confidence: float) -> list[tuple[int, bool]]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
 import torch
 
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
@@ -32,8 +31,8 @@ from deepinfer.runner.worker_draft import (
     DRAFT_CONFIDENCE_MIN,
     BlockKeys,
     Written,
+    fill_drafts,
     greedy_picks,
-    with_drafts,
 )
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 from deepinfer.scheduler.speculative import can_speculate
@@ -124,16 +123,7 @@ class MTPDrafter:
     def fill(self, so: ScheduleOutput) -> tuple[ScheduleOutput, dict[str, int]]:
         """`so` with every chunk's worker drafts made, and how many each got."""
         self.release(so.preempted_ids)
-        wanting = [c for c in so.chunks if c.num_worker_drafts]
-        if not wanting:
-            return so, {}
-        drafts = self._draft(wanting)
-        chunks = tuple(
-            with_drafts(c, drafts[c.request_id]) if c.num_worker_drafts else c for c in so.chunks
-        )
-        return msgspec.structs.replace(so, chunks=chunks), {
-            rid: len(d) for rid, d in drafts.items()
-        }
+        return fill_drafts(so, self._draft)
 
     def _draft(self, wanting: list[ScheduledChunk]) -> dict[str, list[int]]:
         drafts: dict[str, list[int]] = {c.request_id: [] for c in wanting}

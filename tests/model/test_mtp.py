@@ -19,6 +19,7 @@ from deepinfer.errors import ModelLoadError
 from deepinfer.model import load_model
 from deepinfer.model.forward_batch import BatchChunk, build_forward_batch
 from deepinfer.model.kv_layout import allocate_kv_caches
+from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.mtp import MTPHead, load_mtp_head
 from tests.model.model_test_utils import SequentialBlocks, bind_fresh_caches
 
@@ -41,8 +42,14 @@ def _prompt(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, 97, (n,), generator=g).tolist()
 
 
-def _loaded(directory: Path) -> tuple[Any, MTPHead]:
+def _llama(directory: Path) -> LlamaForCausalLM:
     model = load_model(directory, torch.float32, "cpu").model
+    assert isinstance(model, LlamaForCausalLM)
+    return model
+
+
+def _loaded(directory: Path) -> tuple[Any, MTPHead]:
+    model = _llama(directory)
     bind_fresh_caches(model, num_blocks=64, block_size=BLOCK_SIZE)
     head = load_mtp_head(model, directory)
     head.bind_kv_caches(allocate_kv_caches(head.arch, 64, BLOCK_SIZE, torch.float32, "cpu"))
@@ -96,24 +103,29 @@ def test_the_model_beside_the_layer_is_transformers(checkpoint: tuple[Path, Any]
 
 
 def test_a_model_without_the_layer_is_refused(tiny_llama_dir: Path) -> None:
-    model = load_model(tiny_llama_dir, torch.float32, "cpu").model
+    model = _llama(tiny_llama_dir)
     with pytest.raises(ModelLoadError, match="no multi-token-prediction layers"):
         load_mtp_head(model, tiny_llama_dir)
+
+
+def _copy(directory: Path, tmp_path: Path, *names: str) -> Path:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in names:
+        (copy / name).write_bytes((directory / name).read_bytes())
+    return copy
 
 
 def test_an_unknown_tensor_of_the_layer_is_refused(
     checkpoint: tuple[Path, Any], tmp_path: Path
 ) -> None:
     directory, _ = checkpoint
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for name in ("model.safetensors", "config.json"):
-        (copy / name).write_bytes((directory / name).read_bytes())
+    copy = _copy(directory, tmp_path, "model.safetensors", "config.json")
     mtp = load_file(str(directory / "mtp.safetensors"))
     mtp["model.layers.3.mystery.weight"] = torch.zeros(4)
     save_file(mtp, str(copy / "mtp.safetensors"))
-    model = load_model(copy, torch.float32, "cpu").model
-    with pytest.raises(ModelLoadError, match="does not use: layers.3.mystery.weight"):
+    model = _llama(copy)
+    with pytest.raises(ModelLoadError, match=r"does not use: layers\.3\.mystery\.weight"):
         load_mtp_head(model, copy)
 
 
@@ -122,10 +134,7 @@ def test_layer_tensors_without_the_config_field_are_refused(
 ) -> None:
     """Without `num_nextn_predict_layers` the layer's tensors are unknown ones, as before."""
     directory, _ = checkpoint
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for name in ("model.safetensors", "mtp.safetensors"):
-        (copy / name).write_bytes((directory / name).read_bytes())
+    copy = _copy(directory, tmp_path, "model.safetensors", "mtp.safetensors")
     config = json.loads((directory / "config.json").read_text())
     config.pop("num_nextn_predict_layers")
     (copy / "config.json").write_text(json.dumps(config))
