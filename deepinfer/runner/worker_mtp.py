@@ -109,8 +109,11 @@ class MTPDrafter:
         for c in chunks:
             n = len(c.token_ids())
             if can_speculate(c.request):
-                rows = hidden[offset : offset + n].clone()
-                self._kept.setdefault(c.request_id, _Kept()).add(c.start_position, rows)
+                kept = self._kept.setdefault(c.request_id, _Kept())
+                kept.add(c.start_position, hidden[offset : offset + n].clone())
+                written = self._written.get(c.request_id)
+                if written is not None:  # the entries before its start are in the layer's KV
+                    kept.drop_before(written.start - 1)
             offset += n
 
     def release(self, request_ids: Sequence[str]) -> None:
