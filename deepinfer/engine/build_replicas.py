@@ -130,7 +130,10 @@ def load_mtp(config: Config, loaded: LoadedModel, path: Path, split: bool) -> MT
     elif method != "mtp":
         return None
     if split:
-        raise ConfigError("--speculative mtp needs one device group (--workers colocated)")
+        raise ConfigError(
+            "--speculative mtp needs one device group (the same --prefill-devices and "
+            "--decode-devices): the decode group does not see the prompt's hidden states"
+        )
     if not isinstance(loaded.model, LlamaForCausalLM) or not loaded.arch.num_mtp_layers:
         raise ConfigError(
             f"--speculative mtp: {path} has no multi-token-prediction layer "

@@ -213,21 +213,37 @@ def _best_draft(store: bytearray, tail: bytes, lo: int, hi: int, max_tokens: int
 
 
 def _vote(runs: list[list[int]], max_tokens: int, match: int) -> SuffixDraft:
-    """The majority continuation of `runs` (see the module docstring)."""
+    """The majority continuation of `runs` (see the module docstring). Identical runs vote as
+    one with their count (a store of repeated outputs holds many), and once the voters left
+    agree to the end, the rest of the draft is theirs with the estimate unchanged."""
+    live = Counter(map(tuple, runs))
+    """Each distinct run still voting, and how many occurrences continue so."""
+    num_voters = len(runs)
     tokens: list[int] = []
     probs: list[float] = []
     prob = 1.0
     for j in range(max_tokens):
-        counts = Counter(run[j] for run in runs if len(run) > j and run[j] != _SEPARATOR)
+        if len(live) == 1:  # every voter left continues alike: each share is 1
+            (run,) = live
+            rest = run[j:max_tokens]
+            end = rest.index(_SEPARATOR) if _SEPARATOR in rest else len(rest)
+            tokens.extend(rest[:end])
+            probs.extend([prob] * end)
+            break
+        counts: Counter[int] = Counter()
+        for run, weight in live.items():
+            if len(run) > j and run[j] != _SEPARATOR:
+                counts[run[j]] += weight
         if not counts:
             break
         token, count = counts.most_common(1)[0]
-        prob *= count / len(runs)
+        prob *= count / num_voters
         if prob < MIN_TOKEN_PROB:
             break
         tokens.append(token)
         probs.append(prob)
-        runs = [run for run in runs if len(run) > j and run[j] == token]
+        live = Counter({run: w for run, w in live.items() if len(run) > j and run[j] == token})
+        num_voters = count
     return SuffixDraft(tuple(tokens), tuple(probs), match)
 
 
