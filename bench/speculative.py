@@ -360,7 +360,17 @@ def main() -> None:
         default=0.0,
         help="above 0: sampled requests, each seeded (the same tokens in every mode)",
     )
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="the workloads measured, comma-separated (all by default)",
+    )
     ns = ap.parse_args()
+    unknown = set(ns.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    for name in set(WORKLOADS) - set(ns.workloads.split(",")):
+        del WORKLOADS[name]
     params = SamplingParams(
         max_tokens=ns.max_tokens,
         temperature=ns.temperature,

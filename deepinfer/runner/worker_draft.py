@@ -124,6 +124,8 @@ class Drafter(Protocol):
     keeps_hidden: bool
     """Wants the model's final hidden state of every row each step computes (`record`)."""
     num_caught_up: int
+    min_confidence: float
+    """The draft probability below which a request's drafting stops (0: never)."""
 
     def fill(self, so: ScheduleOutput) -> tuple[ScheduleOutput, dict[str, int]]: ...
 
