@@ -152,7 +152,7 @@ class SuffixProposer:
         tail = bytes(ctx.packed[-min(MAX_MATCH, n) * _WIDTH :])
         own = _best_draft(ctx.packed, tail, max(0, n - 1 - WINDOW), n - 1, limit)
         store = self.outputs.get(ctx.tenant)
-        if store is None:
+        if store is None or own.score >= limit:  # nothing could score higher
             return own
         theirs = _best_draft(store, tail, 0, len(store) // _WIDTH, limit)
         return theirs if theirs.score > own.score else own
