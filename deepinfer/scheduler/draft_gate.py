@@ -270,9 +270,10 @@ class DraftGate:
         """A measured decode step (one chunk a decoder) for its batch size's cost model."""
         self.cost_model_for(len(chunks)).observe(chunks, seconds)
 
-    def worth_proposing(self, requests: Sequence[Request]) -> list[bool]:
+    def worth_proposing(self, requests: Sequence[Request], propose_s: float = 0.0) -> list[bool]:
         """Whether a first draft of each request could pay in a step of all of them, with the
-        most favourable signals (if not, the proposer is not even asked)."""
+        most favourable signals (if not, the proposer is not even asked); `propose_s`: what
+        asking the proposer costs, counted with the draft's row."""
         if not self.enabled:
             return [True] * len(requests)
         costs = self.cost_model_for(len(requests))
@@ -284,7 +285,8 @@ class DraftGate:
         for r in requests:
             idle = self._idle[r.request_id] = self._idle.get(r.request_id, 0) + 1
             q = self.model.predict(self.features(r.request_id, 0, best))
-            worth.append(self._looks(r.request_id, idle) or q / self._draft_s(r, 0, costs) > bar)
+            cost = self._draft_s(r, 0, costs) + propose_s
+            worth.append(self._looks(r.request_id, idle) or q / cost > bar)
         return worth
 
     def _plain_step_s(self, requests: Sequence[Request], costs: StepCostModel) -> float:

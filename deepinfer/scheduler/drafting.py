@@ -67,6 +67,10 @@ class LoopOverhead:
             self._planned_at = None
 
 
+PROPOSE_S_WEIGHT = 0.1
+"""How much each step's time per proposal moves `Drafter.propose_s`."""
+
+
 class Drafter:
     def __init__(
         self,
@@ -85,6 +89,9 @@ class Drafter:
         """Requests whose drafts this step came from their prediction."""
         self._idle = False
         """The step planned last could not draft (no proposer, no prediction)."""
+        self.propose_s = 0.0
+        """Seconds one proposal takes on the loop (recency-weighted): the gate counts it in
+        what a first draft costs."""
 
     def plan(self, decoding: Sequence[Request], max_tokens: int) -> dict[str, Draft]:
         """The drafts each decoder's next step verifies (`max_tokens`: the most a request may
@@ -94,11 +101,15 @@ class Drafter:
             return {}
         self.loop.planned()
         self.gate.loop_s = self.loop.seconds
-        worth = self.gate.worth_proposing(decoding)
+        worth = self.gate.worth_proposing(decoding, self.propose_s)
+        started = time.perf_counter()
         proposals = [
             self._propose(r, max_tokens) if w else Draft()
             for r, w in zip(decoding, worth, strict=True)
         ]
+        if asked := sum(worth):
+            per_proposal = (time.perf_counter() - started) / asked
+            self.propose_s += PROPOSE_S_WEIGHT * (per_proposal - self.propose_s)
         if not any(d.size for d in proposals):
             return {}
         keep = self.gate.choose(list(zip(decoding, proposals, strict=True)))
