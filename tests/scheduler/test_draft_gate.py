@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 from deepinfer.request import Request
 from deepinfer.scheduler.cost_model import (
@@ -20,7 +21,8 @@ from deepinfer.scheduler.draft_gate import (
     Draft,
     DraftGate,
 )
-from deepinfer.scheduler.drafting import LoopOverhead
+from deepinfer.scheduler.drafting import Drafter, LoopOverhead
+from deepinfer.scheduler.speculative import NgramProposer
 from tests.scheduler.sched_fakes import make_request
 
 
@@ -138,6 +140,20 @@ def test_gate_verifies_what_pays_for_its_rows() -> None:
     assert off.choose([(hard, _drafts(4)), (easy, _drafts(2))]) == [4, 2]
 
 
+def test_a_proposers_own_time_counts_against_a_first_draft() -> None:
+    """A draft that pays for its row is not asked for where the proposal itself costs more
+    than the step's tokens a second leave room for."""
+    gate = _gate()
+    easy = make_request("easy", [1] * 40)
+    for _ in range(200):
+        _verify(gate, "easy", _drafts(5), [True] * 5)
+    costs = gate.cost_model_for(1)
+    row_s = costs.row_cost_s(2, easy.num_computed_tokens)
+    assert gate.worth_proposing([easy]) == [True]
+    assert gate.worth_proposing([easy], propose_s=row_s / 10) == [True]
+    assert gate.worth_proposing([easy], propose_s=1.0) == [False]
+
+
 def _steps_to_look(gate: DraftGate, request: Request) -> int:
     """Steps until the gate looks at a turned-down request's drafts again (then it does)."""
     steps = 1
@@ -208,3 +224,23 @@ def test_each_batch_size_range_has_its_own_cost_model() -> None:
     assert one.num_observations == 6 and eight.num_observations == 0
     gate.observe_cost(step8, 9e-3)
     assert eight.num_observations == 1
+
+
+class _SlowProposer(NgramProposer):
+    """Prompt lookup that takes `seconds` a proposal."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def propose(self, request: Request, max_tokens: int) -> Draft:
+        time.sleep(self.seconds)
+        return super().propose(request, max_tokens)
+
+
+def test_the_drafter_measures_a_proposals_time() -> None:
+    drafter = Drafter(_SlowProposer(0.004), DraftGate(StepCostModel(), 1, enabled=False), 5)
+    requests = [make_request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2]) for i in range(2)]
+    for _ in range(80):
+        drafter.plan(requests, 64)
+    assert 0.0038 <= drafter.propose_s < 0.02  # the sleep's 4 ms, of 1 - 0.9 ** 80 weight
