@@ -113,6 +113,20 @@ def num_indexed_blocks(cache_dir: Path) -> int:
         tier.close()
 
 
+def settled_index(cache_dir: Path, quiet_s: float = 1.5, timeout_s: float = 30.0) -> int:
+    """Blocks in the index once it has not grown for `quiet_s` (the write-behind thread works
+    through its queue at its own pace: a fixed wait is too short on a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    count = num_indexed_blocks(cache_dir)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = num_indexed_blocks(cache_dir)
+        if now == count > 0:
+            return count
+        count = now
+    return count
+
+
 def disk_cached_tokens_metric(base: str) -> float:
     """The server's counter of prompt tokens served from the disk tier."""
     text = httpx.get(f"{base}/metrics", timeout=10).text
@@ -138,8 +152,7 @@ def test_kill_9_server_keeps_disk_cache_sound(tmp_path: Path, tiny_llama_dir: Pa
         base, current = procs.wait(*pending)
         first = replies(base, [PROBE, *FIXED])
         assert [r.text for r in first] == [r.text for r in reference]
-        time.sleep(1.0)  # let the write-behind thread put these blocks on disk
-        num_before_load = num_indexed_blocks(cache_dir)
+        num_before_load = settled_index(cache_dir)  # the write-behind thread has written them
         assert num_before_load > 0
         for kill in range(NUM_KILLS):
             load = Load(base, kill)
