@@ -107,7 +107,7 @@ class MTPDrafter:
     def record(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
         offset = 0
         for c in chunks:
-            n = len(c.token_ids())
+            n = c.num_new_tokens  # the chunk's rows: its tokens and drafts
             if can_speculate(c.request):
                 kept = self._kept.setdefault(c.request_id, _Kept())
                 kept.add(c.start_position, hidden[offset : offset + n].clone())
@@ -186,8 +186,12 @@ class MTPDrafter:
                 self.num_uncovered += 1
                 continue
             kept.drop_before(start)
+            rows = kept.rows(start, end)
+            if rows is None:
+                self.num_uncovered += 1
+                continue
             lag = end - 1 - start  # entries before the one the first draft comes from
-            if lag <= budget and (rows := kept.rows(start, end)) is not None:
+            if lag <= budget:
                 budget -= lag
                 self.num_caught_up += lag
                 ready.append(c)
@@ -197,16 +201,15 @@ class MTPDrafter:
                 previous.append(rows)
                 if lag >= self.block_size:
                     self._blocks.computed(c, end)
-            elif lag > budget > 0 and (rows := kept.rows(start, start + budget)) is not None:
+            elif budget > 0:
                 stop = start + budget
                 self.num_caught_up += budget
                 budget = 0
                 tokens = c.request.token_span(start + 1, stop + 1)
-                behind.append((BatchChunk(tokens, start, c.block_ids, sample=False), rows))
+                chunk = BatchChunk(tokens, start, c.block_ids, sample=False)
+                behind.append((chunk, rows[: stop - start]))
                 self._written[rid] = Written(stop, 0, c.block_ids)
                 self._blocks.computed(c, stop)
-            elif kept.rows(start, end) is None:
-                self.num_uncovered += 1
         return (
             ready,
             batch + [b for b, _ in behind],
