@@ -164,6 +164,32 @@ class KVEventsConfig:
     """Block entries recorded and not yet published; more are dropped and counted."""
 
 
+KVTransferKind = Literal["off", "nixl"]
+KVRole = Literal["producer", "consumer", "both"]
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill and decode on different replicas: a prompt's KV moved between processes or
+    machines by NIXL (UCX: TCP or shared memory on CPU, RDMA/NVLink where present), driven by
+    vLLM's `kv_transfer_params` fields so `vllm-router --vllm-pd-disaggregation` drives it."""
+
+    kv_transfer: KVTransferKind = "off"
+    """`nixl`: take part in KV transfers (`pip install nixl`); `off`: requests' transfer
+    fields are ignored."""
+    kv_role: KVRole = "both"
+    """`producer`: prefills and keeps the prompt's blocks for a consumer to pull; `consumer`:
+    pulls a prefilled prompt's blocks before decoding; `both`."""
+    kv_transfer_host: str = "127.0.0.1"
+    """Address this replica's transfer side channel binds and tells consumers."""
+    kv_transfer_port: int = 0
+    """Port of the side channel (0: any free port; responses carry the one bound)."""
+    kv_transfer_hold_s: float = 120.0
+    """How long a producer keeps a prompt's blocks for a consumer that does not pull them."""
+    kv_transfer_timeout_s: float = 30.0
+    """How long a consumer waits for a handshake or a pull before computing the prompt itself."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -329,6 +355,7 @@ class Config:
     disk_cache: DiskCacheConfig = field(default_factory=DiskCacheConfig)
     host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -392,6 +419,16 @@ def _validate(config: Config) -> None:
         )
     if min(e.kv_events_buffer_steps, e.kv_events_hwm, e.kv_events_max_queue_size) < 1:
         raise ConfigError("kv_events buffer_steps, hwm and max_queue_size must be positive")
+    t = config.kv_transfer
+    if t.kv_transfer not in ("off", "nixl") or t.kv_role not in ("producer", "consumer", "both"):
+        raise ConfigError(
+            f"kv_transfer must be off or nixl and kv_role producer, consumer or both, got "
+            f"{t.kv_transfer!r} and {t.kv_role!r}"
+        )
+    if t.kv_transfer_hold_s <= 0 or t.kv_transfer_timeout_s <= 0 or t.kv_transfer_port < 0:
+        raise ConfigError("kv_transfer hold and timeout must be positive and the port not negative")
+    if t.kv_transfer != "off" and not config.cache.enable_prefix_caching:
+        raise ConfigError("--kv-transfer needs the prefix cache: pulled blocks are prefix hits")
     h = config.host_cache
     if h.enabled not in ("auto", "on", "off"):
         raise ConfigError(f"host_cache.enabled must be auto, on or off, got {h.enabled!r}")

@@ -248,6 +248,10 @@ class Request:
     """Prompt tokens whose KV was loaded from the disk tier on submit."""
     num_host_cached_tokens: int = 0
     """Prompt tokens whose KV was loaded from the host-RAM tier on submit."""
+    num_remote_cached_tokens: int = 0
+    """Prompt tokens whose KV was pulled from another replica on submit (`kv_transfer`)."""
+    hold_kv: bool = False
+    """Keep the prompt's blocks for another replica to pull once finished (`do_remote_decode`)."""
     predicted_token_ids: tuple[int, ...] = ()
     """The client's prediction of the output (OpenAI's `prediction`), drafted from
     (`scheduler/prediction.py`); the output is the model's own either way."""

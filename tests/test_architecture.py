@@ -25,6 +25,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "text": {"api", "engine", "scheduler", "cache", "runner", "model", "sampling", "tiers"},
     "tiers": {"api", "engine", "scheduler", "runner", "sampling", "text"},
     "engine": {"api"},
+    "kv_transfer": {"api", "engine", "scheduler", "runner", "sampling", "text"},
     "kv_events": {
         "api",
         "engine",

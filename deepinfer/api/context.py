@@ -19,6 +19,7 @@ from deepinfer.api.prompt_options import DEFAULT_PROMPT, PromptOptions
 from deepinfer.api.protocol import EngineClient, OutputStream
 from deepinfer.api.streams import close_all
 from deepinfer.engine.prompts import check_prompt_fits, off_loop
+from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.request import SamplingParams
 from deepinfer.server_config import RequestLimits
 from deepinfer.text.recipe import ChatMessage, ToolSpec
@@ -104,6 +105,7 @@ class ApiContext:
         cache: CacheOptions | None = None,
         param: str = "n",
         prediction: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> list[OutputStream]:
         """Submit one engine request per (prompt, params) pair, all or none: if one is refused,
         those already queued are aborted and the error propagates (before any output). More
@@ -120,6 +122,7 @@ class ApiContext:
                     cache_salt=cache.salt if cache else None,
                     cache_retention=cache.retention if cache else None,
                     prediction=prediction,
+                    kv_transfer=kv_transfer,
                 )
                 streams.append(self.metrics.track(stream, arrival_s))
         except BaseException:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deepinfer.engine.types import EngineStats, GenerationOutput
+from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -125,10 +126,16 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         cache_retention: str | None = None,
         prediction: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> OutputStream:
         """Validate and enqueue; raises InvalidRequestError, ContextLengthError or OverloadedError
         before any output, so the API can answer 400/429 before a stream starts. `prediction`:
-        text the answer is expected to repeat (Predicted Outputs), drafted from."""
+        text the answer is expected to repeat (Predicted Outputs), drafted from. `kv_transfer`:
+        vLLM's `kv_transfer_params` (keep the prompt's KV for, or pull it from, a replica)."""
+        ...
+
+    def kv_transfer_params(self, request_id: str) -> KVTransferParams | None:
+        """The `kv_transfer_params` answering a finished `do_remote_decode` request."""
         ...
 
     def abort(self, request_id: str) -> bool: ...

@@ -41,6 +41,7 @@ from deepinfer.engine.stream_table import StreamTable
 from deepinfer.engine.types import EngineStats, GenerationOutput, HandoffStats
 from deepinfer.engine.workers import ThreadLending, Worker, build_workers
 from deepinfer.errors import EngineDeadError
+from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.openmp_env import DEFAULTS as OPENMP_DEFAULTS
 from deepinfer.openmp_env import loaded_too_late
 from deepinfer.request import Request, SamplingParams
@@ -94,6 +95,8 @@ class AsyncEngine:
         )
         self._process_settings.apply()
         self._driver.start()
+        if self._core.kv_transfer is not None:
+            await self._core.kv_transfer.start()
 
     async def shutdown(self) -> None:
         if self._driver is not None:
@@ -102,6 +105,8 @@ class AsyncEngine:
         for worker in self._workers:
             await asyncio.to_thread(worker.shutdown)
         await asyncio.to_thread(self._kv_io.shutdown, True)
+        if self._core is not None and self._core.kv_transfer is not None:
+            await self._core.kv_transfer.close()
         if self._core is not None:
             await asyncio.to_thread(self._core.close)
         self._process_settings.restore()
@@ -216,10 +221,13 @@ class AsyncEngine:
         cache_salt: str | None = None,
         cache_retention: str | None = None,
         prediction: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> RequestStream:
         """Validate and enqueue a request; raises before any output if it cannot be served.
         `prediction`: text the output is expected to repeat much of (an edited file), drafted
-        from (the output is the same without it)."""
+        from (the output is the same without it). `kv_transfer`: vLLM's `kv_transfer_params`
+        (with `--kv-transfer`: keep the prompt's KV for another replica, or pull it from one;
+        ignored otherwise)."""
         if not self.is_running:
             reason = self.dead_reason
             raise EngineDeadError("the engine is not running" + (f": {reason}" if reason else ""))
@@ -247,10 +255,18 @@ class AsyncEngine:
             predicted_token_ids=predicted,
         )
         fill = await self.core.tiers.fill(request, self._kv_io)
+        transfer = self.core.kv_transfer
+        pulled = 0
+        if transfer is not None and kv_transfer is not None:
+            pulled = await transfer.pull(request, kv_transfer)
         request = dataclasses.replace(
             request,
             num_host_cached_tokens=fill.host_tokens,
             num_disk_cached_tokens=fill.disk_tokens,
+            num_remote_cached_tokens=pulled,
+            hold_kv=bool(
+                transfer and transfer.produces and kv_transfer and kv_transfer.do_remote_decode
+            ),
         )
         stream = RequestStream(
             rid,
@@ -279,6 +295,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         cache_retention: str | None = None,
         prediction: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncGenerator[GenerationOutput, None]:
         """Submit and stream; cancelling or closing the iterator aborts the request."""
         stream = await self.submit(
@@ -289,12 +306,19 @@ class AsyncEngine:
             cache_salt=cache_salt,
             cache_retention=cache_retention,
             prediction=prediction,
+            kv_transfer=kv_transfer,
         )
         try:
             async for out in stream:
                 yield out
         finally:
             await stream.aclose()
+
+    def kv_transfer_params(self, request_id: str) -> KVTransferParams | None:
+        """What a finished `do_remote_decode` request kept for a consumer, as the
+        `kv_transfer_params` of its answer (None: nothing kept, or transfers off)."""
+        transfer = self.core.kv_transfer
+        return transfer.params_for(request_id) if transfer is not None else None
 
     def abort(self, request_id: str) -> bool:
         """Abort by id; applied before the next step. False if the id is unknown or finished."""

@@ -35,6 +35,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.kv_events.publisher import KVEventPublisher
 from deepinfer.kv_events.recorder import KVEventRecorder
 from deepinfer.kv_events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
+from deepinfer.kv_transfer.connector import KVTransfer
 from deepinfer.model.experts.parallel import ExpertParallel
 from deepinfer.model.loading.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.device import resolve_device
@@ -120,6 +121,8 @@ class EngineParts:
     """Copies KV from the prefill pool to the decode pool (separate device groups only)."""
     experts: ExpertParallel | None = None
     """A Mixture of Experts' expert-parallel groups and balancer (None: experts all here)."""
+    kv_transfer: KVTransfer | None = None
+    """KV transfers with other replicas over NIXL (`--kv-transfer nixl`; None: off)."""
 
 
 def build_engine(config: Config) -> EngineParts:
@@ -177,6 +180,7 @@ def build_engine(config: Config) -> EngineParts:
         decode_runner=decode_runner,
         copier=build_copier(replicas),
         experts=experts,
+        kv_transfer=build_kv_transfer(config, kv, replicas, info.fingerprint),
     )
     log.info("engine ready: %s", info)
     return parts
@@ -272,6 +276,17 @@ def open_tiers(
     if host is not None and events is not None:
         host.events = events.recorder.medium(MEDIUM_CPU)
     return host, open_disk_tier(config.disk_cache, fingerprint, events)
+
+
+def build_kv_transfer(
+    config: Config, kv: KVCacheManager, replicas: Replicas, fingerprint: str
+) -> KVTransfer | None:
+    """The NIXL agent over the prefill pool, its holds and puller (`--kv-transfer nixl`)."""
+    if config.kv_transfer.kv_transfer == "off":
+        return None
+    if replicas.prefill.window is not None:
+        raise ConfigError("--kv-transfer: sliding-window pools are not transferred yet")
+    return KVTransfer(config.kv_transfer, kv, replicas.prefill.tier_caches, fingerprint)
 
 
 def tier_copies(prefill: Replica) -> TierCopies:

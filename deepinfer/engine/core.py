@@ -47,6 +47,8 @@ class EngineCore:
         self.decode_runner = parts.decode_runner
         self._copier = parts.copier
         self.experts = parts.experts
+        self.kv_transfer = parts.kv_transfer
+        """KV transfers with other replicas (None: off)."""
 
     def lane_device(self, kind: StepKind) -> torch.device:
         """The device a lane's steps run on."""
@@ -59,7 +61,11 @@ class EngineCore:
 
     def update(self, lane: StepLane, so: ScheduleOutput, out: RunnerOutput) -> list[TokenDelta]:
         deltas = lane.update(so, out)
-        self._release([c.request_id for c in so.chunks if c.request.is_finished])
+        finished = [c.request for c in so.chunks if c.request.is_finished]
+        if self.kv_transfer is not None:
+            for request in finished:  # before any other step can reuse their freed blocks
+                self.kv_transfer.finished(request)
+        self._release([r.request_id for r in finished])
         return deltas
 
     def fail(self, lane: StepLane, so: ScheduleOutput) -> list[str]:

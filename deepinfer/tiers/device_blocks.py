@@ -24,10 +24,21 @@ class TierBlocks:
         self._held = kv.held
 
     def prompt_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of the blocks a prefix hit may cover (all full blocks but the last token's)."""
-        max_blocks = (request.num_tokens - 1) // self._block_size
-        ids = request.all_token_ids[: max_blocks * self._block_size]
+        """Hashes of the prompt's blocks a prefix hit may cover (all full blocks but the last
+        token's), whatever the request has generated since."""
+        max_blocks = (request.num_prompt_tokens - 1) // self._block_size
+        ids = request.prompt_token_ids[: max_blocks * self._block_size]
         return block_hashes_for(ids, self._block_size, self._seed, request.cache_salt)
+
+    def cached_blocks(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """The device block ids of the leading hashes cached now."""
+        found = []
+        for block_hash in block_hashes:
+            block = self._pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            found.append(block.block_id)
+        return found
 
     def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes have a device block now."""

@@ -27,6 +27,7 @@ from deepinfer.errors import (
     InvalidRequestError,
     OverloadedError,
 )
+from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.outputs import PromptLogprob, SampledToken
 from deepinfer.request import FinishReason, SamplingParams
 from deepinfer.sampling.grammar import grammar_text
@@ -190,6 +191,7 @@ class FakeEngine:
         self.last_cache_retention: str | None = None
         """The retention class of the latest request submitted."""
         self.last_prediction: str | None = None
+        self.last_kv_transfer: KVTransferParams | None = None
         """The prediction text of the latest request submitted."""
         self._reqs: dict[str, _Req] = {}
         self._seen_prefixes: set[tuple[int, ...]] = set()
@@ -230,6 +232,9 @@ class FakeEngine:
             0, len(self._reqs), self.num_blocks, self._used_blocks, self.max_model_len
         )
 
+    def kv_transfer_params(self, request_id: str) -> KVTransferParams | None:
+        return None
+
     def check_integrity(self) -> None:
         assert self._used_blocks == sum(r.blocks for r in self._reqs.values())
         assert 0 <= self._used_blocks <= self.num_blocks
@@ -238,6 +243,7 @@ class FakeEngine:
         self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
         reasoning_effort: Any = None, cache_salt: str | None = None,
         cache_retention: str | None = None, prediction: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> FakeStream:  # fmt: skip
         if not self.is_running:
             raise EngineDeadError("not running")
@@ -251,6 +257,7 @@ class FakeEngine:
         self.last_params, self.last_prompt = params, ids
         self.last_cache_retention = cache_retention
         self.last_prediction = prediction
+        self.last_kv_transfer = kv_transfer
         rid = request_id or f"fake-{self._counter}"
         reply, stop_reason = self.reply, None
         for s in params.stop:

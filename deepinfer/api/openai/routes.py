@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -50,6 +51,7 @@ from deepinfer.api.streams import Collected, close_all, collect_all, total_usage
 from deepinfer.api.tools.grammar import answer_constraint, recipe_format
 from deepinfer.api.tools.plan import NO_TOOLS, ToolPlan, ToolStream, called
 from deepinfer.errors import PromptTooLongError
+from deepinfer.kv_transfer.params import KVTransferParams, parse_params
 from deepinfer.text.reasoning import ReasoningSplitter
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -119,9 +121,11 @@ def _chat_handler(ctx: ApiContext) -> Handler:
                 req.prompt_cache_key,
                 req.prompt_cache_retention,
             )
+            transfer = parse_params(req.kv_transfer_params)
             streams = await ctx.submit_all(
-                [ids] * n, params, request_id=rid, cache=cache, prediction=prompt.prediction
-            )
+                [ids] * n, params, request_id=rid, cache=cache, prediction=prompt.prediction,
+                kv_transfer=transfer,
+            )  # fmt: skip
         except Exception as exc:
             return openai_error_response(exc)
         created = int(time.time())
@@ -155,9 +159,17 @@ def _chat_handler(ctx: ApiContext) -> Handler:
         if req.prompt_logprobs is not None:
             entries = results[0].prompt_logprobs or ()
             answer.prompt_logprobs = vllm_prompt_logprobs(tok, entries, req.prompt_logprobs)
+        if transfer is not None and transfer.do_remote_decode:
+            answer.kv_transfer_params = kept_for_consumer(ctx, rid)
         return json_response(answer)
 
     return chat_completions
+
+
+def kept_for_consumer(ctx: ApiContext, rid: str) -> KVTransferParams | msgspec.UnsetType:
+    """The answer's `kv_transfer_params`: what its first choice kept for a consumer."""
+    params = ctx.engine.kv_transfer_params(f"{rid}-0")
+    return params if params is not None else msgspec.UNSET
 
 
 def _chat_choice(
@@ -284,9 +296,11 @@ def _completion_handler(ctx: ApiContext) -> Handler:
                 req.prompt_cache_retention,
             )
             param = "prompt" if len(prompts) > 1 else "n"
+            transfer = parse_params(req.kv_transfer_params)
             streams = await ctx.submit_all(
-                all_prompts, params, request_id=rid, cache=cache, param=param
-            )
+                all_prompts, params, request_id=rid, cache=cache, param=param,
+                kv_transfer=transfer,
+            )  # fmt: skip
         except Exception as exc:
             return openai_error_response(exc)
         created = int(time.time())
@@ -314,16 +328,13 @@ def _completion_handler(ctx: ApiContext) -> Handler:
             choices.append(CompletionChoice(i, text, reason, logprobs, scores))
         usages = [no_output(r.usage) if max_tokens == 0 else r.usage for r in results]
         usage = usage_out(total_usage(usages, len(prompts)))
-        return json_response(
-            Completion(
-                rid,
-                created,
-                ctx.model_name,
-                choices,
-                usage,
-                system_fingerprint=ctx.engine.system_fingerprint,
-            )
-        )
+        answer = Completion(
+            rid, created, ctx.model_name, choices, usage,
+            system_fingerprint=ctx.engine.system_fingerprint,
+        )  # fmt: skip
+        if transfer is not None and transfer.do_remote_decode:
+            answer.kv_transfer_params = kept_for_consumer(ctx, rid)
+        return json_response(answer)
 
     return completions
 

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from deepinfer.api.http.errors import is_set, refuse_set, unsupported
+from deepinfer.kv_transfer.params import KVTransferParams
 
 # ---- refused fields
 
@@ -166,6 +167,8 @@ class _SamplingFields(OpenAIRefusedFields):
     """Honoured: echoed in the `x-prompt-cache-key` header for routers."""
     prompt_cache_retention: str | None = None
     """Honoured: a retention class (`api/http/cache_options.py`)."""
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+    """Honoured with `--kv-transfer`: vLLM's prefill/decode fields (`kv_transfer/params.py`)."""
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -303,6 +306,8 @@ class ChatCompletion(msgspec.Struct):
     usage: UsageOut
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    kv_transfer_params: KVTransferParams | msgspec.UnsetType = msgspec.UNSET
+    """What a `do_remote_decode` request kept for its consumer (vLLM's field)."""
     prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET
     """vLLM's place for them in a chat answer: the response's, present when asked for."""
 
@@ -384,6 +389,8 @@ class Completion(msgspec.Struct):
     usage: UsageOut | None = None
     object: str = "text_completion"
     system_fingerprint: str | None = None
+    kv_transfer_params: KVTransferParams | msgspec.UnsetType = msgspec.UNSET
+    """What a `do_remote_decode` request kept for its consumer (vLLM's field)."""
 
 
 class ModelCard(msgspec.Struct):
