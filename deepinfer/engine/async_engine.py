@@ -193,6 +193,7 @@ class AsyncEngine:
             expert_load=core.expert_load(),
             expert_parallel=core.experts.snapshot() if core.experts is not None else None,
             kv_events_dropped=core.tiers.kv_events_dropped(),
+            kv_transfer=core.kv_transfer.stats() if core.kv_transfer is not None else None,
         )
 
     async def disk_summary(self) -> DiskSummary | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.kv_transfer.stats import KVTransferStats
 from deepinfer.message import message
 from deepinfer.model.experts.placement import ExpertParallelStats
 from deepinfer.outputs import PromptLogprob, SampledToken
@@ -121,3 +122,5 @@ class EngineStats:
     """Expert-parallel groups and the balancer's work (None: every expert in one place)."""
     kv_events_dropped: int | None = None
     """KV events dropped since start because the publisher fell behind (None: events off)."""
+    kv_transfer: KVTransferStats | None = None
+    """KV transfers with other replicas (None: `--kv-transfer off`)."""

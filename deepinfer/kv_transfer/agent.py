@@ -15,6 +15,10 @@ Handle = Any
 """A NIXL transfer handle."""
 
 
+class TransferError(RuntimeError):
+    """NIXL failed to start a transfer."""
+
+
 def _nixl() -> Any:
     try:
         from nixl import _api
@@ -53,15 +57,25 @@ class TransferAgent:
         far = self._agent.get_xfer_descs(
             remote_regions.descriptors(remote_ids), remote_regions.memory
         )
-        handle = self._agent.initialize_xfer("READ", local, far, remote)
-        if self._agent.transfer(handle) == "ERR":
+        try:  # NIXL's errors (a remote disconnected, ...) are its own classes
+            handle = self._agent.initialize_xfer("READ", local, far, remote)
+        except Exception as exc:
+            raise TransferError(f"NIXL could not set up the read: {exc!r}") from exc
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            state = repr(exc)
+        if state not in ("DONE", "PROC"):
             self.release(handle)
-            raise RuntimeError("NIXL refused the read")
+            raise TransferError(f"NIXL refused the read: {state}")
         return handle
 
     def state(self, handle: Handle) -> str:
         """`PROC`, `DONE` or `ERR`."""
-        return str(self._agent.check_xfer_state(handle))
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception:
+            return "ERR"
 
     def release(self, handle: Handle) -> bool:
         """Free a handle; False if NIXL could not (a read it could not stop)."""

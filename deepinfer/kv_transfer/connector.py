@@ -18,6 +18,7 @@ from deepinfer.kv_transfer.messages import Welcome
 from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.kv_transfer.puller import KVPuller, PullStats
 from deepinfer.kv_transfer.side_channel import SideChannel
+from deepinfer.kv_transfer.stats import KVTransferStats
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.request import FinishReason, Request
 from deepinfer.tiers.device_blocks import TierBlocks
@@ -105,6 +106,19 @@ class KVTransfer:
 
     def pull_stats(self) -> PullStats | None:
         return self._puller.stats if self._puller is not None else None
+
+    def stats(self) -> KVTransferStats:
+        pulls, holds = self._puller.stats if self._puller else PullStats(), self.holds
+        return KVTransferStats(
+            num_pulls=pulls.num_pulls,
+            num_pulled_blocks=pulls.num_pulled_blocks,
+            num_local_blocks=pulls.num_local_blocks,
+            num_failed_pulls=pulls.num_failed,
+            num_quarantined_blocks=pulls.num_quarantined_blocks,
+            num_held_blocks=holds.num_held_blocks if holds else 0,
+            num_released=holds.num_released if holds else 0,
+            num_expired=holds.num_expired if holds else 0,
+        )
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -90,7 +90,14 @@ class ChannelError(RuntimeError):
 async def ask(
     context: zmq.asyncio.Context, host: str, port: int, message: Hello | Release, timeout_s: float
 ) -> Reply:
-    """Send one message to a producer's side channel and await its reply."""
+    """Send one message to a producer's side channel and await its reply. A producer that is
+    gone fails at once (a refused TCP connection), not after `timeout_s`: ZMQ itself would keep
+    reconnecting in silence."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as exc:
+        raise ChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
+    writer.close()
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     try:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from deepinfer.engine.types import EngineStats, HandoffStats, WorkerStats
+from deepinfer.kv_transfer.stats import KVTransferStats
 from deepinfer.model.experts.placement import ExpertParallelStats
 from deepinfer.scheduler.prefill_types import PlannerStats
 
@@ -22,6 +23,29 @@ def worker_metrics(stats: EngineStats) -> Iterator[Metric]:
         yield _expert_load(stats.expert_load)
     if stats.expert_parallel is not None:
         yield from _expert_parallel(stats.expert_parallel)
+    if stats.kv_transfer is not None:
+        yield from _kv_transfer(stats.kv_transfer)
+
+
+def _kv_transfer(t: KVTransferStats) -> Iterator[Metric]:
+    """KV transfers with other replicas: pulls as a consumer, holds as a producer."""
+    for name, doc, value in (
+        ("deepinfer_kv_transfer_pulls", "Requests whose prompt blocks were to be pulled", t.num_pulls),
+        ("deepinfer_kv_transfer_pulled_blocks", "KV blocks pulled from producers", t.num_pulled_blocks),
+        ("deepinfer_kv_transfer_local_blocks", "Blocks a pull skipped: cached here already", t.num_local_blocks),
+        ("deepinfer_kv_transfer_failed_pulls", "Pulls that registered nothing (computed here)", t.num_failed_pulls),
+        ("deepinfer_kv_transfer_released_holds", "Holds released by their consumer", t.num_released),
+        ("deepinfer_kv_transfer_expired_holds", "Holds no consumer released in time", t.num_expired),
+    ):  # fmt: skip
+        yield CounterMetricFamily(name, doc, value=value)
+    yield GaugeMetricFamily(
+        "deepinfer_kv_transfer_held_blocks", "Blocks kept for consumers now", t.num_held_blocks
+    )
+    yield GaugeMetricFamily(
+        "deepinfer_kv_transfer_quarantined_blocks",
+        "Blocks set aside after a read that could not be stopped",
+        t.num_quarantined_blocks,
+    )
 
 
 def _expert_load(load: tuple[tuple[int, ...], ...]) -> Metric:
