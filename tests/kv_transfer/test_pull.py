@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from deepinfer.config import Config, KVTransferConfig, KVRole, WorkersConfig
+from deepinfer.config import Config, KVRole, KVTransferConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.request import SamplingParams

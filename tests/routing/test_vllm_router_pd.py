@@ -31,7 +31,20 @@ pytestmark = [
 ]
 
 BLOCK = 16
-WORDS = "alpha beta gamma delta river stone cloud paper lamp orbit salt cedar".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "river",
+    "stone",
+    "cloud",
+    "paper",
+    "lamp",
+    "orbit",
+    "salt",
+    "cedar",
+]
 
 
 def metric(base: str, name: str) -> float:
@@ -141,7 +154,9 @@ def test_router_pd_mode_matches_a_colocated_replica(tmp_path: Path, tiny_llama_d
                 body = {"model": "default", "prompt": text(random.Random(i + 5), 150),
                         "max_tokens": 8, "temperature": 0.0}  # fmt: skip
                 want = answer(client, reference, "/v1/completions", body)
-                got = answer(client, consumer, "/v1/completions", body | {"kv_transfer_params": params})
+                got = answer(
+                    client, consumer, "/v1/completions", body | {"kv_transfer_params": params}
+                )
                 assert got == want
             assert metric(consumer, "deepinfer_kv_transfer_failed_pulls") - failed_before == 3
     finally:
