@@ -343,7 +343,12 @@ def _docs_lines() -> list[str]:
     code = [line.split("#")[0] for block in FENCE.findall(DOCS) for line in block.splitlines()]
     lines = [part.strip() for line in code for part in line.split("&&")]
     lines += SPAN.sub("", FENCE.sub("", DOCS)).splitlines()
-    return [line for line in lines if "pip" not in line.split()]
+    return [line for line in lines if "pip" not in line.split() and not _other_program(line)]
+
+
+def _other_program(line: str) -> bool:
+    """A command line of another program the docs show beside ours (a router in front)."""
+    return line.split()[:1] == ["vllm-router"]
 
 
 @functools.cache
