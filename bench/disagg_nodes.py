@@ -119,7 +119,8 @@ def main() -> None:
               f"({args.long_gap_s} s apart), short prompts {args.short_offsets} s after each, "
               f"baseline {args.baseline_s} s; ITL and TTFT in ms")  # fmt: skip
     counters = "".join(
-        f"\n- {r['mode']} consumer: " + ", ".join(f"{k[22:]} {v:g}" for k, v in r["transfer"].items())
+        f"\n- {r['mode']} consumer: "
+        + ", ".join(f"{k[22:]} {v:g}" for k, v in r["transfer"].items())
         for r in results
         if r["transfer"]
     )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deepinfer.errors import ConfigError
-from deepinfer.kv_transfer.regions import KVRegions, kv_regions, region_tensors
+from deepinfer.kv_transfer.regions import KVRegions, kv_regions, region_tensors, runs
 from deepinfer.model.kv_layout import KVCaches
 
 Handle = Any
@@ -53,9 +53,12 @@ class TransferAgent:
         remote_ids: Sequence[int],
     ) -> Handle:
         """Post a read of `remote_ids` of every region of `remote` into `local_ids` of ours."""
-        local = self._agent.get_xfer_descs(self.regions.descriptors(local_ids), self.regions.memory)
+        local_starts, remote_starts, lengths = runs(local_ids, remote_ids)
+        local = self._agent.get_xfer_descs(
+            self.regions.descriptors(local_starts, lengths), self.regions.memory
+        )
         far = self._agent.get_xfer_descs(
-            remote_regions.descriptors(remote_ids), remote_regions.memory
+            remote_regions.descriptors(remote_starts, lengths), remote_regions.memory
         )
         try:  # NIXL's errors (a remote disconnected, ...) are its own classes
             handle = self._agent.initialize_xfer("READ", local, far, remote)

@@ -115,6 +115,7 @@ class KVTransfer:
             num_local_blocks=pulls.num_local_blocks,
             num_failed_pulls=pulls.num_failed,
             num_quarantined_blocks=pulls.num_quarantined_blocks,
+            pull_seconds=pulls.seconds_total,
             num_held_blocks=holds.num_held_blocks if holds else 0,
             num_released=holds.num_released if holds else 0,
             num_expired=holds.num_expired if holds else 0,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq.asyncio
@@ -43,6 +45,8 @@ class PullStats:
     num_failed: int = 0
     num_quarantined_blocks: int = 0
     """Blocks left reserved forever after a read NIXL could not stop."""
+    seconds_total: float = 0.0
+    """Time pulls took, handshake, read and release included."""
 
 
 class KVPuller:
@@ -60,6 +64,8 @@ class KVPuller:
         self._block_size = block_size
         self._timeout_s = timeout_s
         self._context = zmq.asyncio.Context()
+        self._nixl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-nixl")
+        """Every NIXL call of a pull: one at a time, off the loop."""
         self._remotes: dict[str, _Remote] = {}
         self._handshakes: dict[str, asyncio.Lock] = {}
         self.stats = PullStats()
@@ -82,6 +88,7 @@ class KVPuller:
             await self._release(params)
             return 0
         reservation_id, block_ids = reservation
+        start = time.perf_counter()
         registered: list[BlockHash] = []
         quarantined = False
         try:
@@ -104,6 +111,7 @@ class KVPuller:
                 self.stats.num_quarantined_blocks += len(block_ids)
             else:
                 self._blocks.commit(reservation_id, registered)
+        self.stats.seconds_total += time.perf_counter() - start
         self.stats.num_pulls += 1
         self.stats.num_pulled_blocks += len(registered)
         if not registered:
@@ -133,29 +141,41 @@ class KVPuller:
             raise ValueError("the producer's KV blocks differ in shape from ours")
         if reply.engine_id != params.remote_engine_id:
             raise ValueError(f"the side channel is engine {reply.engine_id}, not the one named")
-        name = self._agent.add_remote(reply.agent_metadata)
+        loop = asyncio.get_running_loop()
+        name = await loop.run_in_executor(self._nixl, self._agent.add_remote, reply.agent_metadata)
         return _Remote(name, reply.regions)
 
     def _forget(self, params: KVTransferParams) -> None:
         """Drop a producer's handshake (it may have restarted): the next pull makes a new one."""
         remote = self._remotes.pop(params.remote_engine_id or "", None)
         if remote is not None:
-            try:
-                self._agent.remove_remote(remote.agent)
-            except Exception:
-                log.exception("forgetting NIXL agent %s failed", remote.agent)
+            self._nixl.submit(self._remove, remote.agent)
+
+    def _remove(self, agent: str) -> None:
+        try:
+            self._agent.remove_remote(agent)
+        except Exception:
+            log.exception("forgetting NIXL agent %s failed", agent)
 
     async def _read(
         self, block_ids: list[int], remote: _Remote, remote_ids: list[int]
     ) -> bool | None:
         """True: read; False: failed or timed out, stopped; None: NIXL could not stop it (its
-        destination blocks must never be used again)."""
-        handle: Handle = self._agent.start_read(block_ids, remote.agent, remote.regions, remote_ids)
+        destination blocks must never be used again). On the NIXL thread: UCX moves the bytes
+        while the transfer's state is polled, which must not hold up the loop."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
+        return await loop.run_in_executor(
+            self._nixl, self._read_blocking, block_ids, remote, remote_ids
+        )
+
+    def _read_blocking(
+        self, block_ids: list[int], remote: _Remote, remote_ids: list[int]
+    ) -> bool | None:
+        handle: Handle = self._agent.start_read(block_ids, remote.agent, remote.regions, remote_ids)
+        deadline = time.monotonic() + self._timeout_s
         wait = POLL_S[0]
-        while (state := self._agent.state(handle)) == "PROC" and loop.time() < deadline:
-            await asyncio.sleep(wait)
+        while (state := self._agent.state(handle)) == "PROC" and time.monotonic() < deadline:
+            time.sleep(wait)
             wait = min(wait * 2, POLL_S[1])
         released = self._agent.release(handle)
         if state == "DONE" and released:
@@ -180,4 +200,5 @@ class KVPuller:
         return isinstance(reply, Released) and reply.held
 
     def close(self) -> None:
+        self._nixl.shutdown(wait=True)
         self._context.term()

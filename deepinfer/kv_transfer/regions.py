@@ -31,20 +31,43 @@ class KVRegions(msgspec.Struct, frozen=True):
             a.block_bytes == b.block_bytes for a, b in zip(self.regions, other.regions, strict=True)
         )
 
-    def descriptors(self, block_ids: Sequence[int]) -> np.ndarray:
-        """`[len(regions) * len(block_ids), 3]` rows of (address, bytes, device), region-major."""
-        ids = np.asarray(block_ids, dtype=np.uint64)
+    def descriptors(self, starts: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+        """`[len(regions) * len(starts), 3]` rows of (address, bytes, device), region-major:
+        run j of each region covers blocks `starts[j]` to `starts[j] + lengths[j] - 1`."""
+        first = np.asarray(starts, dtype=np.uint64)
+        count = np.asarray(lengths, dtype=np.uint64)
         rows = []
         for r in self.regions:
-            if len(ids) and int(ids.max()) >= r.num_blocks:
-                raise ValueError(f"block id {int(ids.max())} out of a {r.num_blocks}-block region")
-            addresses = np.uint64(r.address) + ids * np.uint64(r.block_bytes)
-            block = np.empty((len(ids), 3), dtype=np.uint64)
-            block[:, 0] = addresses
-            block[:, 1] = r.block_bytes
+            if len(first) and int((first + count).max()) > r.num_blocks:
+                raise ValueError(f"blocks past the end of a {r.num_blocks}-block region")
+            block = np.empty((len(first), 3), dtype=np.uint64)
+            block[:, 0] = np.uint64(r.address) + first * np.uint64(r.block_bytes)
+            block[:, 1] = count * np.uint64(r.block_bytes)
             block[:, 2] = self.device_id
             rows.append(block)
         return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
+
+
+def runs(
+    local_ids: Sequence[int], remote_ids: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """(local starts, remote starts, lengths): the pairs cut into runs consecutive on both
+    sides, so a read of n blocks is as few descriptors as the two pools' layouts allow."""
+    local_starts: list[int] = []
+    remote_starts: list[int] = []
+    lengths: list[int] = []
+    for local, remote in zip(local_ids, remote_ids, strict=True):
+        if (
+            lengths
+            and local == local_starts[-1] + lengths[-1]
+            and remote == remote_starts[-1] + lengths[-1]
+        ):
+            lengths[-1] += 1
+        else:
+            local_starts.append(local)
+            remote_starts.append(remote)
+            lengths.append(1)
+    return local_starts, remote_starts, lengths
 
 
 def kv_regions(caches: KVCaches) -> KVRegions:

@@ -14,6 +14,8 @@ class KVTransferStats:
     """Blocks a pull skipped: this replica had them cached already."""
     num_failed_pulls: int = 0
     """Pulls that registered nothing (the prompt was computed here)."""
+    pull_seconds: float = 0.0
+    """Time the pulls that read blocks took (handshake, read, release)."""
     num_quarantined_blocks: int = 0
     """Blocks set aside for good after a read NIXL could not stop."""
     num_held_blocks: int = 0

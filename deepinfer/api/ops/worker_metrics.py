@@ -32,6 +32,7 @@ def _kv_transfer(t: KVTransferStats) -> Iterator[Metric]:
     for name, doc, value in (
         ("deepinfer_kv_transfer_pulls", "Requests whose prompt blocks were to be pulled", t.num_pulls),
         ("deepinfer_kv_transfer_pulled_blocks", "KV blocks pulled from producers", t.num_pulled_blocks),
+        ("deepinfer_kv_transfer_pull_seconds", "Time pulls that read blocks took", t.pull_seconds),
         ("deepinfer_kv_transfer_local_blocks", "Blocks a pull skipped: cached here already", t.num_local_blocks),
         ("deepinfer_kv_transfer_failed_pulls", "Pulls that registered nothing (computed here)", t.num_failed_pulls),
         ("deepinfer_kv_transfer_released_holds", "Holds released by their consumer", t.num_released),
