@@ -146,9 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(ns)
         config = config_from_args(ns)
         if ns.command == "serve" and config.experts.node_rank > 0:
-            from deepinfer.engine.build_experts import run_node
+            if config.tensor_parallel.tensor_parallel > 1:
+                from deepinfer.engine.build_tensor_parallel import run_node as run_tp_node
 
-            run_node(config)  # another machine's expert-parallel ranks: no API here
+                run_tp_node(config)  # another machine's tensor-parallel ranks: no API here
+            else:
+                from deepinfer.engine.build_experts import run_node
+
+                run_node(config)  # another machine's expert-parallel ranks: no API here
         elif ns.command == "serve":
             from deepinfer.api.server import serve
 

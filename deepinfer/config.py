@@ -321,7 +321,8 @@ class ExpertsConfig:
     """Forward steps between placements recomputed from the load since the last one (0: the
     placement never changes)."""
     nnodes: int = 1
-    """Machines the expert-parallel processes span (`gloo`/`nccl`), as torchrun's flag."""
+    """Machines the expert-parallel (`gloo`/`nccl`) or tensor-parallel processes span, as
+    torchrun's flag."""
     node_rank: int = 0
     """This machine's rank: 0 serves and starts its share of the ranks; another starts its
     share of the ranks only."""
@@ -329,6 +330,20 @@ class ExpertsConfig:
     """Address of node 0, where the ranks meet (torch.distributed's TCP rendezvous)."""
     master_port: int = 29500
     """Port of that rendezvous."""
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """A dense model's layers split over processes, Megatron-style: each rank holds a run of the
+    attention heads (and their KV) and of the FFN's features, and adds its partial outputs to
+    the others' (one all-reduce after each attention and FFN block). Rank 0 serves (API,
+    scheduler, caches); the ranks meet as the expert-parallel ones do (`--nnodes`,
+    `--node-rank`, `--master-addr`, `--master-port`)."""
+
+    tensor_parallel: int = 1
+    """Ranks each layer is split over (at most the model's KV heads)."""
+    tensor_parallel_backend: Literal["gloo", "nccl"] = "gloo"
+    """torch.distributed's backend: `gloo` (CPU), `nccl` (one GPU per rank)."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +376,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -381,6 +397,13 @@ def _validate(config: Config) -> None:
         )
     _validate_speculative(config.speculative)
     _validate_experts(config.experts)
+    tp = config.tensor_parallel
+    if tp.tensor_parallel < 1 or tp.tensor_parallel_backend not in ("gloo", "nccl"):
+        raise ConfigError("tensor_parallel must be at least 1, its backend gloo or nccl")
+    if tp.tensor_parallel > 1 and config.experts.expert_parallel > 1:
+        raise ConfigError("--tensor-parallel with --expert-parallel: not yet, one or the other")
+    if tp.tensor_parallel > 1 and config.kv_transfer.kv_transfer != "off":
+        raise ConfigError("--tensor-parallel with --kv-transfer: not yet, one or the other")
     c, s = config.cache, config.scheduler
     if c.block_size <= 0 or c.block_size & (c.block_size - 1):
         raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")

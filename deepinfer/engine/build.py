@@ -30,6 +30,8 @@ from deepinfer.engine.build_replicas import (
     capture_prefill,
 )
 from deepinfer.engine.build_scheduler import build_scheduler
+from deepinfer.engine.build_tensor_parallel import lead as lead_tp_ranks
+from deepinfer.engine.build_tensor_parallel import start_ranks as start_tp_ranks
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
 from deepinfer.kv_events.publisher import KVEventPublisher
@@ -37,12 +39,14 @@ from deepinfer.kv_events.recorder import KVEventRecorder
 from deepinfer.kv_events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 from deepinfer.kv_transfer.connector import KVTransfer
 from deepinfer.model.experts.parallel import ExpertParallel
+from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.loading.loader import LoadedModel, model_fingerprint
 from deepinfer.runner.device import resolve_device
 from deepinfer.runner.device_groups import DeviceGroups, resolve_device_groups
 from deepinfer.runner.kv_handoff import KVCopier
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.runner.step_graphs import StepGraphs
+from deepinfer.runner.tensor_ranks import TPRanks
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN, Drafter, WorkerDrafter
 from deepinfer.runner.worker_mtp import MTPDrafter
 from deepinfer.sampling.constraints import CompilerLimits, ConstraintCompiler
@@ -123,6 +127,8 @@ class EngineParts:
     """A Mixture of Experts' expert-parallel groups and balancer (None: experts all here)."""
     kv_transfer: KVTransfer | None = None
     """KV transfers with other replicas over NIXL (`--kv-transfer nixl`; None: off)."""
+    tensor_parallel: TPRanks | None = None
+    """The other tensor-parallel ranks' processes and rank 0's side (None: one rank)."""
 
 
 def build_engine(config: Config) -> EngineParts:
@@ -132,7 +138,12 @@ def build_engine(config: Config) -> EngineParts:
     groups = resolve_device_groups(config.workers, resolve_device(config.runtime.device))
     if config.runtime.num_threads and groups.prefill.type == "cpu":
         torch.set_num_threads(config.runtime.num_threads)
-    replicas = build_replicas(config, path, groups)
+    world = config.tensor_parallel.tensor_parallel
+    tp_ranks = start_tp_ranks(config, path) if world > 1 else None
+    replicas = build_replicas(config, path, groups, (0, world) if tp_ranks else None)
+    if tp_ranks is not None:
+        assert isinstance(replicas.prefill.model, LlamaForCausalLM)
+        lead_tp_ranks(tp_ranks, replicas.prefill.model, replicas.prefill.num_blocks)
     models = [replicas.prefill.model] + ([replicas.decode.model] if replicas.split else [])
     experts = build_expert_parallel(config, path, models)
     tokenizer = build_tokenizer(replicas.loaded, path)
@@ -181,6 +192,7 @@ def build_engine(config: Config) -> EngineParts:
         copier=build_copier(replicas),
         experts=experts,
         kv_transfer=build_kv_transfer(config, kv, replicas, info.fingerprint),
+        tensor_parallel=tp_ranks,
     )
     log.info("engine ready: %s", info)
     return parts
@@ -269,7 +281,11 @@ def open_tiers(
     config: Config, prefill: Replica, fingerprint: str, events: KVEventPublisher | None = None
 ) -> tuple[HostTier | None, DiskTier | None]:
     """The host tier (prefix caching only) and the disk tier under the prefill pool, each
-    recording its KV events when `events` is given."""
+    recording its KV events when `events` is given. Neither with tensor parallel: they would
+    keep rank 0's shard of each block alone."""
+    if config.tensor_parallel.tensor_parallel > 1:
+        log.info("host and disk KV tiers off: --tensor-parallel")
+        return None, None
     host = None
     if config.cache.enable_prefix_caching:
         host = open_host_tier(config.host_cache, prefill.device, prefill.tier_caches)

@@ -79,10 +79,16 @@ class Replicas:
         return self.decode is not self.prefill
 
 
-def build_replicas(config: Config, path: Path, groups: DeviceGroups) -> Replicas:
-    """The prefill group's model and pool, and the decode group's when it is separate."""
+def build_replicas(
+    config: Config,
+    path: Path,
+    groups: DeviceGroups,
+    tensor_parallel: tuple[int, int] | None = None,
+) -> Replicas:
+    """The prefill group's model and pool, and the decode group's when it is separate
+    (`tensor_parallel`: (rank, world), this rank's shard of the model and of every block)."""
     dtype = resolve_dtype(config.model.dtype, groups.prefill)
-    loaded = load(config, path, dtype, groups.prefill)
+    loaded = load(config, path, dtype, groups.prefill, tensor_parallel=tensor_parallel)
     backend = loaded.model.attention_backend.name
     kv_dtype = kv_cache_dtype(config.cache, dtype, backend, groups.prefill)
     draft = load_draft(config, loaded, groups.decode)
@@ -155,10 +161,15 @@ def _vocab(loaded: LoadedModel) -> list[bytes] | None:
 
 
 def load(
-    config: Config, path: Path, dtype: torch.dtype, device: torch.device, draft: bool = False
+    config: Config,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft: bool = False,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """The model at `path` as the config serves it (a draft model: never batch invariant, its
-    arithmetic decides only which tokens are tried)."""
+    arithmetic decides only which tokens are tried; `tensor_parallel`: one rank's shard)."""
     m = config.model
     backend = config.runtime.attention_backend
     return load_model(
@@ -170,6 +181,7 @@ def load(
         m.matmul_activations,
         batch_invariant=m.batch_invariant and not draft,
         bf16_prefill="off" if m.batch_invariant and not draft else m.bf16_prefill,
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -49,6 +49,7 @@ class EngineCore:
         self.experts = parts.experts
         self.kv_transfer = parts.kv_transfer
         """KV transfers with other replicas (None: off)."""
+        self._tensor_parallel = parts.tensor_parallel
 
     def lane_device(self, kind: StepKind) -> torch.device:
         """The device a lane's steps run on."""
@@ -132,6 +133,8 @@ class EngineCore:
         self.tiers.close()
         if self.experts is not None:
             self.experts.close()
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.close()
         self.constraints.close()
 
     def prefill_stats(self) -> PlannerStats | None:

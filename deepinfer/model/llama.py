@@ -32,6 +32,7 @@ from deepinfer.model.llama_layers import (
 )
 from deepinfer.model.rope import rope_table
 from deepinfer.model.step_context import StepContext, step_context
+from deepinfer.model.tensor_parallel import StepLeader
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,6 +85,9 @@ class LlamaForCausalLM(nn.Module):
         """The native stack once built, or why it cannot be (None: not tried yet)."""
         self._prefix_stacks: dict[int, NativeLayerStack] = {}
         """Stacks of the first layers only, by their number (self-speculation's drafts)."""
+        self.step_leader: StepLeader | None = None
+        """Tensor parallel, on rank 0: sends each forward's batch to the other ranks, which
+        run the same forward on their shards (None: this model is whole, or a follower)."""
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Replace the kernel backend (chosen once at start-up, before serving)."""
@@ -140,6 +144,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [B_sample, hidden]
         """Final-normed hidden states of the `logits_indices` rows; with `num_layers`, of the
         first layers only (self-speculation's draft: they write their layers' KV alone)."""
+        if self.step_leader is not None:
+            with self.step_leader.step(batch, num_layers):
+                return self._forward_hidden(batch, num_layers)
+        return self._forward_hidden(batch, num_layers)
+
+    def _forward_hidden(self, batch: ForwardBatch, num_layers: int | None) -> torch.Tensor:
         if self.kv_caches is None:
             raise RuntimeError("call bind_kv_caches() before running the model")
         step = self.step_context(batch)

@@ -6,6 +6,8 @@ prefill CUDA graphs capture apart, `model/piecewise.py`). `model/llama.py` stack
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,8 @@ class Linear(nn.Linear):
     the native quantized kernel once `quantize` has swapped its weight for GGUF blocks."""
 
     quantized: BlockWeight | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Tensor parallel: sums a row-cut shard's partial output over the ranks (None: whole)."""
 
     def quantize(self, weight: BlockWeight) -> None:
         """Serve from `weight` (the same values as `self.weight`, in blocks) and drop the fp32
@@ -54,10 +58,18 @@ class Linear(nn.Linear):
         self.weight = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:  # a row-cut shard: its bias (if any) added once, after
+            out = self.reduce(self._matmul(x))
+            return out if self.bias is None else out + self.bias
         if self.quantized is not None:
             out = block_linear(x, self.quantized)
             return out if self.bias is None else out + self.bias
         return cpu_aware_linear(x, self.weight, self.bias)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return block_linear(x, self.quantized)
+        return cpu_aware_linear(x, self.weight)
 
 
 class Embedding(nn.Embedding):

@@ -34,6 +34,7 @@ from deepinfer.model.loading.quantized import (
     serve_routers_fixed_sum,
 )
 from deepinfer.model.loading.safetensors_loader import open_safetensors_dir
+from deepinfer.model.loading.sharding import ShardedSource, local_arch, shard_plan
 from deepinfer.model.loading.weights import TensorSource, build_state_dict
 from deepinfer.model.null_model import is_null_model, open_null_model
 from deepinfer.model.protocol import CausalLM
@@ -83,6 +84,7 @@ def load_model(
     *,
     batch_invariant: bool = False,
     bf16_prefill: str = "off",
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory; raise ModelLoadError on any bad input.
 
@@ -92,7 +94,8 @@ def load_model(
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
     `bf16_prefill` (`auto|on|off`): int8-served matrices take long products as bf16 tiles,
     and long-context prefill chunks attend in bf16 (`auto`: where `Bf16Probe` finds bf16
-    matmuls fast; never when batch invariant).
+    matmuls fast; never when batch invariant). `tensor_parallel` (rank, world): load that
+    rank's shard alone (`sharding.py`), its model's `arch` the shard's.
 
     Blocking (seconds): call it from an executor when an event loop is running.
     """
@@ -103,11 +106,15 @@ def load_model(
     if is_null_model(path):
         null, arch, digest, vocabulary = open_null_model(path, device, backend)
         return LoadedModel(null, arch, path, dtype, device, digest, vocabulary)
-    arch, source, weights_digest, reader = _open(path)
-    model = get_model_class(arch.architecture)(arch, device=device, backend=backend)
-    wanted = isinstance(source, GGUFTensorSource) and quantized_matmul_wanted(
+    arch, full_source, weights_digest, reader = _open(path)
+    wanted = isinstance(full_source, GGUFTensorSource) and quantized_matmul_wanted(
         quantized_matmul, device, dtype
     )
+    source: TensorSource = full_source
+    if tensor_parallel is not None:  # (rank, world): this rank's heads and FFN features alone
+        shard = shard_plan(arch, tensor_parallel[1], tensor_parallel[0])
+        source, arch = ShardedSource(full_source, arch, shard), local_arch(arch, shard)
+    model = get_model_class(arch.architecture)(arch, device=device, backend=backend)
     int8 = int8_activations_wanted(matmul_activations, wanted)
     probe = (
         Bf16Probe.shared(machine_cache_dir() / VERDICT_FILE)
@@ -115,7 +122,8 @@ def load_model(
         else None
     )
     served = Served(0, frozenset())
-    if isinstance(source, GGUFTensorSource) and wanted:  # first: those are never dequantized
+    if wanted:  # first: those are never dequantized
+        assert isinstance(source, GGUFTensorSource | ShardedSource)
         served = quantize_linears(model, source, arch.num_layers, int8)
     state = build_state_dict(
         arch, source, dtype, device, desc=f"loading {path.name}", served=served.sources

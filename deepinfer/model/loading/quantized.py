@@ -37,10 +37,14 @@ from deepinfer.kernels.native.cpu_native import NativeUnavailableError, native_l
 from deepinfer.model.experts.moe import MoEBlock
 from deepinfer.model.llama_layers import Linear, QuantizedEmbedding
 from deepinfer.model.loading.gguf_loader import KERNEL_FORMAT_NAMES, GGUFTensorSource
+from deepinfer.model.loading.sharding import ShardedSource
 from deepinfer.model.loading.weights import deinterleave_rows, linear_sources, shared_expert_sources
 from deepinfer.model.mla import MLAAttention
 
 log = logging.getLogger(__name__)
+
+QuantizedSource = GGUFTensorSource | ShardedSource
+"""A GGUF file's tensors, whole or one tensor-parallel rank's cut of them."""
 
 
 def quantized_matmul_wanted(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -91,7 +95,7 @@ class Served:
 
 
 def quantize_linears(
-    model: nn.Module, source: GGUFTensorSource, num_layers: int, int8: bool = False
+    model: nn.Module, source: QuantizedSource, num_layers: int, int8: bool = False
 ) -> Served:
     """Give every linear layer stored in a kernel format its blocks (repacked for the int8
     kernel when `int8`), the LM head and the token embedding too: the modules may still be on
@@ -187,7 +191,7 @@ def float_matrices(model: nn.Module) -> list[str]:
 
 def _quantize_modules(
     sources: dict[str, tuple[str, ...]],
-    source: GGUFTensorSource,
+    source: QuantizedSource,
     int8: bool,
     modules: dict[str, nn.Module],
     served: set[str],
@@ -208,7 +212,7 @@ def _quantize_modules(
 
 
 def _quantize_mla(
-    attn: MLAAttention, source: GGUFTensorSource, layer: int, int8: bool, served: set[str]
+    attn: MLAAttention, source: QuantizedSource, layer: int, int8: bool, served: set[str]
 ) -> int:
     """A latent-attention layer's projections stored in a kernel format, in blocks (the rotary
     rows reordered as `weights._mla_state` reorders the float ones: whole rows of blocks
@@ -239,7 +243,7 @@ def _quantize_mla(
 
 
 def _quantize_experts(
-    block: MoEBlock, source: GGUFTensorSource, layer: int, int8: bool, served: set[str]
+    block: MoEBlock, source: QuantizedSource, layer: int, int8: bool, served: set[str]
 ) -> int:
     """A sparse layer's experts in blocks, where every one is stored in a kernel format (else
     none); the bytes served."""
@@ -273,7 +277,7 @@ def _served(weight: QuantizedWeight | list[QuantizedWeight], int8: bool) -> Nati
 
 
 def _fused(
-    source: GGUFTensorSource, names: tuple[str, ...], int8: bool
+    source: QuantizedSource, names: tuple[str, ...], int8: bool
 ) -> list[QuantizedWeight] | None:
     """The parts of a fused projection, if all are in one kernel format and width (or, for the
     int8 kernel, in two runs of formats: `pack_int8_rows`): views of the file's mapping when the

@@ -1,0 +1,110 @@
+"""Building tensor parallelism (`--tensor-parallel N`): this machine's ranks other than 0 (each
+loads its shard, sizes its KV pool as rank 0 says, and follows rank 0's forwards), and rank 0's
+side of the group (`runner/tensor_ranks.py`)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.config import Config
+from deepinfer.engine.build_replicas import load
+from deepinfer.engine.kv_sizing import kv_cache_dtype
+from deepinfer.errors import ConfigError
+from deepinfer.model.kv_layout import allocate_kv_caches
+from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.runner.device import resolve_device, resolve_dtype
+from deepinfer.runner.tensor_ranks import (
+    TPLeader,
+    TPRanks,
+    follow_steps,
+    init_rank,
+    local_ranks,
+    shard_layers,
+    share_num_blocks,
+)
+
+log = logging.getLogger(__name__)
+
+
+def check_tensor_parallel(config: Config) -> None:
+    tp, e = config.tensor_parallel, config.experts
+    if tp.tensor_parallel_backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--tensor-parallel-backend nccl needs CUDA devices")
+    if e.node_rank >= e.nnodes or tp.tensor_parallel % e.nnodes:
+        raise ConfigError(
+            f"--tensor-parallel {tp.tensor_parallel} must divide over --nnodes {e.nnodes}, "
+            f"--node-rank {e.node_rank} be below it"
+        )
+    if config.speculative.speculative in ("draft-model", "mtp"):
+        raise ConfigError("--tensor-parallel: a draft model or MTP layer is not split yet")
+    w = config.workers
+    if w.prefill_devices != w.decode_devices:
+        raise ConfigError("--tensor-parallel: one device group (the ranks are the split)")
+
+
+def start_ranks(config: Config, path: Path) -> TPRanks:
+    """Start this machine's ranks other than 0; on node 0 join them as rank 0 (blocking until
+    every rank of every node has joined)."""
+    check_tensor_parallel(config)
+    context = multiprocessing.get_context("spawn")
+    processes: list[BaseProcess] = []
+    ranks = local_ranks(config)
+    for rank in ranks:
+        if rank != 0:
+            process = context.Process(
+                target=rank_main,
+                args=(config, str(path), rank, rank - ranks.start),
+                name=f"deepinfer-tp-rank{rank}",
+            )
+            process.start()
+            processes.append(process)
+    leader = None
+    if config.experts.node_rank == 0:
+        init_rank(config, 0)
+        leader = TPLeader()
+    return TPRanks(processes, leader)
+
+
+def lead(ranks: TPRanks, model: LlamaForCausalLM, num_blocks: int) -> None:
+    """Rank 0, its replica built: the ranks size their pools, and each forward is sent them."""
+    assert ranks.leader is not None
+    shard_layers(model)
+    share_num_blocks(num_blocks)
+    model.step_leader = ranks.leader
+
+
+def run_node(config: Config) -> None:
+    """`deepinfer serve --node-rank K` (K > 0): this machine's ranks, until rank 0 stops them."""
+    ranks = start_ranks(config, config.model.resolved_path())
+    log.info("tensor-parallel ranks %s of node %d running", local_ranks(config),
+             config.experts.node_rank)  # fmt: skip
+    ranks.close(timeout_s=None)
+
+
+def rank_main(config: Config, path: str, rank: int, local_rank: int) -> None:
+    """A rank's process: join the group, load its shard, follow rank 0 until it stops."""
+    init_rank(config, rank)
+    try:
+        device = resolve_device(config.runtime.device)
+        if config.tensor_parallel.tensor_parallel_backend == "nccl":
+            device = torch.device("cuda", local_rank)
+        dtype = resolve_dtype(config.model.dtype, device)
+        world = config.tensor_parallel.tensor_parallel
+        loaded = load(config, Path(path), dtype, device, tensor_parallel=(rank, world))
+        model = loaded.model
+        assert isinstance(model, LlamaForCausalLM)
+        shard_layers(model)
+        kv_dtype = kv_cache_dtype(config.cache, dtype, model.attention_backend.name, device)
+        num_blocks = share_num_blocks(None)
+        model.bind_kv_caches(
+            allocate_kv_caches(model.arch, num_blocks, config.cache.block_size, kv_dtype, device)
+        )
+        follow_steps(model)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Tensor-parallel ranks over torch.distributed (`--tensor-parallel N`): rank 0 serves (API,
+scheduler, caches, sampling) and runs its shard of every forward; ranks 1..N-1 run theirs, in
+lockstep. Before each forward rank 0 broadcasts the batch (`TPLeader.step`, one forward at a
+time: the prefill and decode workers take turns); every rank then runs the same layers on its
+heads and FFN features, the row-cut projections' partial outputs summed by `all_reduce`.
+
+A rank that fails (its process gone) fails the collective it was in: rank 0 turns that into a
+`FatalEngineError`, so the engine stops serving with the reason (the server answers 503 and
+`/health` says why) rather than answer from part of a model; a restart starts the ranks again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.config import Config
+from deepinfer.errors import FatalEngineError
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.model.llama_layers import LlamaDecoderLayer
+
+log = logging.getLogger(__name__)
+
+STEP, STOP = 0, 1
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of a row-cut projection's partial outputs."""
+    out = partial.contiguous()
+    dist.all_reduce(out)
+    return out
+
+
+def shard_layers(model: LlamaForCausalLM) -> None:
+    """Sum each layer's o_proj and down_proj outputs over the ranks; layer by layer (the native
+    stack has no all-reduce between its layers)."""
+    model.native_layers = False
+    for layer in model.layers:
+        assert isinstance(layer, LlamaDecoderLayer), "dense Llama-family layers only"
+        layer.self_attn.o_proj.reduce = all_reduce
+        layer.mlp.down_proj.reduce = all_reduce
+
+
+class TPLeader:
+    """Rank 0's side (`model.step_leader`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.failed: str | None = None
+
+    @contextlib.contextmanager
+    def step(self, batch: ForwardBatch, num_layers: int | None) -> Iterator[None]:
+        with self._lock:
+            if self.failed is not None:
+                raise FatalEngineError(f"a tensor-parallel rank is gone: {self.failed}")
+            try:
+                dist.broadcast_object_list([(STEP, batch, num_layers)], src=0)
+                yield
+            except (RuntimeError, dist.DistBackendError) as exc:  # gloo/NCCL: a peer gone
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.error("tensor-parallel step failed: %s", self.failed)
+                raise FatalEngineError(f"a tensor-parallel rank is gone: {self.failed}") from exc
+
+    def stop(self) -> None:
+        """Tell the other ranks to leave their loops."""
+        with self._lock:
+            if self.failed is None:
+                try:
+                    dist.broadcast_object_list([(STOP, None, None)], src=0)
+                except (RuntimeError, dist.DistBackendError) as exc:
+                    log.warning("stopping the tensor-parallel ranks: %s", exc)
+
+
+def follow_steps(model: LlamaForCausalLM) -> None:
+    """Ranks 1..N-1: run rank 0's forwards on this shard until told to stop."""
+    box: list[object] = [None]
+    while True:
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+        assert isinstance(message, tuple)
+        kind, batch, num_layers = message
+        if kind == STOP:
+            return
+        assert isinstance(batch, ForwardBatch)
+        with torch.inference_mode():
+            model.forward_hidden(batch, num_layers)
+
+
+def share_num_blocks(num_blocks: int | None) -> int:
+    """Rank 0 gives its KV pool's size (the block ids are its); the others receive it."""
+    box = torch.tensor([num_blocks or 0], dtype=torch.int64)
+    dist.broadcast(box, src=0)
+    return int(box.item())
+
+
+def init_rank(config: Config, rank: int) -> None:
+    e, tp = config.experts, config.tensor_parallel
+    dist.init_process_group(
+        tp.tensor_parallel_backend,
+        init_method=f"tcp://{e.master_addr}:{e.master_port}",
+        rank=rank,
+        world_size=tp.tensor_parallel,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+
+
+def local_ranks(config: Config) -> range:
+    """The ranks this machine runs."""
+    e = config.experts
+    per_node = config.tensor_parallel.tensor_parallel // e.nnodes
+    return range(e.node_rank * per_node, (e.node_rank + 1) * per_node)
+
+
+@dataclass
+class TPRanks:
+    """This machine's tensor-parallel processes (on rank 0's machine: all but rank 0)."""
+
+    processes: list[BaseProcess]
+    leader: TPLeader | None
+    """Rank 0's side, on its machine."""
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        if self.leader is not None:
+            self.leader.stop()
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                log.warning("tensor-parallel rank %s did not stop; terminating it", process.pid)
+                process.terminate()
+                process.join(5)
+        if self.leader is not None and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,144 @@
+"""Tensor parallel over gloo ranks (processes the engine starts): a tiny random Llama and a
+tiny random Qwen3 (per-head q/k norms) with 4 KV heads, split over 1, 2 and 4 ranks. Greedy
+tokens are identical and every prompt and sampled log-probability (top 5) within 1e-4 of one
+rank's; a rank killed stops the engine with the reason instead of answering from part of the
+model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.config import (
+    CacheConfig,
+    Config,
+    DiskCacheConfig,
+    ExpertsConfig,
+    ModelConfig,
+    TensorParallelConfig,
+)
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.errors import DeepInferError
+from deepinfer.request import SamplingParams
+from tests.server_proc import free_port
+
+pytestmark = pytest.mark.slow
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 128, 8, 4, 16, 1024, 2, 49152
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5,
+                        prompt_logprobs=5)  # fmt: skip
+PROMPTS = [[(i * 97 + j * 13) % 3000 + 50 for j in range(n)] for i, n in enumerate((7, 40, 90))]
+
+
+def write_model(path: Path, qk_norm: bool) -> Path:
+    from safetensors.torch import save_file
+
+    from deepinfer.environment import default_model_path
+    from deepinfer.model.loading.gguf_loader import open_gguf
+    from deepinfer.text.tokenizer import Tokenizer
+
+    g = torch.Generator().manual_seed(1)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    tensors = {"model.embed_tokens.weight": w(VOCAB, HIDDEN), "model.norm.weight": 1 + w(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": 1 + w(HIDDEN),
+            p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
+            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": w(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": w(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": w(HIDDEN, FFN),
+        }
+        if qk_norm:
+            tensors |= {p + "self_attn.q_norm.weight": 1 + w(HEAD_DIM),
+                        p + "self_attn.k_norm.weight": 1 + w(HEAD_DIM)}  # fmt: skip
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "model_type": "qwen3" if qk_norm else "llama", "vocab_size": VOCAB,
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    Tokenizer.from_gguf(open_gguf(default_model_path())).save_dir(path)
+    return path
+
+
+def config(model: Path, ranks: int) -> Config:
+    return Config(
+        model=ModelConfig(path=model, dtype="float32"),
+        cache=CacheConfig(num_blocks=64),
+        disk_cache=DiskCacheConfig(enabled=False),
+        experts=ExpertsConfig(master_port=free_port()),
+        tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+    )
+
+
+async def run(engine: AsyncEngine) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    """Each prompt's tokens and every top-5 list (the prompt's, then the sampled tokens')."""
+    out = []
+    for ids in PROMPTS:
+        tokens: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
+        async for delta in engine.generate(ids, PARAMS):
+            tokens += delta.token_ids
+            tops += [list(p.top_logprobs) for p in delta.prompt_logprobs or ()]
+            tops += [list(s.top_logprobs) for s in delta.logprobs]
+        out.append((tokens, tops))
+    return out
+
+
+def close(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]]) -> float:
+    """The largest log-probability difference (same tokens in each top list, or inf)."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if [t for t, _ in x] != [t for t, _ in y]:
+            return float("inf")
+        worst = max(worst, *(abs(p - q) for (_, p), (_, q) in zip(x, y, strict=True)))
+    return worst
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+async def test_ranks_agree_with_one(tmp_path: Path, qk_norm: bool) -> None:
+    model = write_model(tmp_path / "model", qk_norm)
+    results = {}
+    for ranks in (1, 2, 4):
+        async with AsyncEngine(config(model, ranks)) as engine:
+            arch = engine.core.runner.model.arch  # rank 0's shard
+            assert (arch.num_kv_heads, arch.num_heads) == (KV_HEADS // ranks, HEADS // ranks)
+            assert arch.intermediate_size == FFN // ranks
+            results[ranks] = await run(engine)
+    for ranks in (2, 4):
+        for (tokens, tops), (want_tokens, want_tops) in zip(
+            results[ranks], results[1], strict=True
+        ):
+            assert tokens == want_tokens
+            assert close(tops, want_tops) <= 1e-4, (ranks, close(tops, want_tops))
+
+
+async def test_a_rank_killed_stops_the_engine_with_the_reason(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "model", False)
+    async with AsyncEngine(config(model, 2)) as engine:
+        assert (await run(engine))[0][0]
+        ranks = engine.core._tensor_parallel
+        assert ranks is not None
+        process = ranks.processes[0]
+        assert process.pid is not None
+        os.kill(process.pid, 9)
+        process.join(10)
+        with pytest.raises(DeepInferError):
+            await run(engine)
+        assert engine.dead_reason is not None and "tensor-parallel" in engine.dead_reason
