@@ -32,6 +32,7 @@ from deepinfer.engine.build_replicas import (
 from deepinfer.engine.build_scheduler import build_scheduler
 from deepinfer.engine.build_tensor_parallel import lead as lead_tp_ranks
 from deepinfer.engine.build_tensor_parallel import start_ranks as start_tp_ranks
+from deepinfer.engine.build_tensor_parallel import tp_threads
 from deepinfer.engine.kv_sizing import serving_max_len
 from deepinfer.errors import ConfigError
 from deepinfer.kv_events.publisher import KVEventPublisher
@@ -138,6 +139,8 @@ def build_engine(config: Config) -> EngineParts:
     groups = resolve_device_groups(config.workers, resolve_device(config.runtime.device))
     if config.runtime.num_threads and groups.prefill.type == "cpu":
         torch.set_num_threads(config.runtime.num_threads)
+    elif config.tensor_parallel.tensor_parallel > 1 and groups.prefill.type == "cpu":
+        torch.set_num_threads(tp_threads(config))  # the cores shared among this node's ranks
     world = config.tensor_parallel.tensor_parallel
     tp_ranks = start_tp_ranks(config, path) if world > 1 else None
     replicas = build_replicas(config, path, groups, (0, world) if tp_ranks else None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 from multiprocessing.process import BaseProcess
+from os import cpu_count as _cpu_count
 from pathlib import Path
 
 import torch
@@ -30,6 +31,12 @@ from deepinfer.runner.tensor_ranks import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def tp_threads(config: Config) -> int:
+    """A CPU rank's torch threads: `--threads`, else the machine's cores over its ranks."""
+    per_node = config.tensor_parallel.tensor_parallel // config.experts.nnodes
+    return config.runtime.num_threads or max(1, (_cpu_count() or 1) // per_node)
 
 
 def check_tensor_parallel(config: Config) -> None:
@@ -96,6 +103,8 @@ def rank_main(config: Config, path: str, rank: int, local_rank: int) -> None:
             device = torch.device("cuda", local_rank)
         dtype = resolve_dtype(config.model.dtype, device)
         world = config.tensor_parallel.tensor_parallel
+        if device.type == "cpu":  # the machine's cores shared among its ranks
+            torch.set_num_threads(tp_threads(config))
         loaded = load(config, Path(path), dtype, device, tensor_parallel=(rank, world))
         model = loaded.model
         assert isinstance(model, LlamaForCausalLM)

@@ -1,8 +1,12 @@
 """Tensor parallel over gloo ranks (processes the engine starts): a tiny random Llama and a
-tiny random Qwen3 (per-head q/k norms) with 4 KV heads, split over 1, 2 and 4 ranks. Greedy
-tokens are identical and every prompt and sampled log-probability (top 5) within 1e-4 of one
-rank's; a rank killed stops the engine with the reason instead of answering from part of the
-model."""
+tiny random Qwen3 (per-head q/k norms) with 4 KV heads, split over 1, 2 and 4 ranks, and
+SmolLM2's GGUF file (9 heads, 3 KV heads: 2 ranks hold 2 and 1 KV heads) served in its Q4_1
+blocks over 1, 2 and 3 ranks. Greedy tokens are identical and every prompt and sampled
+log-probability (top 5) within 1e-4 of one rank's, with float32 activations and KV (int8
+activations and a float16 cache round what the ranks' partial sums leave a few ulps apart, and
+a rounding that flips moves a logit by far more); a prompt run again is a prefix-cache hit on
+every rank; a rank killed stops the engine with the reason instead of answering from part of
+the model."""
 
 from __future__ import annotations
 
@@ -79,8 +83,8 @@ def write_model(path: Path, qk_norm: bool) -> Path:
 
 def config(model: Path, ranks: int) -> Config:
     return Config(
-        model=ModelConfig(path=model, dtype="float32"),
-        cache=CacheConfig(num_blocks=64),
+        model=ModelConfig(path=model, dtype="float32", matmul_activations="float32"),
+        cache=CacheConfig(num_blocks=64, kv_dtype="float32"),
         disk_cache=DiskCacheConfig(enabled=False),
         experts=ExpertsConfig(master_port=free_port()),
         tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
@@ -122,6 +126,37 @@ async def test_ranks_agree_with_one(tmp_path: Path, qk_norm: bool) -> None:
             assert arch.intermediate_size == FFN // ranks
             results[ranks] = await run(engine)
     for ranks in (2, 4):
+        for (tokens, tops), (want_tokens, want_tops) in zip(
+            results[ranks], results[1], strict=True
+        ):
+            assert tokens == want_tokens
+            assert close(tops, want_tops) <= 1e-4, (ranks, close(tops, want_tops))
+
+
+async def test_smollm2_blocks_split_over_two_and_three_ranks() -> None:
+    from deepinfer.environment import default_model_path
+
+    results = {}
+    for ranks in (1, 2, 3):
+        async with AsyncEngine(config(default_model_path(), ranks)) as engine:
+            assert engine.info.quantized_bytes > 0  # served from its blocks
+            results[ranks] = await run(engine)
+            if ranks == 2:  # again: the prompt's full blocks are hits on both ranks
+                again = await run(engine)
+                assert again == results[2]
+                greedy = SamplingParams(max_tokens=4, temperature=0.0)  # no prompt logprobs
+                turns = [
+                    [
+                        (d.token_ids, d.usage.cached_tokens)
+                        async for d in engine.generate(ids, greedy)
+                    ]
+                    for ids in (PROMPTS[2], PROMPTS[2])
+                ]
+                assert [sum((t for t, _ in turn), ()) for turn in turns] == [
+                    sum((t for t, _ in turns[0]), ())
+                ] * 2
+                assert turns[1][-1][1] == (len(PROMPTS[2]) - 1) // 16 * 16
+    for ranks in (2, 3):
         for (tokens, tops), (want_tokens, want_tops) in zip(
             results[ranks], results[1], strict=True
         ):
