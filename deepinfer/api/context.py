@@ -44,7 +44,9 @@ class ApiContext:
 
     def check_running(self) -> None:
         if not self.engine.is_running:
-            raise ApiError(ErrorKind.UNAVAILABLE, "the engine is not running (starting or stopped)")
+            reason = self.engine.dead_reason
+            why = f"stopped: {reason}" if reason else "starting or stopped"
+            raise ApiError(ErrorKind.UNAVAILABLE, f"the engine is not running ({why})")
 
     async def read_json(self, request: Request, type_: type[T]) -> T:
         """The body, size- and depth-checked, decoded as `type_`; 400/413 naming the problem."""
