@@ -143,10 +143,15 @@ def build_engine(config: Config) -> EngineParts:
         torch.set_num_threads(tp_threads(config))  # the cores shared among this node's ranks
     world = config.tensor_parallel.tensor_parallel
     tp_ranks = start_tp_ranks(config, path) if world > 1 else None
-    replicas = build_replicas(config, path, groups, (0, world) if tp_ranks else None)
-    if tp_ranks is not None:
-        assert isinstance(replicas.prefill.model, LlamaForCausalLM)
-        lead_tp_ranks(tp_ranks, replicas.prefill.model, replicas.prefill.num_blocks)
+    try:
+        replicas = build_replicas(config, path, groups, (0, world) if tp_ranks else None)
+        if tp_ranks is not None:
+            assert isinstance(replicas.prefill.model, LlamaForCausalLM)
+            lead_tp_ranks(tp_ranks, replicas.prefill.model, replicas.prefill.num_blocks)
+    except BaseException:
+        if tp_ranks is not None:
+            tp_ranks.abort()
+        raise
     models = [replicas.prefill.model] + ([replicas.decode.model] if replicas.split else [])
     experts = build_expert_parallel(config, path, models)
     tokenizer = build_tokenizer(replicas.loaded, path)

@@ -129,6 +129,14 @@ class TPRanks:
     leader: TPLeader | None
     """Rank 0's side, on its machine."""
 
+    def abort(self) -> None:
+        """Start-up failed: end the ranks where they wait, and leave the group."""
+        for process in self.processes:
+            process.terminate()
+            process.join(10)
+        if self.leader is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
     def close(self, timeout_s: float | None = 30.0) -> None:
         if self.leader is not None:
             self.leader.stop()

@@ -10,8 +10,11 @@ the model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +25,13 @@ from deepinfer.config import (
     Config,
     DiskCacheConfig,
     ExpertsConfig,
+    KVTransferConfig,
     ModelConfig,
     TensorParallelConfig,
 )
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.errors import DeepInferError
+from deepinfer.engine.build import build_engine
+from deepinfer.errors import ConfigError, DeepInferError
 from deepinfer.request import SamplingParams
 from tests.server_proc import free_port
 
@@ -177,3 +182,51 @@ async def test_a_rank_killed_stops_the_engine_with_the_reason(tmp_path: Path) ->
         with pytest.raises(DeepInferError):
             await run(engine)
         assert engine.dead_reason is not None and "tensor-parallel" in engine.dead_reason
+
+
+async def test_a_second_machine_joins_with_the_serve_command(tmp_path: Path) -> None:
+    """Two "machines" of one rank each: node 1 runs `deepinfer serve --node-rank 1` (as on
+    another host: it starts its rank and waits), node 0 serves; its answers are one rank's, and
+    node 1's command ends when node 0 shuts down."""
+    model = write_model(tmp_path / "model", False)
+    async with AsyncEngine(config(model, 1)) as engine:
+        alone = await run(engine)
+    two = config(model, 2)
+    port = two.experts.master_port
+    node1 = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deepinfer.cli", "serve", "--model", str(model),
+        "--tensor-parallel", "2", "--nnodes", "2", "--node-rank", "1", "--master-port",
+        str(port), "--no-disk-cache", "--matmul-activations", "float32", "--kv-dtype", "float32",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        nodes = two.replace(experts=ExpertsConfig(nnodes=2, master_port=port))
+        async with AsyncEngine(nodes) as engine:
+            ranks = engine.core._tensor_parallel
+            assert ranks is not None and not ranks.processes  # its rank is node 1's
+            got = await run(engine)
+        out, _ = await asyncio.wait_for(node1.communicate(), timeout=60)
+    finally:
+        if node1.returncode is None:
+            node1.kill()
+            await node1.wait()
+    assert [t for t, _ in got] == [t for t, _ in alone]
+    assert max(close(a, b) for (_, a), (_, b) in zip(got, alone, strict=True)) <= 1e-4
+    assert node1.returncode == 0, out.decode()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tensor_parallel": TensorParallelConfig(tensor_parallel=8)}, "at most that many"),
+        ({"experts": ExpertsConfig(expert_parallel=2)}, "one or the other"),
+        ({"kv_transfer": KVTransferConfig(kv_transfer="nixl")}, "one or the other"),
+    ],
+)
+def test_what_cannot_be_split_is_refused(
+    tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    model = write_model(tmp_path / "model", False)
+    with pytest.raises(ConfigError, match=message):
+        build_engine(config(model, 2).replace(**change))
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("deepinfer-tp")]
