@@ -1,0 +1,122 @@
+"""Tensor parallel through the whole engine: SmolLM2's GGUF file (Q4_1 blocks, 3 KV heads)
+served by 1, 2 and 3 gloo ranks in one run, the machine's cores shared among the ranks.
+Reported per rank count: start-up (engine built, ranks joined), generated tokens/s with 1 and 8
+concurrent greedy requests, and how far its answers are from one rank's: greedy tokens, and
+with float32 activations and KV the largest difference of a top-5 log-probability.
+
+On these 2 cores the ranks cannot run faster than one (they share the cores): the figures are
+the cost of splitting, broadcasting each step's batch and the all-reduces over gloo. Run from
+the repository root:
+
+    python bench/tensor_parallel.py
+    python bench/tensor_parallel.py --ranks 1,2 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import time
+
+from common import provenance
+
+from deepinfer.config import (
+    CacheConfig,
+    Config,
+    DiskCacheConfig,
+    ExpertsConfig,
+    ModelConfig,
+    TensorParallelConfig,
+)
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.environment import default_model_path
+from deepinfer.request import SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(i * 131 + j * 17) % 4000 + 200 for j in range(40 + 7 * i)] for i in range(n)]
+
+
+def config(ranks: int, exact: bool) -> Config:
+    model = ModelConfig(path=default_model_path())
+    cache = CacheConfig(num_blocks=512)
+    if exact:
+        model = ModelConfig(path=default_model_path(), matmul_activations="float32")
+        cache = CacheConfig(num_blocks=512, kv_dtype="float32")
+    return Config(
+        model=model,
+        cache=cache,
+        disk_cache=DiskCacheConfig(enabled=False),
+        experts=ExpertsConfig(master_port=free_port()),
+        tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+    )
+
+
+async def answers(
+    engine: AsyncEngine, batch: list[list[int]], params: SamplingParams
+) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    async def one(ids: list[int]) -> tuple[list[int], list[list[tuple[int, float]]]]:
+        tokens: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
+        async for d in engine.generate(ids, params):
+            tokens += d.token_ids
+            tops += [list(s.top_logprobs) for s in d.logprobs]
+        return tokens, tops
+
+    return list(await asyncio.gather(*(one(ids) for ids in batch)))
+
+
+async def measure(ranks: int, args: argparse.Namespace) -> dict[str, object]:
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    exact = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
+    row: dict[str, object] = {"ranks": ranks}
+    start = time.perf_counter()
+    async with AsyncEngine(config(ranks, exact=False)) as engine:
+        row["start_s"] = time.perf_counter() - start
+        await answers(engine, prompts(1), SamplingParams(max_tokens=4))  # warm-up
+        for streams in (1, 8):
+            t = time.perf_counter()
+            out = await answers(engine, prompts(streams), greedy)
+            row[f"tok_s_{streams}"] = sum(len(o[0]) for o in out) / (time.perf_counter() - t)
+            row[f"tokens_{streams}"] = [o[0] for o in out]
+    async with AsyncEngine(config(ranks, exact=True)) as engine:
+        row["exact"] = await answers(engine, prompts(4), exact)
+    return row
+
+
+def worst(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]]) -> float:
+    diff = 0.0
+    for x, y in zip(a, b, strict=True):
+        if [t for t, _ in x] != [t for t, _ in y]:
+            return float("inf")
+        diff = max(diff, *(abs(p - q) for (_, p), (_, q) in zip(x, y, strict=True)))
+    return diff
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--ranks", default="1,2,3")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    rows = [await measure(int(r), args) for r in args.ranks.split(",")]
+    one = rows[0]
+    print(f"\n{provenance()}\n")
+    print("| ranks | start-up s | tok/s 1 stream | tok/s 8 streams | greedy tokens as 1 rank "
+          "(default flags) | top-5 logprob max diff (float32 activations and KV) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        same = sum(a == b for a, b in zip(r["tokens_8"], one["tokens_8"], strict=True))  # type: ignore[call-overload]
+        diffs = [worst(a[1], b[1]) for a, b in zip(r["exact"], one["exact"], strict=True)]  # type: ignore[call-overload]
+        print(f"| {r['ranks']} | {r['start_s']:.1f} | {r['tok_s_1']:.1f} | {r['tok_s_8']:.1f} | "
+              f"{same}/8 | {max(diffs):.1e} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
