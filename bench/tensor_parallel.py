@@ -10,6 +10,10 @@ the repository root:
 
     python bench/tensor_parallel.py
     python bench/tensor_parallel.py --ranks 1,2 --max-tokens 64
+
+It also times gloo itself between two processes of this machine: an all-reduce of a decode
+step's [8, 576] activations, and the broadcast of a small object (each forward makes two
+all-reduces a layer and one broadcast).
 """
 
 from __future__ import annotations
@@ -38,6 +42,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _gloo_times(rank: int, port: int, out: dict[str, float]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = torch.randn(8, 576)
+    for _ in range(50):
+        dist.all_reduce(t)
+    start = time.perf_counter()
+    for _ in range(500):
+        dist.all_reduce(t)
+    reduce_s = (time.perf_counter() - start) / 500
+    start = time.perf_counter()
+    for _ in range(200):
+        box: list[object] = [("step", torch.arange(64), None)] if rank == 0 else [None]
+        dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        out["all_reduce_ms"] = reduce_s * 1e3
+        out["broadcast_ms"] = (time.perf_counter() - start) / 200 * 1e3
+    dist.destroy_process_group()
+
+
+def gloo_times() -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_gloo_times, args=(free_port(), out), nprocs=2)
+        return dict(out)
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -107,7 +143,11 @@ async def main() -> None:
     args = ap.parse_args()
     rows = [await measure(int(r), args) for r in args.ranks.split(",")]
     one = rows[0]
+    times = gloo_times()
     print(f"\n{provenance()}\n")
+    print(f"gloo between two processes: all-reduce of [8, 576] float32 "
+          f"{times['all_reduce_ms']:.2f} ms, broadcast of a small object "
+          f"{times['broadcast_ms']:.2f} ms\n")  # fmt: skip
     print("| ranks | start-up s | tok/s 1 stream | tok/s 8 streams | greedy tokens as 1 rank "
           "(default flags) | top-5 logprob max diff (float32 activations and KV) |")  # fmt: skip
     print("|---|---|---|---|---|---|")

@@ -34,7 +34,7 @@ step kernel_tests 150 python3 -m pytest -q -rs -p no:cacheprovider "${KERNEL_TES
 CUDA_TESTS=${CUDA_TESTS:-tests/gpu tests/model/test_gguf_smollm2.py \
   tests/tiers/host/test_engine_host_cache.py tests/sampling/test_sampler.py \
   tests/engine/models/test_real.py tests/engine/test_disagg.py \
-  tests/engine/test_device_groups.py \
+  tests/engine/test_device_groups.py tests/kv_transfer/test_pull.py \
   tests/engine/models/test_batch_invariant.py::test_batch_invariant_bits_on_cuda}
 # shellcheck disable=SC2086  # a list of paths
 step cuda_tests 300 python3 -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS
