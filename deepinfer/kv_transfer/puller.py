@@ -90,11 +90,21 @@ class KVPuller:
         reservation_id, block_ids = reservation
         start = time.perf_counter()
         registered: list[BlockHash] = []
-        quarantined = False
+        free = True
+        """Whether the reserved blocks go back (registered or not) when the pull ends: not
+        after a read NIXL could not stop, nor before a read still running has ended."""
         try:
             remote = await self._remote(params)
-            read = await self._read(block_ids, remote, remote_ids[num_local:num])
-            quarantined = read is None
+            reading = self._read(block_ids, remote, remote_ids[num_local:num])
+            try:
+                read = await asyncio.shield(reading)
+            except asyncio.CancelledError:  # the read may still be writing the blocks
+                free = False
+                reading.add_done_callback(lambda _: self._blocks.commit(reservation_id, []))
+                raise
+            if read is None:
+                free = False
+                self.stats.num_quarantined_blocks += len(block_ids)
             if read and await self._release(params):
                 registered = hashes[num_local:num]
             elif not read:
@@ -107,9 +117,7 @@ class KVPuller:
             if not isinstance(exc, ChannelError):  # else it did not answer: its hold expires
                 await self._release(params)
         finally:
-            if quarantined:
-                self.stats.num_quarantined_blocks += len(block_ids)
-            else:
+            if free:
                 self._blocks.commit(reservation_id, registered)
         self.stats.seconds_total += time.perf_counter() - start
         self.stats.num_pulls += 1
@@ -157,16 +165,14 @@ class KVPuller:
         except Exception:
             log.exception("forgetting NIXL agent %s failed", agent)
 
-    async def _read(
+    def _read(
         self, block_ids: list[int], remote: _Remote, remote_ids: list[int]
-    ) -> bool | None:
+    ) -> asyncio.Future[bool | None]:
         """True: read; False: failed or timed out, stopped; None: NIXL could not stop it (its
         destination blocks must never be used again). On the NIXL thread: UCX moves the bytes
         while the transfer's state is polled, which must not hold up the loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._nixl, self._read_blocking, block_ids, remote, remote_ids
-        )
+        return loop.run_in_executor(self._nixl, self._read_blocking, block_ids, remote, remote_ids)
 
     def _read_blocking(
         self, block_ids: list[int], remote: _Remote, remote_ids: list[int]

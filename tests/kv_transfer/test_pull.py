@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -159,3 +160,41 @@ async def test_producer_gone_is_computed_locally(tiny_llama_dir: Path) -> None:
         assert await tokens(consumer, ids, DECODE, params) == await tokens(reference, ids, DECODE)
         assert pulled(consumer) == 0
         consumer.check_integrity()
+
+
+async def test_a_cancelled_pull_frees_its_blocks_only_after_the_read(
+    engines: tuple[AsyncEngine, ...],
+) -> None:
+    """A request cancelled while its blocks are being read (its client gone): the blocks the
+    read writes go back to the pool once the read has ended, never before."""
+    producer, consumer, reference = engines
+    transfer = consumer.core.kv_transfer
+    assert transfer is not None and transfer._puller is not None
+    puller = transfer._puller
+    read = puller._read_blocking
+    ended = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_read(*args: object) -> bool | None:
+        time.sleep(0.6)
+        try:
+            return read(*args)  # type: ignore[arg-type]
+        finally:
+            loop.call_soon_threadsafe(ended.set)
+
+    puller._read_blocking = slow_read  # type: ignore[method-assign]
+    free = consumer.core.kv.num_free_blocks
+    ids = prompt(80, seed=11)
+    params = await prefill(producer, ids, "c1")
+    task = asyncio.create_task(tokens(consumer, ids, DECODE, params))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert consumer.core.kv.num_free_blocks == free - (80 - 1) // BLOCK  # still reserved
+    await ended.wait()
+    await asyncio.sleep(0.05)
+    assert consumer.core.kv.num_free_blocks == free
+    puller._read_blocking = read  # type: ignore[method-assign]
+    assert await tokens(consumer, ids, DECODE) == await tokens(reference, ids, DECODE)
+    consumer.check_integrity()
