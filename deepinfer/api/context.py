@@ -124,7 +124,7 @@ class ApiContext:
                     cache_salt=cache.salt if cache else None,
                     cache_retention=cache.retention if cache else None,
                     prediction=prediction,
-                    kv_transfer=kv_transfer,
+                    kv_transfer=kv_transfer if i == 0 else None,  # one hold, one pull a request
                 )
                 streams.append(self.metrics.track(stream, arrival_s))
         except BaseException:
