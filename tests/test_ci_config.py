@@ -30,6 +30,7 @@ TEST_TOOLS = {
     "accelerate": "transformers loads a GGUF model only with it installed",
     "lm-eval": "run as a process (`python -m lm_eval`) by tests/api/openai/test_lm_eval.py",
     "vllm-router": "run as a process (`python -m vllm_router.launch_router`) by tests/routing",
+    "nixl": "imported by the package (kv_transfer/agent.py) where --kv-transfer nixl asks for it",
 }
 """Test-extra packages no test imports, and why they are there."""
 

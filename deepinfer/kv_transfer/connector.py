@@ -8,6 +8,9 @@ then `close`.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 import uuid
 
 from deepinfer.cache.manager import KVCacheManager
@@ -22,6 +25,11 @@ from deepinfer.kv_transfer.stats import KVTransferStats
 from deepinfer.model.kv_layout import KVCaches
 from deepinfer.request import FinishReason, Request
 from deepinfer.tiers.device_blocks import TierBlocks
+
+PROGRESS_S = 0.0002
+"""Between two progress calls while blocks are kept."""
+IDLE_S = 0.05
+"""How soon a hold is noticed when none was kept."""
 
 
 class KVTransfer:
@@ -43,6 +51,8 @@ class KVTransfer:
             else None
         )
         self._channel: SideChannel | None = None
+        self._stopping = threading.Event()
+        self._progress: threading.Thread | None = None
 
     @property
     def produces(self) -> bool:
@@ -64,6 +74,22 @@ class KVTransfer:
                 holds.expire,
             )
             self._channel.start()
+            self._progress = threading.Thread(
+                target=self._progress_while_holding, name="deepinfer-nixl-progress", daemon=True
+            )
+            self._progress.start()
+
+    def _progress_while_holding(self) -> None:
+        """While blocks are kept for consumers, let NIXL progress (their reads may need this
+        side's help); idle otherwise."""
+        holds = self.holds
+        assert holds is not None
+        while not self._stopping.is_set():
+            if holds.num_holds:
+                self._agent.progress()
+                time.sleep(PROGRESS_S)
+            else:
+                self._stopping.wait(IDLE_S)
 
     def _welcome(self) -> Welcome:
         return Welcome(
@@ -122,6 +148,9 @@ class KVTransfer:
         )
 
     async def close(self) -> None:
+        self._stopping.set()
+        if self._progress is not None:
+            await asyncio.to_thread(self._progress.join)
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

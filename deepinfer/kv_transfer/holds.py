@@ -76,6 +76,10 @@ class KVHolds:
             self._blocks.unpin(hold.pin)
 
     @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
+    @property
     def num_held_blocks(self) -> int:
         return sum(len(h.held.block_ids) for h in self._holds.values())
 
