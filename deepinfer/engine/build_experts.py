@@ -5,8 +5,6 @@ other processes when the backend is torch.distributed (`runner/expert_ranks.py`)
 from __future__ import annotations
 
 import logging
-import multiprocessing
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from deepinfer.runner.expert_ranks import (
     local_ranks,
     serve_experts,
 )
+from deepinfer.runner.rank_processes import spawn_ranks
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +131,7 @@ def start_ranks(config: Config, path: Path) -> ExpertRanks:
     on node 0 join them as rank 0 (blocking until every rank of every node has joined)."""
     if config.experts.expert_parallel_backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("--expert-parallel-backend nccl needs CUDA devices")
-    context = multiprocessing.get_context("spawn")
-    processes: list[BaseProcess] = []
-    ranks = local_ranks(config)
-    for rank in ranks:
-        if rank != 0:
-            process = context.Process(
-                target=rank_main,
-                args=(config, str(path), rank, rank - ranks.start),
-                name=f"deepinfer-rank{rank}",
-            )
-            process.start()
-            processes.append(process)
+    processes = spawn_ranks(rank_main, config, path, local_ranks(config), "deepinfer-rank")
     serving = config.experts.node_rank == 0
     if serving:
         init_rank(config, 0)

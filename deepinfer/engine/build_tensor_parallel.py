@@ -5,8 +5,6 @@ side of the group (`runner/tensor_ranks.py`)."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
-from multiprocessing.process import BaseProcess
 from os import cpu_count as _cpu_count
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.model.kv_layout import allocate_kv_caches
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.runner.device import resolve_device, resolve_dtype
+from deepinfer.runner.rank_processes import spawn_ranks
 from deepinfer.runner.tensor_ranks import (
     TPLeader,
     TPRanks,
@@ -59,18 +58,7 @@ def start_ranks(config: Config, path: Path) -> TPRanks:
     """Start this machine's ranks other than 0; on node 0 join them as rank 0 (blocking until
     every rank of every node has joined)."""
     check_tensor_parallel(config)
-    context = multiprocessing.get_context("spawn")
-    processes: list[BaseProcess] = []
-    ranks = local_ranks(config)
-    for rank in ranks:
-        if rank != 0:
-            process = context.Process(
-                target=rank_main,
-                args=(config, str(path), rank, rank - ranks.start),
-                name=f"deepinfer-tp-rank{rank}",
-            )
-            process.start()
-            processes.append(process)
+    processes = spawn_ranks(rank_main, config, path, local_ranks(config), "deepinfer-tp-rank")
     leader = None
     if config.experts.node_rank == 0:
         init_rank(config, 0)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from deepinfer.config import Config
 from deepinfer.model.experts.parallel import LocalGroup
 from deepinfer.model.experts.placement import ExpertSlice
+from deepinfer.runner.rank_processes import join_ranks
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +151,7 @@ class ExpertRanks:
     """This process is rank 0 and joined the process group."""
 
     def close(self, timeout_s: float | None = 30.0) -> None:
-        for process in self.processes:
-            process.join(timeout_s)
-            if process.is_alive():
-                log.warning("expert rank process %s did not stop; terminating it", process.pid)
-                process.terminate()
-                process.join(5)
+        join_ranks(self.processes, timeout_s)
         if self.serving and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ from deepinfer.errors import FatalEngineError
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.llama_layers import LlamaDecoderLayer
+from deepinfer.runner.rank_processes import join_ranks
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,6 @@ class TPRanks:
     def close(self, timeout_s: float | None = 30.0) -> None:
         if self.leader is not None:
             self.leader.stop()
-        for process in self.processes:
-            process.join(timeout_s)
-            if process.is_alive():
-                log.warning("tensor-parallel rank %s did not stop; terminating it", process.pid)
-                process.terminate()
-                process.join(5)
+        join_ranks(self.processes, timeout_s)
         if self.leader is not None and dist.is_initialized():
             dist.destroy_process_group()
