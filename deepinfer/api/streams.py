@@ -108,6 +108,7 @@ def total_usage(collected: Sequence[Usage], num_prompts: int) -> Usage:
         cached_tokens=sum(u.cached_tokens for u in firsts),
         disk_cached_tokens=sum(u.disk_cached_tokens for u in firsts),
         host_cached_tokens=sum(u.host_cached_tokens for u in firsts),
+        remote_cached_tokens=sum(u.remote_cached_tokens for u in firsts),
         accepted_prediction_tokens=sum(u.accepted_prediction_tokens for u in collected),
         rejected_prediction_tokens=sum(u.rejected_prediction_tokens for u in collected),
     )

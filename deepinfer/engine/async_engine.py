@@ -278,6 +278,7 @@ class AsyncEngine:
             self.abort,
             disk_cached_tokens=request.num_disk_cached_tokens,
             host_cached_tokens=request.num_host_cached_tokens,
+            remote_cached_tokens=request.num_remote_cached_tokens,
             include_stop=params.include_stop_str_in_output,
             num_prediction_tokens=len(predicted),
         )

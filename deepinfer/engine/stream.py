@@ -44,6 +44,7 @@ class RequestStream:
         *,
         disk_cached_tokens: int = 0,
         host_cached_tokens: int = 0,
+        remote_cached_tokens: int = 0,
         include_stop: bool = False,
         num_prediction_tokens: int = 0,
     ) -> None:
@@ -61,6 +62,7 @@ class RequestStream:
         """The reader's, while it waits for output."""
         self._disk_cached_tokens = disk_cached_tokens
         self._host_cached_tokens = host_cached_tokens
+        self._remote_cached_tokens = remote_cached_tokens
         self._num_prediction_tokens = num_prediction_tokens
         self._accepted_prediction_tokens = 0
         self._counts = (num_prompt_tokens, 0, 0)
@@ -216,17 +218,19 @@ class RequestStream:
 
     def _usage(self) -> Usage:
         prompt, output, cached = self._counts
-        # Tiers fill the prefix in order (device, host, disk): a shortfall (loaded blocks
-        # evicted before admission) comes off the end, the disk part first.
+        # Tiers fill the prefix in order (device, host, disk, another replica's): a shortfall
+        # (loaded blocks evicted before admission) comes off the end, the last tier's first.
         host = min(self._host_cached_tokens, cached)
+        disk = min(self._disk_cached_tokens, cached - host)
         # an answer that repeats itself may take a prediction's tokens as drafts more than once
         accepted = min(self._accepted_prediction_tokens, self._num_prediction_tokens)
         return Usage(
             prompt,
             output,
             cached,
-            disk_cached_tokens=min(self._disk_cached_tokens, cached - host),
+            disk_cached_tokens=disk,
             host_cached_tokens=host,
+            remote_cached_tokens=min(self._remote_cached_tokens, cached - host - disk),
             accepted_prediction_tokens=accepted,
             rejected_prediction_tokens=self._num_prediction_tokens - accepted,
         )

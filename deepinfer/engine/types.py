@@ -25,6 +25,8 @@ class Usage:
     """Of `cached_tokens`, those loaded from the disk tier."""
     host_cached_tokens: int = 0
     """Of `cached_tokens`, those loaded from the host-RAM tier."""
+    remote_cached_tokens: int = 0
+    """Of `cached_tokens`, those pulled from another replica (`--kv-transfer`)."""
     accepted_prediction_tokens: int = 0
     """Of the request's prediction, the tokens verified as drafts and kept so far."""
     rejected_prediction_tokens: int = 0
@@ -33,7 +35,12 @@ class Usage:
     @property
     def device_cached_tokens(self) -> int:
         """Of `cached_tokens`, those found in device blocks already."""
-        return self.cached_tokens - self.disk_cached_tokens - self.host_cached_tokens
+        return (
+            self.cached_tokens
+            - self.disk_cached_tokens
+            - self.host_cached_tokens
+            - self.remote_cached_tokens
+        )
 
 
 @message

@@ -90,9 +90,13 @@ async def test_consumer_decodes_from_pulled_blocks(engines: tuple[AsyncEngine, .
         assert params.remote_block_ids is not None
         assert len(params.remote_block_ids) == (n - 1) // BLOCK
         before = pulled(consumer)
-        got = await tokens(consumer, ids, DECODE, params)
+        got: list[int] = []
+        async for delta in consumer.generate(ids, DECODE, kv_transfer=params):
+            got.extend(delta.token_ids)
+            usage = delta.usage
         assert got == await tokens(reference, ids, DECODE)
         assert pulled(consumer) - before == (n - 1) // BLOCK
+        assert usage.remote_cached_tokens == usage.cached_tokens == (n - 1) // BLOCK * BLOCK
     assert holds.num_released == 3 and holds.num_held_blocks == 0
     consumer.check_integrity()
     producer.check_integrity()

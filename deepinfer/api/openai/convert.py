@@ -184,6 +184,7 @@ def usage_out(usage: Usage) -> UsageOut:
                 device=usage.device_cached_tokens,
                 disk=usage.disk_cached_tokens,
                 host=usage.host_cached_tokens,
+                remote=usage.remote_cached_tokens,
             )
             if usage.cached_tokens
             else None,

@@ -223,6 +223,8 @@ class CachedTokensDetails(msgspec.Struct):
     device: int
     disk: int
     host: int = 0
+    remote: int = 0
+    """Pulled from another replica before this one decoded (`--kv-transfer`)."""
 
 
 class PromptTokensDetails(msgspec.Struct, omit_defaults=True):

@@ -324,4 +324,5 @@ class _TrackedStream:
                 m.cached_tokens.labels("device").inc(usage.device_cached_tokens)
                 m.cached_tokens.labels("host").inc(usage.host_cached_tokens)
                 m.cached_tokens.labels("disk").inc(usage.disk_cached_tokens)
+                m.cached_tokens.labels("remote").inc(usage.remote_cached_tokens)
                 m.generation_tokens.inc(usage.completion_tokens)
