@@ -162,8 +162,13 @@ def build_engine(config: Config) -> EngineParts:
         min(replicas.prefill.num_blocks, replicas.decode.num_blocks),
         config.model.max_model_len,
     )
-    graphs = StepGraphs(
-        capture_graphs(config, replicas.decode, max_len), capture_prefill(config, replicas.prefill)
+    graphs = (
+        StepGraphs()  # a captured step would replay without its broadcast to the other ranks
+        if tp_ranks is not None
+        else StepGraphs(
+            capture_graphs(config, replicas.decode, max_len),
+            capture_prefill(config, replicas.prefill),
+        )
     )
     info = runtime_info(config, path, replicas, max_len, graphs)
     events = build_kv_events(config.kv_events, config.cache.block_size)

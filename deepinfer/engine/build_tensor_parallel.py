@@ -47,6 +47,8 @@ def check_tensor_parallel(config: Config) -> None:
             f"--tensor-parallel {tp.tensor_parallel} must divide over --nnodes {e.nnodes}, "
             f"--node-rank {e.node_rank} be below it"
         )
+    if config.runtime.cuda_graphs == "on":
+        raise ConfigError("--tensor-parallel: steps run eagerly (--cuda-graphs auto or off)")
     if config.speculative.speculative in ("draft-model", "mtp"):
         raise ConfigError("--tensor-parallel: a draft model or MTP layer is not split yet")
     w = config.workers
