@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 from common import ROOT, deepinfer_cmd, free_port, provenance, running
-from interference import QUICK, build_workload, measure
+from interference import add_workload_args, build_workload, measure, parse_workload_args
 from interference_report import summarize, table
 
 OUT = ROOT / "bench" / "out"
@@ -85,29 +85,10 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--modes", default="replica,nodes")
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--stream-tokens", type=int, default=64)
-    ap.add_argument("--stream-max-tokens", type=int, default=256)
-    ap.add_argument("--long-prompts", default="4000,8000")
-    ap.add_argument("--long-max-tokens", type=int, default=8)
-    ap.add_argument("--long-gap-s", type=float, default=2.0)
-    ap.add_argument("--short-tokens", type=int, default=50)
-    ap.add_argument("--short-max-tokens", type=int, default=4)
-    ap.add_argument("--short-offsets", default="0.5,2.0")
-    ap.add_argument("--baseline-s", type=float, default=15.0)
-    ap.add_argument("--ramp-timeout-s", type=float, default=300.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deepinfer-args", default="", help="extra flags for every server.py")
+    ap.add_argument("--modes", default="replica,nodes", help="any of replica,nodes")
+    add_workload_args(ap, streams=8, long_prompts="4000,8000", baseline_s=15.0)
     ap.add_argument("--node-threads", default="1,1", help="producer,consumer CPU threads")
-    ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
-    args = ap.parse_args()
-    for key, value in QUICK.items() if args.quick else ():
-        if getattr(args, key) == ap.get_default(key):
-            setattr(args, key, value)
-    args.short_offsets = [float(x) for x in args.short_offsets.split(",")]
-    args.modes = [m.strip() for m in args.modes.split(",")]
-    return args
+    return parse_workload_args(ap)
 
 
 def main() -> None:

@@ -300,6 +300,37 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace) -> dict[str, A
     return {"mode": mode, "cmd": cmd, "summary": summary, "raw": raw}
 
 
+def add_workload_args(
+    ap: argparse.ArgumentParser, streams: int, long_prompts: str, baseline_s: float
+) -> None:
+    """The workload's flags (`measure` reads them), shared with bench/disagg_nodes.py."""
+    ap.add_argument("--streams", type=int, default=streams, help="concurrent streaming sessions")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="prompt tokens of each session")
+    ap.add_argument("--stream-max-tokens", type=int, default=256, help="per request; re-issued")
+    ap.add_argument("--long-prompts", default=long_prompts, help="prompt tokens, in order")
+    ap.add_argument("--long-max-tokens", type=int, default=8)
+    ap.add_argument("--long-gap-s", type=float, default=2.0, help="pause between long prompts")
+    ap.add_argument("--short-tokens", type=int, default=50)
+    ap.add_argument("--short-max-tokens", type=int, default=4)
+    ap.add_argument("--short-offsets", default="0.5,2.0", help="s after each long prompt")
+    ap.add_argument("--baseline-s", type=float, default=baseline_s)
+    ap.add_argument("--ramp-timeout-s", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompt text")
+    ap.add_argument("--deepinfer-args", default="", help="extra flags for every server.py")
+    ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
+
+
+def parse_workload_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, with `--quick`'s values where a flag was left at its default."""
+    args = ap.parse_args()
+    for key, value in QUICK.items() if args.quick else ():
+        if getattr(args, key) == ap.get_default(key):
+            setattr(args, key, value)
+    args.short_offsets = [float(x) for x in args.short_offsets.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    return args
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -307,32 +338,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--modes", default="disagg,colocated,llama", help="any of disagg,split,colocated,llama"
     )
-    ap.add_argument("--streams", type=int, default=16, help="concurrent streaming sessions")
-    ap.add_argument("--stream-tokens", type=int, default=64, help="prompt tokens of each session")
-    ap.add_argument("--stream-max-tokens", type=int, default=256, help="per request; re-issued")
-    ap.add_argument("--long-prompts", default="2000,8000,16000", help="prompt tokens, in order")
-    ap.add_argument("--long-max-tokens", type=int, default=8)
-    ap.add_argument("--long-gap-s", type=float, default=2.0, help="pause between long prompts")
-    ap.add_argument("--short-tokens", type=int, default=50)
-    ap.add_argument("--short-max-tokens", type=int, default=4)
-    ap.add_argument("--short-offsets", default="0.5,2.0", help="s after each long prompt")
-    ap.add_argument("--baseline-s", type=float, default=20.0)
-    ap.add_argument("--ramp-timeout-s", type=float, default=300.0)
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompt text")
-    ap.add_argument("--deepinfer-args", default="", help="extra flags for server.py (both modes)")
+    add_workload_args(ap, streams=16, long_prompts="2000,8000,16000", baseline_s=20.0)
     ap.add_argument(
         "--split-devices",
         default="cpu:0,cpu:1",
         help="prefill,decode device groups of the 'split' mode (e.g. cuda:0,cuda:1)",
     )
     ap.add_argument("--llama-args", default="", help="extra flags for llama-server")
-    ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
-    args = ap.parse_args()
-    for key, value in QUICK.items() if args.quick else ():
-        if getattr(args, key) == ap.get_default(key):
-            setattr(args, key, value)
-    args.short_offsets = [float(x) for x in args.short_offsets.split(",")]
-    args.modes = [m.strip() for m in args.modes.split(",")]
+    args = parse_workload_args(ap)
     if unknown := set(args.modes) - set(MODES):
         ap.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     return args

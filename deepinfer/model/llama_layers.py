@@ -58,18 +58,15 @@ class Linear(nn.Linear):
         self.weight = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reduce is not None:  # a row-cut shard: its bias (if any) added once, after
-            out = self.reduce(self._matmul(x))
-            return out if self.bias is None else out + self.bias
+        if self.quantized is None and self.reduce is None:
+            return cpu_aware_linear(x, self.weight, self.bias)
         if self.quantized is not None:
             out = block_linear(x, self.quantized)
-            return out if self.bias is None else out + self.bias
-        return cpu_aware_linear(x, self.weight, self.bias)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return block_linear(x, self.quantized)
-        return cpu_aware_linear(x, self.weight)
+        else:
+            out = cpu_aware_linear(x, self.weight)
+        if self.reduce is not None:  # a row-cut shard: its bias (if any) added once, after
+            out = self.reduce(out)
+        return out if self.bias is None else out + self.bias
 
 
 class Embedding(nn.Embedding):

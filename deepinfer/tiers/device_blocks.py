@@ -42,14 +42,7 @@ class TierBlocks:
 
     def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes have a device block now."""
-        if not self._pool.enable_caching:
-            return 0
-        n = 0
-        for block_hash in block_hashes:
-            if self._pool.get_cached_block(block_hash) is None:
-                break
-            n += 1
-        return n
+        return len(self.cached_blocks(block_hashes)) if self._pool.enable_caching else 0
 
     def reserve(self, num_blocks: int) -> tuple[int, list[int]] | None:
         """Take free blocks to fill from a lower tier: (reservation id, block ids), or None when

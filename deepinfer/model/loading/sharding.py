@@ -119,7 +119,7 @@ class ShardedSource:
 
     def load_quantized(self, name: str, copy: bool = True) -> QuantizedWeight | None:
         load = getattr(self._source, "load_quantized", None)
-        w = load(name, copy=True) if load is not None else None
+        w = load(name, copy=copy) if load is not None else None
         cut = self._cut_of(name)
         if w is None or cut is None:
             return w
