@@ -147,7 +147,7 @@ def build_engine(config: Config) -> EngineParts:
         replicas = build_replicas(config, path, groups, (0, world) if tp_ranks else None)
         if tp_ranks is not None:
             assert isinstance(replicas.prefill.model, LlamaForCausalLM)
-            lead_tp_ranks(tp_ranks, replicas.prefill.model, replicas.prefill.num_blocks)
+            lead_tp_ranks(config, tp_ranks, replicas.prefill.model, replicas.prefill.num_blocks)
     except BaseException:
         if tp_ranks is not None:
             tp_ranks.abort()

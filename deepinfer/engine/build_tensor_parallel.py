@@ -17,14 +17,19 @@ from deepinfer.engine.kv_sizing import kv_cache_dtype
 from deepinfer.errors import ConfigError
 from deepinfer.model.kv_layout import allocate_kv_caches
 from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.model.loading.loader import read_arch
+from deepinfer.model.loading.sharding import shard_plan
+from deepinfer.model.null_model import is_null_model
 from deepinfer.runner.device import resolve_device, resolve_dtype
 from deepinfer.runner.rank_processes import spawn_ranks
 from deepinfer.runner.tensor_ranks import (
+    CHAINED_SUMS,
     TPLeader,
     TPRanks,
     follow_steps,
     init_rank,
     local_ranks,
+    ready,
     shard_layers,
     share_num_blocks,
 )
@@ -51,6 +56,10 @@ def check_tensor_parallel(config: Config) -> None:
         raise ConfigError("--tensor-parallel: steps run eagerly (--cuda-graphs auto or off)")
     if config.speculative.speculative in ("draft-model", "mtp"):
         raise ConfigError("--tensor-parallel: a draft model or MTP layer is not split yet")
+    if config.model.batch_invariant and (
+        config.model.matmul_activations == "float32" or tp.tensor_parallel_backend == "nccl"
+    ):
+        raise ConfigError(CHAINED_SUMS)
     w = config.workers
     if w.prefill_devices != w.decode_devices:
         raise ConfigError("--tensor-parallel: one device group (the ranks are the split)")
@@ -60,6 +69,8 @@ def start_ranks(config: Config, path: Path) -> TPRanks:
     """Start this machine's ranks other than 0; on node 0 join them as rank 0 (blocking until
     every rank of every node has joined)."""
     check_tensor_parallel(config)
+    if not is_null_model(path):  # before any rank starts: a model the ranks cannot split
+        shard_plan(read_arch(path), config.tensor_parallel.tensor_parallel, 0)
     processes = spawn_ranks(rank_main, config, path, local_ranks(config), "deepinfer-tp-rank")
     leader = None
     if config.experts.node_rank == 0:
@@ -68,11 +79,12 @@ def start_ranks(config: Config, path: Path) -> TPRanks:
     return TPRanks(processes, leader)
 
 
-def lead(ranks: TPRanks, model: LlamaForCausalLM, num_blocks: int) -> None:
+def lead(config: Config, ranks: TPRanks, model: LlamaForCausalLM, num_blocks: int) -> None:
     """Rank 0, its replica built: the ranks size their pools, and each forward is sent them."""
     assert ranks.leader is not None
-    shard_layers(model)
+    shard_layers(model, config.model.batch_invariant)
     share_num_blocks(num_blocks)
+    ready()
     model.step_leader = ranks.leader
 
 
@@ -98,12 +110,13 @@ def rank_main(config: Config, path: str, rank: int, local_rank: int) -> None:
         loaded = load(config, Path(path), dtype, device, tensor_parallel=(rank, world))
         model = loaded.model
         assert isinstance(model, LlamaForCausalLM)
-        shard_layers(model)
+        shard_layers(model, config.model.batch_invariant)
         kv_dtype = kv_cache_dtype(config.cache, dtype, model.attention_backend.name, device)
         num_blocks = share_num_blocks(None)
         model.bind_kv_caches(
             allocate_kv_caches(model.arch, num_blocks, config.cache.block_size, kv_dtype, device)
         )
+        ready()
         follow_steps(model)
     finally:
         dist.destroy_process_group()

@@ -152,6 +152,10 @@ class ModelArch:
     `num_nextn_predict_layers`, at layer indices from `num_layers`): the model does not run
     them; `--speculative mtp` drafts with the first (`model/mtp.py`)."""
 
+    tensor_parallel_shard: bool = False
+    """One tensor-parallel rank's share of the model (`loading/sharding.py`): the heads and FFN
+    features it holds, which may be no heads at all (a rank past the KV heads)."""
+
     def __post_init__(self) -> None:
         sizes = {
             "num_layers": self.num_layers,
@@ -163,10 +167,15 @@ class ModelArch:
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_position_embeddings,
         }
-        bad = [f"{name}={value}" for name, value in sizes.items() if value <= 0]
+        headless = self.tensor_parallel_shard and self.num_heads == self.num_kv_heads == 0
+        bad = [
+            f"{name}={value}"
+            for name, value in sizes.items()
+            if value <= 0 and not (headless and name in ("num_heads", "num_kv_heads"))
+        ]
         if bad:
             raise ModelLoadError(f"invalid model metadata: {', '.join(bad)} must be positive")
-        if self.num_heads % self.num_kv_heads:
+        if not headless and self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"invalid model metadata: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"

@@ -6,18 +6,24 @@ prefill CUDA graphs capture apart, `model/piecewise.py`). `model/llama.py` stack
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.layers.llama_layers_cpu import LayerWeights
-from deepinfer.kernels.linear.int8_matmul import BlockWeight, block_linear
+from deepinfer.kernels.linear.int8_matmul import (
+    BlockWeight,
+    Int8PackedWeight,
+    block_linear,
+    int8_linear,
+)
 from deepinfer.kernels.linear.quant_matmul import QuantizedWeight, dequantize
 from deepinfer.model.arch import ModelArch
 from deepinfer.model.attention import AttentionBackend
 from deepinfer.model.step_context import StepContext
+from deepinfer.model.tensor_parallel import RowCutSum
 
 _TRANSPOSED_ROWS = range(2, 65)
 """Row counts for which CPU matmuls run as W @ x^T (see `cpu_aware_linear`)."""
@@ -46,8 +52,12 @@ class Linear(nn.Linear):
     the native quantized kernel once `quantize` has swapped its weight for GGUF blocks."""
 
     quantized: BlockWeight | None = None
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """Tensor parallel: sums a row-cut shard's partial output over the ranks (None: whole)."""
+    reduce: RowCutSum | None = None
+    """Tensor parallel: sums a row-cut shard's products over the ranks (None: whole)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.numel():  # (a tensor-parallel rank without heads: nothing to fill)
+            super().reset_parameters()
 
     def quantize(self, weight: BlockWeight) -> None:
         """Serve from `weight` (the same values as `self.weight`, in blocks) and drop the fp32
@@ -60,13 +70,25 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is None and self.reduce is None:
             return cpu_aware_linear(x, self.weight, self.bias)
-        if self.quantized is not None:
-            out = block_linear(x, self.quantized)
-        else:
-            out = cpu_aware_linear(x, self.weight)
         if self.reduce is not None:  # a row-cut shard: its bias (if any) added once, after
-            out = self.reduce(out)
+            out = self.reduce(partial(self._product, x), (x.shape[0], self.out_features))
+        else:
+            assert self.quantized is not None
+            out = block_linear(x, self.quantized)
         return out if self.bias is None else out + self.bias
+
+    def _product(self, x: torch.Tensor, going_on: torch.Tensor | None) -> torch.Tensor:
+        """A row-cut shard's x @ W^T, from zero or going on from `going_on` (the sums of the
+        ranks before: the int8 kernel's, which adds block after block)."""
+        if self.in_features == 0:  # a rank holding none of the input features (no heads)
+            return going_on if going_on is not None else x.new_zeros(x.shape[0], self.out_features)
+        if going_on is None:
+            if self.quantized is not None:
+                return block_linear(x, self.quantized)
+            return cpu_aware_linear(x, self.weight)
+        if not isinstance(self.quantized, Int8PackedWeight):
+            raise TypeError(f"{self}: only the int8 kernel's sums go on across ranks")
+        return int8_linear(x, self.quantized, going_on)
 
 
 class Embedding(nn.Embedding):
@@ -213,8 +235,14 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         step: StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.attention_input(h, residual, step)
         attn = self.self_attn
+        if not attn.arch.num_heads:  # a tensor-parallel rank past the KV heads: attention's
+            # share is nothing (its o_proj still joins the ranks' sum)
+            _, residual = self.add_and_norm_input(step.ops, h, residual, self.input_norm.weight,
+                                                  self.eps)  # fmt: skip
+            nothing = h.new_empty(h.shape[0], 0, attn.arch.head_dim)
+            return self.attention_output(nothing, residual, step)
+        q, k, v, residual = self.attention_input(h, residual, step)
         out = paged_attention(step, q, k, v, kv_cache, attn.scale, attn.window)
         return self.attention_output(out, residual, step)
 

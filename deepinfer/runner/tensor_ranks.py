@@ -2,7 +2,8 @@
 scheduler, caches, sampling) and runs its shard of every forward; ranks 1..N-1 run theirs, in
 lockstep. Before each forward rank 0 broadcasts the batch (`TPLeader.step`, one forward at a
 time: the prefill and decode workers take turns); every rank then runs the same layers on its
-heads and FFN features, the row-cut projections' partial outputs summed by `all_reduce`.
+heads and FFN features, the row-cut projections' partial outputs summed by `all_reduce` (or,
+batch invariant, by `chained_sum`: the one-rank bits whatever the rank count).
 
 A rank that fails (its process gone) fails the collective it was in: rank 0 turns that into a
 `FatalEngineError`, so the engine stops serving with the reason (the server answers 503 and
@@ -23,33 +24,63 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import Config
-from deepinfer.errors import FatalEngineError
+from deepinfer.errors import ConfigError, FatalEngineError
+from deepinfer.kernels.linear.int8_matmul import Int8PackedWeight
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.llama_layers import LlamaDecoderLayer
+from deepinfer.model.tensor_parallel import ShardProduct
 from deepinfer.runner.rank_processes import join_ranks
 
 log = logging.getLogger(__name__)
 
 STEP, STOP = 0, 1
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+CHAINED_SUMS = (
+    "--batch-invariant with --tensor-parallel: the ranks' sums go on one from another in the "
+    "int8 CPU kernel alone (a GGUF file on CPU, gloo, --matmul-activations auto or int8)"
+)
 
 
-def all_reduce(partial: torch.Tensor) -> torch.Tensor:
-    """The sum over the ranks of a row-cut projection's partial outputs."""
-    out = partial.contiguous()
+def all_reduce(product: ShardProduct, shape: tuple[int, int]) -> torch.Tensor:
+    """The sum over the ranks of a row-cut projection's partial outputs (the backend's order)."""
+    out = product(None).contiguous()
     dist.all_reduce(out)
     return out
 
 
-def shard_layers(model: LlamaForCausalLM) -> None:
-    """Sum each layer's o_proj and down_proj outputs over the ranks; layer by layer (the native
-    stack has no all-reduce between its layers)."""
+def chained_sum(product: ShardProduct, shape: tuple[int, int]) -> torch.Tensor:
+    """The batch-invariant sum: rank r goes on from rank r-1's sums (its slice of the input
+    features follows theirs), the last rank's output is everyone's. The int8 kernel adds the
+    blocks of K one after another, so the result has the bits of one rank's whole product,
+    whatever the rank count; the ranks' products run one after another."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = None
+    if rank > 0:
+        before = torch.empty(shape, dtype=torch.float32)
+        dist.recv(before, rank - 1)
+    out = product(before).contiguous()
+    if rank < world - 1:
+        dist.send(out, rank + 1)
+    dist.broadcast(out, world - 1)
+    return out
+
+
+def shard_layers(model: LlamaForCausalLM, batch_invariant: bool) -> None:
+    """Sum each layer's o_proj and down_proj outputs over the ranks, by all-reduce or
+    (`batch_invariant`) chained; layer by layer (the native stack sums within one process)."""
     model.native_layers = False
+    reduce = chained_sum if batch_invariant else all_reduce
     for layer in model.layers:
         assert isinstance(layer, LlamaDecoderLayer), "dense Llama-family layers only"
-        layer.self_attn.o_proj.reduce = all_reduce
-        layer.mlp.down_proj.reduce = all_reduce
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if (
+                batch_invariant
+                and linear.in_features
+                and not isinstance(linear.quantized, Int8PackedWeight)
+            ):
+                raise ConfigError(CHAINED_SUMS)
+            linear.reduce = reduce
 
 
 class TPLeader:
@@ -102,6 +133,12 @@ def share_num_blocks(num_blocks: int | None) -> int:
     box = torch.tensor([num_blocks or 0], dtype=torch.int64)
     dist.broadcast(box, src=0)
     return int(box.item())
+
+
+def ready() -> None:
+    """Every rank has its shard and its pool: a rank whose load failed (its process gone) fails
+    rank 0's start-up here, not its first request."""
+    dist.barrier()
 
 
 def init_rank(config: Config, rank: int) -> None:

@@ -45,6 +45,10 @@ int di_int8_gemm(int fmt, const uint8_t *packed, const float *x, float *y, int M
 long di_int8_split_packed_bytes(int fmt, int fmt2, int N2, int N, int K);
 int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x,
                        float *y, int M, int N, int K, int num_threads);
+/* di_int8_gemm_split going on from y's values: each output's sum over the blocks of K
+   continues y's, so chained slices of K give the bits of one product over all of it. */
+int di_int8_gemm_acc(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x, float *y,
+                     int M, int N, int K, int num_threads);
 /* Rows [row0, row0 + rows) of a weight packed by di_int8_pack as bfloat16, out[rows, K] (row0 a
    multiple of 8): the float32 weights rounded to nearest even (cpu/int8_unpack.c). */
 int di_int8_unpack_bf16(int fmt, const uint8_t *packed, int N, int K, int row0, int rows,

@@ -149,14 +149,15 @@ static void quantize_row(const float *x, int K, int8_t *q, float *dx, float *sx)
 }
 
 /* One group of 8 weight rows times R quantized rows of x (R a constant, so the accumulators
-   stay in registers): acc[c] lane r = y[c, r]. `q` rows are K apart, `dx`/`sx` rows K/32. */
+   stay in registers): acc[c] lane r = y[c, r], which the pass continues (the caller sets it to
+   zero, or to a sum over earlier K to go on with). `q` rows are K apart, `dx`/`sx` rows K/32. */
 #define GROUP_Q4_1(R)                                                                          \
     static void group_q4_1_x##R(const uint8_t *g, int nb, const int8_t *q, const float *dx,     \
                                 const float *sx, int K, int pf, __m256 *acc) {                  \
         const __m256i low = _mm256_set1_epi8(0x0F);                                             \
         const __m256i ones = _mm256_set1_epi16(1);                                              \
         __m256 a[R];                                                                            \
-        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                              \
         for (int b = 0; b < nb; b++, g += 160) {                                                \
             if (pf) prefetch_block(g, 160);                                                     \
             __m256i s16[R];                                                                     \
@@ -191,7 +192,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *dx, float *sx)
         (void)sx;                                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                              \
         __m256 a[R];                                                                            \
-        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                              \
         for (int b = 0; b < nb; b++, g += 272) {                                                \
             if (pf) prefetch_block(g, 272);                                                     \
             __m256i s32[R];                                                                     \
@@ -239,7 +240,7 @@ static const group_fn GROUP_FNS[2][MR] = {
                                           __m256 *acc) {                                        \
         const __m256i low = _mm256_set1_epi8(0x0F);                                             \
         __m256 a[R];                                                                            \
-        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                              \
         for (int b = 0; b < nb; b++, g += 160) {                                                \
             if (pf) prefetch_block(g, 160);                                                     \
             __m256i s_lo[R], s_hi[R];                                                           \
@@ -273,7 +274,7 @@ static const group_fn GROUP_FNS[2][MR] = {
                                           __m256 *acc) {                                        \
         (void)sx;                                                                               \
         __m256 a[R];                                                                            \
-        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                 \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                              \
         for (int b = 0; b < nb; b++, g += 272) {                                                \
             if (pf) prefetch_block(g, 272);                                                     \
             __m256i s_even[R], s_odd[R];                                                        \
@@ -342,6 +343,37 @@ int di_int8_isa(int want) {
 
 __attribute__((constructor)) static void choose_isa(void) { di_int8_isa(1); }
 
+/* The accumulators a pass starts from: zero, or (`accumulate`) y's rows as they are. */
+static inline void load_group(__m256 *acc, int mr, const float *y, long ldy, int rows,
+                              int accumulate) {
+    for (int c = 0; c < mr; c++) {
+        if (!accumulate) {
+            acc[c] = _mm256_setzero_ps();
+        } else if (rows == GROUP) {
+            acc[c] = _mm256_loadu_ps(y + (size_t)c * ldy);
+        } else {
+            float tmp[GROUP] = {0};
+            memcpy(tmp, y + (size_t)c * ldy, (size_t)rows * sizeof(float));
+            acc[c] = _mm256_loadu_ps(tmp);
+        }
+    }
+}
+
+VNNI static void load_pair(__m512 *acc, int mr, const float *y, long ldy, int rows2,
+                           int accumulate) {
+    for (int c = 0; c < mr; c++) {
+        if (!accumulate) {
+            acc[c] = _mm512_setzero_ps();
+        } else if (rows2 == GROUP) {
+            acc[c] = _mm512_loadu_ps(y + (size_t)c * ldy);
+        } else {
+            float tmp[2 * GROUP] = {0};
+            memcpy(tmp, y + (size_t)c * ldy, (size_t)(GROUP + rows2) * sizeof(float));
+            acc[c] = _mm512_loadu_ps(tmp);
+        }
+    }
+}
+
 static inline void store_group(const __m256 *acc, int mr, float *y, long ldy, int rows) {
     for (int c = 0; c < mr; c++) {
         if (rows == GROUP) {
@@ -377,10 +409,11 @@ int di_int8_pairs(int want) {
 }
 
 /* Columns [0, N) of y's rows (ldy apart) = the quantized x (q, dx, sx) times the N weight
-   rows packed at `packed` in `fmt`: this thread's share of the groups. */
+   rows packed at `packed` in `fmt`: this thread's share of the groups. `accumulate`: each
+   output's sum goes on from y's value (see di_int8_gemm_acc) instead of from zero. */
 static void int8_groups_team(int fmt, const uint8_t *packed, const int8_t *q, const float *dx,
                              const float *sx, float *y, long ldy, int M, int N, int K,
-                             di_team *team) {
+                             int accumulate, di_team *team) {
     const int nb = K / QK, groups = (N + GROUP - 1) / GROUP;
     const size_t gb = group_bytes(fmt, K);
     int g0, g1;
@@ -406,6 +439,7 @@ static void int8_groups_team(int fmt, const uint8_t *packed, const int8_t *q, co
             for (int m0 = 0; m0 < M; m0 += max_rows) {
                 const int mr = M - m0 < max_rows ? M - m0 : max_rows;
                 __m512 acc2[MR_VNNI];
+                load_pair(acc2, mr, y + (size_t)m0 * ldy + g * GROUP, ldy, rows2, accumulate);
                 pairs[mr - 1](wg, wg + gb, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb,
                               sx + (size_t)m0 * nb, K, m0 == 0, acc2);
                 store_pair(acc2, mr, y + (size_t)m0 * ldy + g * GROUP, ldy, rows2);
@@ -416,6 +450,7 @@ static void int8_groups_team(int fmt, const uint8_t *packed, const int8_t *q, co
         __m256 acc[MR_VNNI];
         for (int m0 = 0; m0 < M; m0 += max_rows) {
             const int mr = M - m0 < max_rows ? M - m0 : max_rows;
+            load_group(acc, mr, y + (size_t)m0 * ldy + g * GROUP, ldy, rows, accumulate);
             fns[mr - 1](wg, nb, q + (size_t)m0 * K, dx + (size_t)m0 * nb, sx + (size_t)m0 * nb, K,
                         m0 == 0, acc);
             store_group(acc, mr, y + (size_t)m0 * ldy + g * GROUP, ldy, rows);
@@ -442,23 +477,25 @@ long di_int8_split_packed_bytes(int fmt, int fmt2, int N2, int N, int K) {
     return a > 0 && b > 0 ? a + b : 0;
 }
 
-void di_int8_matrix_team(const di_matrix *w, const float *x, float *y, int M, int8_t *q,
-                         float *dx, float *sx, di_team *team) {
+static void int8_matrix_team(const di_matrix *w, const float *x, float *y, int M, int8_t *q,
+                             float *dx, float *sx, int accumulate, di_team *team) {
     const int N1 = w->N - w->N2;
     quantize_team(x, M, w->K, q, dx, sx, team);
-    int8_groups_team(w->fmt, w->data, q, dx, sx, y, w->N, M, N1, w->K, team);
+    int8_groups_team(w->fmt, w->data, q, dx, sx, y, w->N, M, N1, w->K, accumulate, team);
     if (w->N2 > 0) {
         const uint8_t *second = w->data + di_int8_packed_bytes(w->fmt, N1, w->K);
-        int8_groups_team(w->fmt2, second, q, dx, sx, y + N1, w->N, M, w->N2, w->K, team);
+        int8_groups_team(w->fmt2, second, q, dx, sx, y + N1, w->N, M, w->N2, w->K, accumulate,
+                         team);
     }
 }
 
-/* y = x @ W^T for a weight whose last N2 rows are in fmt2, packed after the first N - N2 (a
-   multiple of GROUP) rows in fmt: a fused projection stored in two formats (llama.cpp's
-   Q4_K_M keeps some layers' V rows in Q6_K beside Q4_K Q and K). N2 == 0: one format.
-   Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
-int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x,
-                       float *y, int M, int N, int K, int num_threads) {
+void di_int8_matrix_team(const di_matrix *w, const float *x, float *y, int M, int8_t *q,
+                         float *dx, float *sx, di_team *team) {
+    int8_matrix_team(w, x, y, M, q, dx, sx, 0, team);
+}
+
+static int int8_gemm(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x, float *y,
+                     int M, int N, int K, int num_threads, int accumulate) {
     if (di_int8_split_packed_bytes(fmt, fmt2, N2, N, K) == 0 || M < 0) return -1;
     if (M == 0) return 0;
     const int nb = K / QK;
@@ -477,11 +514,29 @@ int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const f
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         di_team team = di_team_join(&barrier);
-        di_int8_matrix_team(&w, x, y, M, q, dx, sx, &team);
+        int8_matrix_team(&w, x, y, M, q, dx, sx, accumulate, &team);
     }
     free(q);
     free(scales);
     return 0;
+}
+
+/* y = x @ W^T for a weight whose last N2 rows are in fmt2, packed after the first N - N2 (a
+   multiple of GROUP) rows in fmt: a fused projection stored in two formats (llama.cpp's
+   Q4_K_M keeps some layers' V rows in Q6_K beside Q4_K Q and K). N2 == 0: one format.
+   Returns 0 on success, -1 on bad arguments, -2 when out of memory. */
+int di_int8_gemm_split(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x,
+                       float *y, int M, int N, int K, int num_threads) {
+    return int8_gemm(fmt, fmt2, N2, packed, x, y, M, N, K, num_threads, 0);
+}
+
+/* di_int8_gemm_split, each output's sum going on from y's value: the blocks of K are summed
+   one after another (a lane per output, no horizontal sum), so y = x1 @ W1^T then this with
+   x2 @ W2^T gives the bits of [x1 x2] @ [W1 W2]^T in one product, K1 a multiple of the block.
+   Tensor parallel's batch-invariant mode chains the row-cut shards' products this way. */
+int di_int8_gemm_acc(int fmt, int fmt2, int N2, const uint8_t *packed, const float *x, float *y,
+                     int M, int N, int K, int num_threads) {
+    return int8_gemm(fmt, fmt2, N2, packed, x, y, M, N, K, num_threads, 1);
 }
 
 /* Returns 0 on success, -1 on bad arguments, -2 when out of memory. */

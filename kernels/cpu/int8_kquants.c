@@ -193,7 +193,7 @@ static inline __m256i pair_at4(__m256i h, int j) {
                           const float *sx, int K, int pf, __m256 *acc) {                       \
         const __m256i low = _mm256_set1_epi8(0x0F);                                            \
         __m256 a[R];                                                                           \
-        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                             \
         for (int b0 = 0; b0 < nb; b0 += SUBS, g += (GB)) {                                     \
             if (pf) prefetch_block(g, (GB));                                                   \
             const uint8_t *tail = g + SUBS * (SUB);                                            \
@@ -234,7 +234,7 @@ static inline __m256i pair_at4(__m256i h, int j) {
         const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);              \
         const __m256i offset = _mm256_set1_epi8(32);                                           \
         __m256 a[R];                                                                           \
-        for (int c = 0; c < R; c++) a[c] = _mm256_setzero_ps();                                \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                             \
         for (int b0 = 0; b0 < nb; b0 += SUBS, g += Q6K_GROUP) {                                \
             if (pf) prefetch_block(g, Q6K_GROUP);                                              \
             const uint8_t *tail = g + SUBS * Q6K_SUB;                                          \
@@ -322,7 +322,7 @@ VNNI static inline __m512i bcast4_512(const int8_t *p) {
                           const float *dx, const float *sx, int K, int pf, __m512 *acc) {      \
         const __m512i low = _mm512_set1_epi8(0x0F);                                            \
         __m512 a[R];                                                                           \
-        for (int c = 0; c < R; c++) a[c] = _mm512_setzero_ps();                                \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                             \
         for (int b0 = 0; b0 < nb; b0 += SUBS, g += (GB), g2 += (GB)) {                         \
             if (pf) {                                                                          \
                 prefetch_block(g, (GB));                                                       \
@@ -391,7 +391,7 @@ VNNI static inline __m512i pair_at4_512(__m512i h, int j) {
         const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);              \
         const __m512i offset = _mm512_set1_epi8(32), zero = _mm512_setzero_si512();            \
         __m512 a[R];                                                                           \
-        for (int c = 0; c < R; c++) a[c] = _mm512_setzero_ps();                                \
+        for (int c = 0; c < R; c++) a[c] = acc[c];                                             \
         for (int b0 = 0; b0 < nb; b0 += SUBS, g += Q6K_GROUP, g2 += Q6K_GROUP) {               \
             if (pf) {                                                                          \
                 prefetch_block(g, Q6K_GROUP);                                                  \

@@ -85,13 +85,24 @@ def pack_int8_rows(
     return Int8PackedWeight(first.fmt, out, n, k, last.fmt if rows2 else None, rows2)
 
 
-def int8_linear(x: torch.Tensor, w: Int8PackedWeight) -> torch.Tensor:  # [M, K] -> [M, N] fp32
-    """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads."""
+def int8_linear(
+    x: torch.Tensor, w: Int8PackedWeight, going_on: torch.Tensor | None = None
+) -> torch.Tensor:  # [M, K] -> [M, N] fp32
+    """x @ W^T with x quantized to int8 per 32-block, on the calling thread's torch threads.
+    `going_on` (float32 [M, N], contiguous; overwritten and returned): every output's sum
+    continues from its value, block after block, so a product over the next slice of K given
+    the previous slice's output has the bits of one product over both (the blocks of K are
+    summed in order, a lane per output)."""
     x, y = linear_operands("int8_linear", x, w.out_features, w.in_features)
     m, n = y.shape
+    gemm = native_library().int8_gemm_split
+    if going_on is not None:
+        if going_on.shape != y.shape or going_on.dtype != y.dtype or not going_on.is_contiguous():
+            raise ValueError(f"int8_linear goes on from a contiguous float32 {tuple(y.shape)}")
+        y, gemm = going_on, native_library().int8_gemm_acc
     if m:
         fmt2, rows2 = w.second
-        native_library().int8_gemm_split(
+        gemm(
             int(w.fmt), int(fmt2), rows2, w.packed.data_ptr(), x.data_ptr(), y.data_ptr(),
             m, n, w.in_features, torch.get_num_threads(),
         )  # fmt: skip

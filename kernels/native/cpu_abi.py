@@ -92,6 +92,7 @@ FUNCTIONS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "di_int8_gemm": (_i, _gemm),
     "di_int8_split_packed_bytes": (_l, (_i, _i, _i, _i, _i)),
     "di_int8_gemm_split": (_i, (_i, _i, _i, _p, _p, _p, _i, _i, _i, _i)),
+    "di_int8_gemm_acc": (_i, (_i, _i, _i, _p, _p, _p, _i, _i, _i, _i)),
     "di_int8_unpack_bf16": (_i, (_i, _p, _i, _i, _i, _i, _p, _i)),
     "di_int8_isa": (_i, (_i,)),
     "di_int8_pairs": (_i, (_i,)),

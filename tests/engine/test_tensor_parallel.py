@@ -1,12 +1,14 @@
 """Tensor parallel over gloo ranks (processes the engine starts): a tiny random Llama and a
 tiny random Qwen3 (per-head q/k norms) with 4 KV heads, split over 1, 2 and 4 ranks, and
-SmolLM2's GGUF file (9 heads, 3 KV heads: 2 ranks hold 2 and 1 KV heads) served in its Q4_1
-blocks over 1, 2 and 3 ranks. Greedy tokens are identical and every prompt and sampled
-log-probability (top 5) within 1e-4 of one rank's, with float32 activations and KV (int8
-activations and a float16 cache round what the ranks' partial sums leave a few ulps apart, and
-a rounding that flips moves a logit by far more); a prompt run again is a prefix-cache hit on
-every rank; a rank killed stops the engine with the reason instead of answering from part of
-the model."""
+SmolLM2's GGUF file (9 heads, 3 KV heads: 2 ranks hold 2 and 1 KV heads, the fourth of 4 ranks
+none, only its share of the FFN) served in its Q4_1 blocks over 1, 2 and 4 ranks. Greedy tokens
+are identical and every prompt and sampled log-probability (top 5) within 1e-4 of one rank's,
+with float32 activations and KV (int8 activations and a float16 cache round what the ranks'
+partial sums leave a few ulps apart, and a rounding that flips moves a logit by far more). In
+`--batch-invariant` mode the ranks' sums go on one from another and every bit is one rank's, at
+the default int8 activations and float16 KV. A prompt run again is a prefix-cache hit on every
+rank; a rank killed stops the engine with the reason instead of answering from part of the
+model."""
 
 from __future__ import annotations
 
@@ -138,11 +140,11 @@ async def test_ranks_agree_with_one(tmp_path: Path, qk_norm: bool) -> None:
             assert close(tops, want_tops) <= 1e-4, (ranks, close(tops, want_tops))
 
 
-async def test_smollm2_blocks_split_over_two_and_three_ranks() -> None:
+async def test_smollm2_blocks_split_over_two_and_four_ranks() -> None:
     from deepinfer.environment import default_model_path
 
     results = {}
-    for ranks in (1, 2, 3):
+    for ranks in (1, 2, 4):
         async with AsyncEngine(config(default_model_path(), ranks)) as engine:
             assert engine.info.quantized_bytes > 0  # served from its blocks
             results[ranks] = await run(engine)
@@ -161,12 +163,39 @@ async def test_smollm2_blocks_split_over_two_and_three_ranks() -> None:
                     sum((t for t, _ in turns[0]), ())
                 ] * 2
                 assert turns[1][-1][1] == (len(PROMPTS[2]) - 1) // 16 * 16
-    for ranks in (2, 3):
+            if ranks == 4:  # the last rank holds no heads
+                arch = engine.core.runner.model.arch
+                assert (arch.num_kv_heads, arch.num_heads) == (1, 3)
+    for ranks in (2, 4):
         for (tokens, tops), (want_tokens, want_tops) in zip(
             results[ranks], results[1], strict=True
         ):
             assert tokens == want_tokens
             assert close(tops, want_tops) <= 1e-4, (ranks, close(tops, want_tops))
+
+
+async def test_batch_invariant_ranks_give_one_ranks_bits() -> None:
+    """--batch-invariant at the default int8 activations and float16 KV: 2 and 4 ranks give
+    the very log-probabilities of one rank (and so its tokens); without it, the all-reduce's
+    sums are not one rank's and some log-probability differs."""
+    from deepinfer.environment import default_model_path
+
+    def serving(ranks: int, batch_invariant: bool) -> Config:
+        return Config(
+            model=ModelConfig(path=default_model_path(), batch_invariant=batch_invariant),
+            cache=CacheConfig(num_blocks=64),
+            disk_cache=DiskCacheConfig(enabled=False),
+            experts=ExpertsConfig(master_port=free_port()),
+            tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+        )
+
+    results = {}
+    for ranks, invariant in ((1, True), (2, True), (4, True), (1, False), (2, False)):
+        async with AsyncEngine(serving(ranks, invariant)) as engine:
+            results[ranks, invariant] = await run(engine)
+    assert results[2, True] == results[1, True]
+    assert results[4, True] == results[1, True]
+    assert results[2, False] != results[1, False]
 
 
 async def test_a_rank_killed_stops_the_engine_with_the_reason(tmp_path: Path) -> None:
@@ -218,7 +247,11 @@ async def test_a_second_machine_joins_with_the_serve_command(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"tensor_parallel": TensorParallelConfig(tensor_parallel=8)}, "at most that many"),
+        ({"tensor_parallel": TensorParallelConfig(tensor_parallel=16)}, "at most that many"),
+        (
+            {"model": ModelConfig(batch_invariant=True, matmul_activations="float32")},
+            "int8 CPU kernel alone",
+        ),
         ({"experts": ExpertsConfig(expert_parallel=2)}, "one or the other"),
         ({"kv_transfer": KVTransferConfig(kv_transfer="nixl")}, "one or the other"),
     ],

@@ -74,6 +74,13 @@ def _open(path: Path) -> tuple[ModelArch, TensorSource, str, gguf.GGUFReader | N
     return arch, GGUFTensorSource(reader, arch), file_digest(path), reader
 
 
+def read_arch(path: Path) -> ModelArch:
+    """A model's shape from its metadata alone (no weights read, no digest)."""
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    return open_safetensors_dir(path)[0] if path.is_dir() else gguf_arch(open_gguf(path))
+
+
 def load_model(
     path: Path,
     dtype: torch.dtype,

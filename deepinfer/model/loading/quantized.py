@@ -177,8 +177,8 @@ def float_matrices(model: nn.Module) -> list[str]:
     names = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, Linear) and module.quantized is None
-    ]
+        if isinstance(module, Linear) and module.quantized is None and module.weight.numel()
+    ]  # (an empty one, a tensor-parallel rank's without heads, sums nothing)
     names += [
         f"{name}.experts"
         for name, module in model.named_modules()

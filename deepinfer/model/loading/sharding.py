@@ -3,6 +3,9 @@ a run of the KV heads with their query heads (the q/k/v rows and the o_proj colu
 heads) and a run of the FFN's intermediate features (the gate/up rows and the down_proj columns
 of those features); everything else (embeddings, norms, the LM head) is whole on every rank.
 The o_proj and down_proj outputs are partial sums, added over the ranks (one all-reduce each).
+With more ranks than KV heads (SmolLM2's 3 over 4 ranks) the last ranks hold no heads: their
+attention is skipped and adds nothing, while every rank still takes its share of the FFN (a
+KV head is never copied, so no rank stores another's keys and values).
 
 `ShardedSource` cuts a checkpoint's tensors as they are read: float tensors by rows or columns,
 GGUF matrices in their blocks (rows are whole rows of blocks; a column cut falls on block
@@ -52,14 +55,14 @@ def shard_plan(arch: ModelArch, world: int, rank: int) -> TPShard:
     """Rank `rank`'s shard of `arch` over `world` ranks; ConfigError where it cannot be cut."""
     if arch.moe is not None or arch.mla is not None:
         raise ConfigError("--tensor-parallel: dense grouped-query models only (no experts, no MLA)")
-    if world > arch.num_kv_heads:
+    size = arch.intermediate_size
+    if world > arch.num_heads:
         raise ConfigError(
-            f"--tensor-parallel {world}: the model has {arch.num_kv_heads} KV heads, at most that "
-            "many ranks"
+            f"--tensor-parallel {world}: the model has {arch.num_heads} attention heads, at most "
+            "that many ranks"
         )
     group = arch.num_heads // arch.num_kv_heads
-    kv = _cut(arch.num_kv_heads, world, rank)
-    size = arch.intermediate_size
+    kv = _cut(arch.num_kv_heads, world, rank)  # past the KV heads, a rank holds none
     unit = next(u for u in (FFN_UNIT, 32, 1) if size % u == 0 and size // u >= world)
     ffn = _cut(size, world, rank, unit)
     return TPShard(rank, world, kv, (kv[0] * group, kv[1] * group), ffn)
@@ -72,6 +75,7 @@ def local_arch(arch: ModelArch, shard: TPShard) -> ModelArch:
         num_heads=shard.heads[1] - shard.heads[0],
         num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0],
         intermediate_size=shard.ffn[1] - shard.ffn[0],
+        tensor_parallel_shard=True,
     )
 
 
@@ -124,6 +128,8 @@ class ShardedSource:
         if w is None or cut is None:
             return w
         dim, (first, end) = cut
+        if first == end:
+            return None  # none of it here: an empty float matrix
         if dim == 0:
             return QuantizedWeight(w.fmt, w.blocks[first:end].contiguous(), w.in_features)
         per = w.fmt.block_weights

@@ -194,6 +194,52 @@ def test_two_group_passes_give_the_same_bits(fmt: QuantFormat, n: int) -> None:
         torch.set_num_threads(threads)
 
 
+def _columns(w: QuantizedWeight, first: int, end: int) -> QuantizedWeight:
+    """Columns [first, end) of `w`, cut in its blocks."""
+    per, width_ = w.fmt.block_weights, w.fmt.block_bytes
+    blocks = w.blocks[:, first // per * width_ : end // per * width_].contiguous()
+    return QuantizedWeight(w.fmt, blocks, end - first)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+@pytest.mark.parametrize("n", [45, 64])
+def test_products_over_slices_of_k_chained_give_one_products_bits(fmt: QuantFormat, n: int) -> None:
+    """A weight cut into slices of K in its blocks (a tensor-parallel row cut: ranks of 1, 2
+    and 3 blocks), each slice's product going on from the previous one's output, has the bits
+    of the product over all of K: every output sums the blocks one after another, so chaining
+    changes nothing, on every pass (VNNI and AVX2, one or two groups at a time), every row count
+    and one or two threads."""
+    lib = native_library()
+    per = fmt.block_weights
+    cuts = [0, per, 3 * per, 6 * per]
+    w = _raw_weight(fmt, n, cuts[-1], seed=n + 3)
+    slices = [pack_int8(_columns(w, a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    whole = pack_int8(w)
+    x = torch.randn(19, cuts[-1], generator=torch.Generator().manual_seed(n)) * 2
+    x[3, per : 2 * per] = 0.0
+    threads = torch.get_num_threads()
+    try:
+        for isa in (1, 0) if lib.int8_isa(1) == 1 else (0,):
+            assert lib.int8_isa(isa) == isa
+            for m, t in ((1, 1), (2, 2), (8, 2), (9, 1), (19, 2)):
+                torch.set_num_threads(t)
+                y = int8_linear(x[:m, : cuts[1]], slices[0])
+                for (a, b), part in zip(zip(cuts[1:], cuts[2:], strict=False), slices[1:],
+                                        strict=True):  # fmt: skip
+                    y = int8_linear(x[:m, a:b], part, going_on=y)
+                assert torch.equal(y, int8_linear(x[:m], whole)), (isa, m, t)
+        assert not torch.equal(
+            int8_linear(x[:2, cuts[1] :], pack_int8(_columns(w, cuts[1], cuts[-1]))),
+            int8_linear(x[:2], whole),
+        )  # the first slice's sums count
+        with pytest.raises(ValueError, match="goes on from"):
+            int8_linear(x[:2, : cuts[1]], slices[0], going_on=torch.zeros(3, n))
+    finally:
+        lib.int8_isa(1)
+        torch.set_num_threads(threads)
+
+
 def _extreme_k_weight(fmt: QuantFormat, n: int, k: int) -> QuantizedWeight:
     """Every quant at its largest magnitude (Q4_K 15, Q5_K 31, Q6_K's q - 32 at -32): the
     integer sums' largest (16-bit on AVX2: 8 x 15 x 127, 8 x 31 x 127, 8 x 32 x 127)."""
