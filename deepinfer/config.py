@@ -334,14 +334,16 @@ class ExpertsConfig:
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
-    """A dense model's layers split over processes, Megatron-style: each rank holds a run of the
-    attention heads (and their KV) and of the FFN's features, and adds its partial outputs to
-    the others' (one all-reduce after each attention and FFN block). Rank 0 serves (API,
+    """A model's layers split over processes, Megatron-style: each rank holds a run of the
+    attention heads (and their KV) and of the FFN's features (a Mixture of Experts: a run of
+    its experts, with `--expert-parallel` N over the same ranks), and adds its partial outputs
+    to the others' (one all-reduce after each attention and FFN block). Rank 0 serves (API,
     scheduler, caches); the ranks meet as the expert-parallel ones do (`--nnodes`,
     `--node-rank`, `--master-addr`, `--master-port`)."""
 
     tensor_parallel: int = 1
-    """Ranks each layer is split over (at most the model's KV heads)."""
+    """Ranks each layer is split over (at most the model's attention heads; ranks past its KV
+    heads hold no heads, only their share of the FFN)."""
     tensor_parallel_backend: Literal["gloo", "nccl"] = "gloo"
     """torch.distributed's backend: `gloo` (CPU), `nccl` (one GPU per rank)."""
 
@@ -400,8 +402,23 @@ def _validate(config: Config) -> None:
     tp = config.tensor_parallel
     if tp.tensor_parallel < 1 or tp.tensor_parallel_backend not in ("gloo", "nccl"):
         raise ConfigError("tensor_parallel must be at least 1, its backend gloo or nccl")
-    if tp.tensor_parallel > 1 and config.experts.expert_parallel > 1:
-        raise ConfigError("--tensor-parallel with --expert-parallel: not yet, one or the other")
+    ep = config.experts
+    if (
+        tp.tensor_parallel > 1
+        and ep.expert_parallel > 1
+        and (
+            ep.expert_parallel != tp.tensor_parallel
+            or ep.redundant_experts
+            or ep.eplb_interval
+            or ep.expert_devices
+            or ep.expert_parallel_backend not in ("local", tp.tensor_parallel_backend)
+        )
+    ):
+        raise ConfigError(
+            f"--tensor-parallel {tp.tensor_parallel} with --expert-parallel: the experts go over "
+            f"the same ranks (--expert-parallel {tp.tensor_parallel}, one expert each place: no "
+            "--redundant-experts, --eplb-interval or --expert-devices)"
+        )
     if tp.tensor_parallel > 1 and config.kv_transfer.kv_transfer != "off":
         raise ConfigError("--tensor-parallel with --kv-transfer: not yet, one or the other")
     c, s = config.cache, config.scheduler

@@ -153,7 +153,8 @@ def build_engine(config: Config) -> EngineParts:
             tp_ranks.abort()
         raise
     models = [replicas.prefill.model] + ([replicas.decode.model] if replicas.split else [])
-    experts = build_expert_parallel(config, path, models)
+    # under tensor parallel the experts are the ranks' (`model/loading/sharding.py`)
+    experts = build_expert_parallel(config, path, models) if tp_ranks is None else None
     tokenizer = build_tokenizer(replicas.loaded, path)
     recipe = recipe_for(tokenizer)
     max_len = serving_max_len(

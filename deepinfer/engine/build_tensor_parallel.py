@@ -15,6 +15,7 @@ from deepinfer.config import Config
 from deepinfer.engine.build_replicas import load
 from deepinfer.engine.kv_sizing import kv_cache_dtype
 from deepinfer.errors import ConfigError
+from deepinfer.model.arch import ModelArch
 from deepinfer.model.kv_layout import allocate_kv_caches
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.loading.loader import read_arch
@@ -65,12 +66,22 @@ def check_tensor_parallel(config: Config) -> None:
         raise ConfigError("--tensor-parallel: one device group (the ranks are the split)")
 
 
+def check_split(config: Config, arch: ModelArch) -> None:
+    world = config.tensor_parallel.tensor_parallel
+    shard_plan(arch, world, 0)
+    if arch.moe is not None and config.experts.expert_parallel != world:
+        raise ConfigError(
+            f"--tensor-parallel {world}: a Mixture-of-Experts model's experts go over the same "
+            f"ranks (add --expert-parallel {world})"
+        )
+
+
 def start_ranks(config: Config, path: Path) -> TPRanks:
     """Start this machine's ranks other than 0; on node 0 join them as rank 0 (blocking until
     every rank of every node has joined)."""
     check_tensor_parallel(config)
     if not is_null_model(path):  # before any rank starts: a model the ranks cannot split
-        shard_plan(read_arch(path), config.tensor_parallel.tensor_parallel, 0)
+        check_split(config, read_arch(path))
     processes = spawn_ranks(rank_main, config, path, local_ranks(config), "deepinfer-tp-rank")
     leader = None
     if config.experts.node_rank == 0:

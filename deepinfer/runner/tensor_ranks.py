@@ -26,9 +26,11 @@ import torch.distributed as dist
 from deepinfer.config import Config
 from deepinfer.errors import ConfigError, FatalEngineError
 from deepinfer.kernels.linear.int8_matmul import Int8PackedWeight
+from deepinfer.model.experts.moe import MoEBlock
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.llama_layers import LlamaDecoderLayer
+from deepinfer.model.loading.sharding import cut
 from deepinfer.model.tensor_parallel import ShardProduct
 from deepinfer.runner.rank_processes import join_ranks
 
@@ -71,9 +73,21 @@ def shard_layers(model: LlamaForCausalLM, batch_invariant: bool) -> None:
     (`batch_invariant`) chained; layer by layer (the native stack sums within one process)."""
     model.native_layers = False
     reduce = chained_sum if batch_invariant else all_reduce
+    rank, world = dist.get_rank(), dist.get_world_size()
     for layer in model.layers:
-        assert isinstance(layer, LlamaDecoderLayer), "dense Llama-family layers only"
-        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(layer, LlamaDecoderLayer), "Llama-family layers only"
+        row_cut = [layer.self_attn.o_proj]
+        if not isinstance(layer.mlp, MoEBlock):
+            row_cut.append(layer.mlp.down_proj)
+        else:  # its experts spread over the ranks, its output summed whole
+            if batch_invariant:
+                raise ConfigError(
+                    "--batch-invariant with --tensor-parallel: dense models only (the experts' "
+                    "outputs are summed over the ranks by all-reduce)"
+                )
+            layer.mlp.experts_here = cut(layer.mlp.moe.num_experts, world, rank)
+            layer.mlp.reduce = all_reduce
+        for linear in row_cut:
             if (
                 batch_invariant
                 and linear.in_features

@@ -198,6 +198,37 @@ async def test_batch_invariant_ranks_give_one_ranks_bits() -> None:
     assert results[2, False] != results[1, False]
 
 
+async def test_experts_over_the_same_ranks(tmp_path: Path) -> None:
+    """A Qwen2-MoE (experts beside a gated shared expert, and a dense layer) with
+    `--tensor-parallel N --expert-parallel N`: each rank holds its heads, its share of the dense
+    and shared FFNs' features and N-th of the experts; greedy tokens equal one rank's and every
+    log-probability is within 1e-4, over 2 and 4 ranks."""
+    pytest.importorskip("transformers")
+    from tests.engine.tiny_moe import qwen2_moe_config, save_random
+
+    model, _ = save_random(qwen2_moe_config(), (".mlp.",), tmp_path / "moe")
+    results = {}
+    for ranks in (1, 2, 4):
+        serving = config(model, ranks)
+        if ranks > 1:
+            serving = serving.replace(
+                experts=ExpertsConfig(expert_parallel=ranks, master_port=free_port())
+            )
+        async with AsyncEngine(serving) as engine:
+            assert engine.core.experts is None  # no expert groups: the ranks are the split
+            block = engine.core.runner.model.layers[0].mlp
+            assert block.experts_here == (None if ranks == 1 else (0, 8 // ranks))
+            results[ranks] = await run(engine)
+    for ranks in (2, 4):
+        for (tokens, tops), (want_tokens, want_tops) in zip(
+            results[ranks], results[1], strict=True
+        ):
+            assert tokens == want_tokens
+            assert close(tops, want_tops) <= 1e-4, (ranks, close(tops, want_tops))
+    with pytest.raises(ConfigError, match="add --expert-parallel 2"):
+        build_engine(config(model, 2))
+
+
 async def test_a_rank_killed_stops_the_engine_with_the_reason(tmp_path: Path) -> None:
     model = write_model(tmp_path / "model", False)
     async with AsyncEngine(config(model, 2)) as engine:
@@ -252,7 +283,7 @@ async def test_a_second_machine_joins_with_the_serve_command(tmp_path: Path) -> 
             {"model": ModelConfig(batch_invariant=True, matmul_activations="float32")},
             "int8 CPU kernel alone",
         ),
-        ({"experts": ExpertsConfig(expert_parallel=2)}, "one or the other"),
+        ({"experts": ExpertsConfig(expert_parallel=4)}, "the experts go over the same ranks"),
         ({"kv_transfer": KVTransferConfig(kv_transfer="nixl")}, "one or the other"),
     ],
 )

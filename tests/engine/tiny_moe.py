@@ -25,6 +25,19 @@ def qwen3_moe_config() -> Any:
     )  # fmt: skip
 
 
+def qwen2_moe_config() -> Any:
+    """Three layers: two of 8 experts (top 3, ungated sums) beside a sigmoid-gated shared
+    expert, and a dense one between them."""
+    import transformers
+
+    return transformers.Qwen2MoeConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=3, shared_expert_intermediate_size=64, mlp_only_layers=[1],
+        norm_topk_prob=False, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
 def save_random(config: Any, scaled: tuple[str, ...], path: Path) -> tuple[Path, Any]:
     """A random model of `config` (parameters named with one of `scaled` and the embedding
     made large enough to matter: logits of order 1), saved with SmolLM2's tokenizer."""

@@ -37,6 +37,7 @@ from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.llama import LlamaForCausalLM
 from deepinfer.model.llama_layers import Linear, LlamaDecoderLayer, LlamaMLP
 from deepinfer.model.mla import MLAAttention
+from deepinfer.model.tensor_parallel import RowCutSum
 
 
 class SharedExpert(LlamaMLP):
@@ -81,6 +82,10 @@ class MoEBlock(nn.Module):
     """Those blocks as the one-call native kernel reads them (where it takes them)."""
     parallel: ExpertParallel | None = None
     """The expert-parallel groups that compute this layer's rows (None: all here)."""
+    experts_here: tuple[int, int] | None = None
+    """Tensor parallel: [first, end) of the experts this rank computes; the others' rows add
+    nothing here, and the layer's output is summed over the ranks (`reduce`)."""
+    reduce: RowCutSum | None = None
 
     def __init__(self, arch: ModelArch, moe: MoEArch, layer: int) -> None:
         super().__init__()
@@ -140,7 +145,12 @@ class MoEBlock(nn.Module):
         )  # fmt: skip  # [T, k] each
         counts = expert_counts(experts, m.num_experts)
         self.load.add(counts)
-        if self.parallel is not None:
+        if self.experts_here is not None:
+            runner, here = self.expert_runner(ops), self.experts_here
+            out = combine_pairs(
+                h, experts, gates, lambda rows: rows_here(runner, rows, counts, here)
+            )
+        elif self.parallel is not None:
             parallel, layer = self.parallel, self.layer
             out = combine_pairs(h, experts, gates, lambda rows: parallel.run(layer, rows, counts))
         elif ops.name == "triton" and self.quantized is None:  # one launch for every expert
@@ -153,8 +163,27 @@ class MoEBlock(nn.Module):
             runner, runs = self.expert_runner(ops), runs_of(counts)
             out = combine_pairs(h, experts, gates, lambda rows: runner(rows, runs))
         if self.shared is not None:
-            out = out + self.shared(h, ops)
+            out = out + self.shared(
+                h, ops
+            )  # (a rank's share of its features, under tensor parallel)
+        if self.reduce is not None:
+            partial = out
+            out = self.reduce(lambda _: partial, (h.shape[0], h.shape[1]))
         return out
+
+
+def rows_here(
+    runner: RunExperts, rows: torch.Tensor, counts: list[int], here: tuple[int, int]
+) -> torch.Tensor:
+    """A step's rows sorted by expert, computed where their expert is in [first, end) (one
+    contiguous run of rows), zero elsewhere: a tensor-parallel rank's share."""
+    first, end = here
+    start, n = sum(counts[:first]), sum(counts[first:end])
+    out = torch.zeros_like(rows)
+    if n:
+        runs = [(e, c) for e, c in runs_of(counts) if first <= e < end]
+        out[start : start + n] = runner(rows[start : start + n], runs)
+    return out
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

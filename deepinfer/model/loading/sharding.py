@@ -41,9 +41,13 @@ class TPShard:
     """[first, end) of the query heads (the KV heads' groups)."""
     ffn: tuple[int, int]
     """[first, end) of the FFN's intermediate features."""
+    shared: tuple[int, int] = (0, 0)
+    """[first, end) of a Mixture of Experts' shared expert's features."""
+    experts: tuple[int, int] = (0, 0)
+    """[first, end) of the experts this rank computes (the others' rows add nothing here)."""
 
 
-def _cut(total: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
+def cut(total: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
     """Rank `rank`'s run of `total // unit` units split as evenly as can be, in elements."""
     units = total // unit
     base, extra = divmod(units, world)
@@ -51,30 +55,53 @@ def _cut(total: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
     return first * unit, (first + base + (rank < extra)) * unit
 
 
+def _features(size: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s run of an FFN's `size` features, in the largest unit that gives every rank
+    some."""
+    unit = next(u for u in (FFN_UNIT, 32, 1) if size % u == 0 and size // u >= world)
+    return cut(size, world, rank, unit)
+
+
 def shard_plan(arch: ModelArch, world: int, rank: int) -> TPShard:
     """Rank `rank`'s shard of `arch` over `world` ranks; ConfigError where it cannot be cut."""
-    if arch.moe is not None or arch.mla is not None:
-        raise ConfigError("--tensor-parallel: dense grouped-query models only (no experts, no MLA)")
-    size = arch.intermediate_size
-    if world > arch.num_heads:
+    if arch.mla is not None:
+        raise ConfigError("--tensor-parallel: grouped-query attention only (no MLA)")
+    moe = arch.moe
+    if moe is not None and moe.num_experts % world:
+        raise ConfigError(
+            f"--tensor-parallel {world}: {moe.num_experts} experts do not divide evenly "
+            "over the ranks"
+        )
+    if world > min(arch.num_heads, arch.intermediate_size):
         raise ConfigError(
             f"--tensor-parallel {world}: the model has {arch.num_heads} attention heads, at most "
             "that many ranks"
         )
     group = arch.num_heads // arch.num_kv_heads
-    kv = _cut(arch.num_kv_heads, world, rank)  # past the KV heads, a rank holds none
-    unit = next(u for u in (FFN_UNIT, 32, 1) if size % u == 0 and size // u >= world)
-    ffn = _cut(size, world, rank, unit)
-    return TPShard(rank, world, kv, (kv[0] * group, kv[1] * group), ffn)
+    kv = cut(arch.num_kv_heads, world, rank)  # past the KV heads, a rank holds none
+    heads = (kv[0] * group, kv[1] * group)
+    ffn = _features(arch.intermediate_size, world, rank)
+    if moe is None:
+        return TPShard(rank, world, kv, heads, ffn)
+    shared = (
+        _features(moe.shared_intermediate_size, world, rank)
+        if moe.shared_intermediate_size
+        else (0, 0)
+    )
+    return TPShard(rank, world, kv, heads, ffn, shared, cut(moe.num_experts, world, rank))
 
 
 def local_arch(arch: ModelArch, shard: TPShard) -> ModelArch:
-    """The shape one rank computes: its heads and FFN features."""
+    """The shape one rank computes: its heads and FFN features (and its shared expert's)."""
+    moe = arch.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, shared_intermediate_size=shard.shared[1] - shard.shared[0])
     return dataclasses.replace(
         arch,
         num_heads=shard.heads[1] - shard.heads[0],
         num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0],
         intermediate_size=shard.ffn[1] - shard.ffn[0],
+        moe=moe,
         tensor_parallel_shard=True,
     )
 
@@ -97,6 +124,11 @@ class ShardedSource:
             "mlp.gate_proj.weight": shard.ffn, "mlp.up_proj.weight": shard.ffn,
         }  # fmt: skip
         self._columns = {"self_attn.o_proj.weight": q, "mlp.down_proj.weight": shard.ffn}
+        if arch.moe is not None and arch.moe.shared_intermediate_size:
+            shared = "mlp.shared_expert."
+            self._rows |= {shared + "gate_proj.weight": shard.shared,
+                           shared + "up_proj.weight": shard.shared}  # fmt: skip
+            self._columns[shared + "down_proj.weight"] = shard.shared
 
     def names(self) -> set[str]:
         return self._source.names()
