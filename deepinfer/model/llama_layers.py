@@ -71,7 +71,7 @@ class Linear(nn.Linear):
         if self.quantized is None and self.reduce is None:
             return cpu_aware_linear(x, self.weight, self.bias)
         if self.reduce is not None:  # a row-cut shard: its bias (if any) added once, after
-            out = self.reduce(partial(self._product, x), (x.shape[0], self.out_features))
+            out = self.reduce(partial(self._product, x), (x.shape[0], self.out_features), x.dtype)
         else:
             assert self.quantized is not None
             out = block_linear(x, self.quantized)
@@ -79,16 +79,16 @@ class Linear(nn.Linear):
 
     def _product(self, x: torch.Tensor, going_on: torch.Tensor | None) -> torch.Tensor:
         """A row-cut shard's x @ W^T, from zero or going on from `going_on` (the sums of the
-        ranks before: the int8 kernel's, which adds block after block)."""
+        ranks before): the int8 kernel continues them block after block, which gives one
+        rank's bits; any other product is added to them."""
         if self.in_features == 0:  # a rank holding none of the input features (no heads)
             return going_on if going_on is not None else x.new_zeros(x.shape[0], self.out_features)
+        w = self.quantized
         if going_on is None:
-            if self.quantized is not None:
-                return block_linear(x, self.quantized)
-            return cpu_aware_linear(x, self.weight)
-        if not isinstance(self.quantized, Int8PackedWeight):
-            raise TypeError(f"{self}: only the int8 kernel's sums go on across ranks")
-        return int8_linear(x, self.quantized, going_on)
+            return block_linear(x, w) if w is not None else cpu_aware_linear(x, self.weight)
+        if isinstance(w, Int8PackedWeight) and not (w.bf16_rows and x.shape[0] >= w.bf16_rows):
+            return int8_linear(x, w, going_on)
+        return going_on + self._product(x, None)
 
 
 class Embedding(nn.Embedding):

@@ -12,13 +12,15 @@ from deepinfer.model.forward_batch import ForwardBatch
 
 ShardProduct = Callable[[torch.Tensor | None], torch.Tensor]
 """A row-cut projection's product over this rank's slice of its input features: from zero
-(None), or going on from the sums of the ranks before (their output; batch invariant)."""
+(None), or going on from the sums of the ranks before (their output)."""
 
 
 class RowCutSum(Protocol):
-    def __call__(self, product: ShardProduct, shape: tuple[int, int]) -> torch.Tensor:
-        """The projection's [rows, out] output, summed over every rank's slice, given this
-        rank's `product`."""
+    def __call__(
+        self, product: ShardProduct, shape: tuple[int, int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The projection's [rows, out] output of `dtype`, summed over every rank's slice,
+        given this rank's `product`."""
         ...
 
 

@@ -2,8 +2,9 @@
 scheduler, caches, sampling) and runs its shard of every forward; ranks 1..N-1 run theirs, in
 lockstep. Before each forward rank 0 broadcasts the batch (`TPLeader.step`, one forward at a
 time: the prefill and decode workers take turns); every rank then runs the same layers on its
-heads and FFN features, the row-cut projections' partial outputs summed by `all_reduce` (or,
-batch invariant, by `chained_sum`: the one-rank bits whatever the rank count).
+heads and FFN features, the row-cut projections' partial outputs summed rank to rank over gloo
+(`chained_sum`: the int8 kernel's give one rank's bits whatever the rank count) or by NCCL's
+all-reduce.
 
 A rank that fails (its process gone) fails the collective it was in: rank 0 turns that into a
 `FatalEngineError`, so the engine stops serving with the reason (the server answers 503 and
@@ -44,22 +45,24 @@ CHAINED_SUMS = (
 )
 
 
-def all_reduce(product: ShardProduct, shape: tuple[int, int]) -> torch.Tensor:
-    """The sum over the ranks of a row-cut projection's partial outputs (the backend's order)."""
+def all_reduce(product: ShardProduct, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The sum over the ranks of a row-cut projection's partial outputs (NCCL's all-reduce)."""
     out = product(None).contiguous()
     dist.all_reduce(out)
     return out
 
 
-def chained_sum(product: ShardProduct, shape: tuple[int, int]) -> torch.Tensor:
-    """The batch-invariant sum: rank r goes on from rank r-1's sums (its slice of the input
-    features follows theirs), the last rank's output is everyone's. The int8 kernel adds the
-    blocks of K one after another, so the result has the bits of one rank's whole product,
-    whatever the rank count; the ranks' products run one after another."""
+def chained_sum(product: ShardProduct, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The sum over gloo ranks: rank r goes on from rank r-1's sums (its slice of the input
+    features follows theirs), and the last rank's output is broadcast to all. The int8 kernel
+    adds the blocks of K one after another, so where it serves the projection the result has
+    the bits of one rank's whole product, whatever the rank count. It is also the faster sum
+    over gloo here: a step's [8, 576] partials summed in 0.28 ms over 2 ranks and 0.83 ms
+    over 4, against 1.64 and 5.74 ms by gloo's all-reduce (bench/RESULTS.md)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     before = None
     if rank > 0:
-        before = torch.empty(shape, dtype=torch.float32)
+        before = torch.empty(shape, dtype=dtype)
         dist.recv(before, rank - 1)
     out = product(before).contiguous()
     if rank < world - 1:
@@ -69,10 +72,11 @@ def chained_sum(product: ShardProduct, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def shard_layers(model: LlamaForCausalLM, batch_invariant: bool) -> None:
-    """Sum each layer's o_proj and down_proj outputs over the ranks, by all-reduce or
-    (`batch_invariant`) chained; layer by layer (the native stack sums within one process)."""
+    """Sum each layer's o_proj and down_proj outputs over the ranks (gloo: chained, NCCL:
+    all-reduce), layer by layer (the native stack sums within one process); with
+    `batch_invariant`, every row-cut projection must be the int8 kernel's (one rank's bits)."""
     model.native_layers = False
-    reduce = chained_sum if batch_invariant else all_reduce
+    reduce = chained_sum if dist.get_backend() == "gloo" else all_reduce
     rank, world = dist.get_rank(), dist.get_world_size()
     for layer in model.layers:
         assert isinstance(layer, LlamaDecoderLayer), "Llama-family layers only"
@@ -83,10 +87,10 @@ def shard_layers(model: LlamaForCausalLM, batch_invariant: bool) -> None:
             if batch_invariant:
                 raise ConfigError(
                     "--batch-invariant with --tensor-parallel: dense models only (the experts' "
-                    "outputs are summed over the ranks by all-reduce)"
+                    "outputs are added, not continued, over the ranks)"
                 )
             layer.mlp.experts_here = cut(layer.mlp.moe.num_experts, world, rank)
-            layer.mlp.reduce = all_reduce
+            layer.mlp.reduce = reduce
         for linear in row_cut:
             if (
                 batch_invariant

@@ -168,7 +168,11 @@ class MoEBlock(nn.Module):
             )  # (a rank's share of its features, under tensor parallel)
         if self.reduce is not None:
             partial = out
-            out = self.reduce(lambda _: partial, (h.shape[0], h.shape[1]))
+            out = self.reduce(
+                lambda before: partial if before is None else before + partial,
+                (h.shape[0], h.shape[1]),
+                h.dtype,
+            )
         return out
 
 
