@@ -2,20 +2,24 @@
 served by 1, 2 and 4 gloo ranks in one run (over 4 the last holds no heads), the machine's cores
 shared among the ranks. Reported per rank count: start-up (engine built, ranks joined),
 generated tokens/s with 1 and 8 concurrent greedy requests, and how far its answers are from one
-rank's: greedy tokens, with float32 activations and KV the largest difference of a top-5
-log-probability, and in `--batch-invariant` mode (defaults otherwise) whether every top-5
-log-probability has one rank's bits, and that mode's tokens/s at 8 streams.
+rank's: at the default flags, whether 4 requests run one at a time have one rank's top-5
+log-probabilities to the bit, and how many of the 8 concurrent greedy answers equal one rank's
+(outside `--batch-invariant` mode a step's batch changes an answer's arithmetic, and the batches
+differ with the engines' speeds); with float32 activations and KV the largest difference of a
+top-5 log-probability; in `--batch-invariant` mode whether 4 concurrent requests have one rank's
+bits, and that mode's tokens/s at 8 streams.
 
 On these 2 cores the ranks cannot run faster than one (they share the cores): the figures are
-the cost of splitting, broadcasting each step's batch and the all-reduces over gloo. Run from
+the cost of splitting, broadcasting each step's batch and the sums over gloo. Run from
 the repository root:
 
     python bench/tensor_parallel.py
     python bench/tensor_parallel.py --ranks 1,2 --max-tokens 64
 
 It also times gloo itself between two processes of this machine: an all-reduce of a decode
-step's [8, 576] activations, and the broadcast of a small object (each forward makes two
-all-reduces a layer and one broadcast).
+step's [8, 576] activations, the same sum as the engine makes it over gloo (sent to the next
+rank, added, broadcast from the last), and the broadcast of a small object (each forward makes
+two sums a layer and one broadcast).
 """
 
 from __future__ import annotations
@@ -60,11 +64,22 @@ def _gloo_times(rank: int, port: int, out: dict[str, float]) -> None:
         dist.all_reduce(t)
     reduce_s = (time.perf_counter() - start) / 500
     start = time.perf_counter()
+    for _ in range(500):  # the engine's sum over gloo: rank 0 sends, rank 1 adds, broadcasts
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            before = torch.empty_like(t)
+            dist.recv(before, 0)
+            t = before + t
+        dist.broadcast(t, 1)
+    chain_s = (time.perf_counter() - start) / 500
+    start = time.perf_counter()
     for _ in range(200):
         box: list[object] = [("step", torch.arange(64), None)] if rank == 0 else [None]
         dist.broadcast_object_list(box, src=0)
     if rank == 0:
         out["all_reduce_ms"] = reduce_s * 1e3
+        out["chain_ms"] = chain_s * 1e3
         out["broadcast_ms"] = (time.perf_counter() - start) / 200 * 1e3
     dist.destroy_process_group()
 
@@ -119,6 +134,8 @@ async def measure(ranks: int, args: argparse.Namespace) -> dict[str, object]:
     async with AsyncEngine(config(ranks, exact=False)) as engine:
         row["start_s"] = time.perf_counter() - start
         await answers(engine, prompts(1), SamplingParams(max_tokens=4))  # warm-up
+        # first, while the prefix cache holds no KV of a batch (whose arithmetic differs)
+        row["default"] = [(await answers(engine, [p], exact))[0] for p in prompts(4)]
         for streams in (1, 8):
             t = time.perf_counter()
             out = await answers(engine, prompts(streams), greedy)
@@ -153,18 +170,22 @@ async def main() -> None:
     times = gloo_times()
     print(f"\n{provenance()}\n")
     print(f"gloo between two processes: all-reduce of [8, 576] float32 "
-          f"{times['all_reduce_ms']:.2f} ms, broadcast of a small object "
+          f"{times['all_reduce_ms']:.2f} ms, the same sum sent, added and broadcast "
+          f"{times['chain_ms']:.2f} ms, broadcast of a small object "
           f"{times['broadcast_ms']:.2f} ms\n")  # fmt: skip
-    print("| ranks | start-up s | tok/s 1 stream | tok/s 8 streams | greedy tokens as 1 rank "
-          "(default flags) | top-5 logprob max diff (float32 activations and KV) | "
-          "--batch-invariant: bits as 1 rank | --batch-invariant tok/s 8 streams |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | start-up s | tok/s 1 stream | tok/s 8 streams | default flags, one request "
+          "at a time: bits as 1 rank | greedy tokens as 1 rank, 8 concurrent (default flags) | "
+          "top-5 logprob max diff (float32 activations and KV) | --batch-invariant, 4 "
+          "concurrent: bits as 1 rank | --batch-invariant tok/s 8 streams |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = sum(a == b for a, b in zip(r["tokens_8"], one["tokens_8"], strict=True))  # type: ignore[call-overload]
+        default = "identical" if r["default"] == one["default"] else "differ"
         diffs = [worst(a[1], b[1]) for a, b in zip(r["exact"], one["exact"], strict=True)]  # type: ignore[call-overload]
         bits = "identical" if r["invariant"] == one["invariant"] else "differ"
         print(f"| {r['ranks']} | {r['start_s']:.1f} | {r['tok_s_1']:.1f} | {r['tok_s_8']:.1f} | "
-              f"{same}/8 | {max(diffs):.1e} | {bits} | {r['invariant_tok_s_8']:.1f} |")  # fmt: skip
+              f"{default} | {same}/8 | {max(diffs):.1e} | {bits} | "
+              f"{r['invariant_tok_s_8']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

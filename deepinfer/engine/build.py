@@ -311,11 +311,11 @@ def open_tiers(
 def build_kv_transfer(
     config: Config, kv: KVCacheManager, replicas: Replicas, fingerprint: str
 ) -> KVTransfer | None:
-    """The NIXL agent over the prefill pool, its holds and puller (`--kv-transfer nixl`)."""
+    """The NIXL agent over the prefill pool, its holds and puller (`--kv-transfer nixl`). A
+    sliding-window model moves its full-attention layers' blocks (the tiers' payload): a pulled
+    prefix is a hit like any other, whose windowed layers the consumer rebuilds by replay."""
     if config.kv_transfer.kv_transfer == "off":
         return None
-    if replicas.prefill.window is not None:
-        raise ConfigError("--kv-transfer: sliding-window pools are not transferred yet")
     return KVTransfer(config.kv_transfer, kv, replicas.prefill.tier_caches, fingerprint)
 
 

@@ -20,6 +20,8 @@ from deepinfer.config import Config, KVRole, KVTransferConfig, WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.kv_transfer.params import KVTransferParams
 from deepinfer.request import SamplingParams
+from tests.engine.models import test_window_replay as window
+from tests.engine.models.test_window_replay import gemma_dir  # noqa: F401  (its fixture)
 from tests.engine.tiny_engine import tiny_config
 
 pytestmark = pytest.mark.skipif(
@@ -202,3 +204,43 @@ async def test_a_cancelled_pull_frees_its_blocks_only_after_the_read(
     puller._read_blocking = read  # type: ignore[method-assign]
     assert await tokens(consumer, ids, DECODE) == await tokens(reference, ids, DECODE)
     consumer.check_integrity()
+
+
+async def test_a_sliding_window_model_pulls_its_full_layers(
+    gemma_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A tiny Gemma 3 (three layers attending windows of 8 keys, one full): the producer keeps,
+    and the consumer pulls, the full layer's blocks; the consumer rebuilds the windowed layers
+    by a bounded replay. Its greedy tokens are those of an engine without cache, and its
+    log-probabilities within 1e-3 (the replay's chunks are not the cold run's)."""
+
+    def serving(role: KVRole | None) -> Config:
+        base = window._config(gemma_dir, tmp_path, prefix_caching=role is not None)
+        if role is None:
+            return base
+        transfer = KVTransferConfig(kv_transfer="nixl", kv_role=role, kv_transfer_timeout_s=5.0)
+        return base.replace(kv_transfer=transfer)
+
+    async with (
+        AsyncEngine(serving("producer")) as producer,
+        AsyncEngine(serving("consumer")) as consumer,
+        AsyncEngine(serving(None)) as cold,
+    ):
+        for i, windows in enumerate((2, 5)):
+            ids = window._prompt(windows, seed=i, tail=3)
+            params = await prefill(producer, ids, f"s{i}")
+            assert params.remote_block_ids
+            before = pulled(consumer)
+            got: list[int] = []
+            logprobs: list[float] = []
+            async for out in consumer.generate(ids, window.PARAMS, kv_transfer=params):
+                got.extend(out.token_ids)
+                for sampled in out.logprobs:
+                    logprobs.extend(value for _, value in sampled.top_logprobs)
+                usage = out.usage
+            window._same((got, logprobs, usage.cached_tokens), await window._generate(cold, ids))
+            assert pulled(consumer) - before == len(params.remote_block_ids)
+            assert usage.remote_cached_tokens == (len(ids) - 1) // window.BLOCK * window.BLOCK
+        consumer.check_integrity()
+        producer.check_integrity()

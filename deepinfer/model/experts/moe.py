@@ -162,10 +162,8 @@ class MoEBlock(nn.Module):
         else:
             runner, runs = self.expert_runner(ops), runs_of(counts)
             out = combine_pairs(h, experts, gates, lambda rows: runner(rows, runs))
-        if self.shared is not None:
-            out = out + self.shared(
-                h, ops
-            )  # (a rank's share of its features, under tensor parallel)
+        if self.shared is not None:  # (under tensor parallel: this rank's features of it)
+            out = out + self.shared(h, ops)
         if self.reduce is not None:
             partial = out
             out = self.reduce(
