@@ -227,7 +227,7 @@ async def test_a_sliding_window_model_pulls_its_full_layers(
         AsyncEngine(serving("consumer")) as consumer,
         AsyncEngine(serving(None)) as cold,
     ):
-        for i, windows in enumerate((2, 5)):
+        for i, windows in enumerate((5, 8)):
             ids = window._prompt(windows, seed=i, tail=3)
             params = await prefill(producer, ids, f"s{i}")
             assert params.remote_block_ids
@@ -241,6 +241,7 @@ async def test_a_sliding_window_model_pulls_its_full_layers(
                 usage = out.usage
             window._same((got, logprobs, usage.cached_tokens), await window._generate(cold, ids))
             assert pulled(consumer) - before == len(params.remote_block_ids)
-            assert usage.remote_cached_tokens == (len(ids) - 1) // window.BLOCK * window.BLOCK
+            # computed from the replay's start: the pulled blocks before it are skipped
+            assert usage.remote_cached_tokens == usage.cached_tokens > 0
         consumer.check_integrity()
         producer.check_integrity()
