@@ -55,8 +55,8 @@ def check_tensor_parallel(config: Config) -> None:
         )
     if config.runtime.cuda_graphs == "on":
         raise ConfigError("--tensor-parallel: steps run eagerly (--cuda-graphs auto or off)")
-    if config.speculative.speculative in ("draft-model", "mtp"):
-        raise ConfigError("--tensor-parallel: a draft model or MTP layer is not split yet")
+    if config.speculative.speculative == "mtp":  # (DeepSeek-V3's: latent attention, not split)
+        raise ConfigError("--tensor-parallel: an MTP layer is not split yet")
     if config.model.batch_invariant and (
         config.model.matmul_activations == "float32" or tp.tensor_parallel_backend == "nccl"
     ):

@@ -5,8 +5,8 @@ none, only its share of the FFN) served in its Q4_1 blocks over 1, 2 and 4 ranks
 are identical and every prompt and sampled log-probability (top 5) within 1e-4 of one rank's,
 with float32 activations and KV. With the default int8 activations (and float16 KV), and in
 `--batch-invariant` mode, each rank's int8 products go on from the previous rank's sums and every
-bit is one rank's. A Qwen2-MoE's experts go over the same ranks. A prompt run again is a
-prefix-cache hit on every rank; a rank killed stops the engine with the reason instead of
+bit is one rank's. A Qwen2-MoE's experts go over the same ranks; a draft model and prompt
+lookup speculate over the ranks. A prompt run again is a prefix-cache hit on every rank; a rank killed stops the engine with the reason instead of
 answering from part of the model."""
 
 from __future__ import annotations
@@ -198,6 +198,42 @@ async def test_int8_ranks_give_one_ranks_bits() -> None:
     assert results[2, False] == results[1, False]
     assert results[4, False] == results[1, False]
     assert results[2, True] == results[1, True]
+
+
+@pytest.mark.parametrize("method", ["draft-model", "ngram"])
+async def test_speculation_over_ranks(method: str) -> None:
+    """Speculative decoding over 2 ranks: the draft model runs whole on rank 0 (a model of its
+    own, outside the ranks' lockstep), the verification steps over the ranks; drafts are
+    accepted and the answers are one rank's with the same flags, token for token."""
+    from deepinfer.config import SpeculativeConfig
+    from deepinfer.environment import default_model_path
+
+    path = default_model_path()
+    repeat = [(j * 17) % 300 + 200 for j in range(24)]
+    prompts = [repeat * 3, PROMPTS[1] + PROMPTS[1]]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = {}
+    for ranks in (1, 2):
+        serving = Config(
+            model=ModelConfig(path=path),
+            cache=CacheConfig(num_blocks=128),
+            disk_cache=DiskCacheConfig(enabled=False),
+            experts=ExpertsConfig(master_port=free_port()),
+            tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+            speculative=SpeculativeConfig(
+                speculative=method,  # type: ignore[arg-type]
+                draft_model=str(path) if method == "draft-model" else None,
+                speculative_gate="off",
+            ),
+        )
+        async with AsyncEngine(serving) as engine:
+            results[ranks] = [
+                [t async for d in engine.generate(ids, greedy) for t in d.token_ids]
+                for ids in prompts
+            ]
+            counts = engine.stats().speculative
+            assert counts.num_accepted > 0, counts
+    assert results[2] == results[1]
 
 
 async def test_experts_over_the_same_ranks(tmp_path: Path) -> None:
