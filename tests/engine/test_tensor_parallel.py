@@ -6,8 +6,8 @@ are identical and every prompt and sampled log-probability (top 5) within 1e-4 o
 with float32 activations and KV. With the default int8 activations (and float16 KV), and in
 `--batch-invariant` mode, each rank's int8 products go on from the previous rank's sums and every
 bit is one rank's. A Qwen2-MoE's experts go over the same ranks; a draft model and prompt
-lookup speculate over the ranks. A prompt run again is a prefix-cache hit on every rank; a rank killed stops the engine with the reason instead of
-answering from part of the model."""
+lookup speculate over the ranks. A prompt run again is a prefix-cache hit on every rank; a rank
+killed stops the engine with the reason instead of answering from part of the model."""
 
 from __future__ import annotations
 

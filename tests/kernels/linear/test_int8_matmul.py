@@ -4,6 +4,8 @@ every format."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -214,7 +216,7 @@ def test_products_over_slices_of_k_chained_give_one_products_bits(fmt: QuantForm
     per = fmt.block_weights
     cuts = [0, per, 3 * per, 6 * per]
     w = _raw_weight(fmt, n, cuts[-1], seed=n + 3)
-    slices = [pack_int8(_columns(w, a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    slices = [pack_int8(_columns(w, a, b)) for a, b in itertools.pairwise(cuts)]
     whole = pack_int8(w)
     x = torch.randn(19, cuts[-1], generator=torch.Generator().manual_seed(n)) * 2
     x[3, per : 2 * per] = 0.0
@@ -225,8 +227,7 @@ def test_products_over_slices_of_k_chained_give_one_products_bits(fmt: QuantForm
             for m, t in ((1, 1), (2, 2), (8, 2), (9, 1), (19, 2)):
                 torch.set_num_threads(t)
                 y = int8_linear(x[:m, : cuts[1]], slices[0])
-                for (a, b), part in zip(zip(cuts[1:], cuts[2:], strict=False), slices[1:],
-                                        strict=True):  # fmt: skip
+                for (a, b), part in zip(itertools.pairwise(cuts[1:]), slices[1:], strict=True):
                     y = int8_linear(x[:m, a:b], part, going_on=y)
                 assert torch.equal(y, int8_linear(x[:m], whole)), (isa, m, t)
         assert not torch.equal(
