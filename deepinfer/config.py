@@ -66,10 +66,11 @@ class ModelConfig:
     to bf16 rounding; prefill chunks with 1024 tokens of context or more attend in bf16 (float32
     sums). Where AMX runs: 1.6-2.2x the int8 kernel's rate on the 1.5B model's projections,
     2.7x attention's, a 4.6k-token prompt prefilled 1.9x faster, perplexity as before
-    (bench/RESULTS.md). `auto`: where a probe at start (a child process) finds bf16 matmuls at
-    least twice float32's rate (its verdict kept in `~/.cache/deepinfer/bf16_probe.json` for the
-    next start on the same machine); `on`: always; `off`: never. Never in batch-invariant
-    mode."""
+    (bench/RESULTS.md). `auto`: a probe at start (a child process) decides, its verdict kept in
+    `~/.cache/deepinfer/bf16_probe.json` for the next start on the same machine: attention in
+    bf16 where bf16 matmuls run at least twice float32's rate, and tiles for each block format
+    whose matrices they multiply at least 1.1x as fast as the int8 kernel (on a Zen 5 EPYC
+    they lose on Q4_K); `on`: both, always; `off`: never. Never in batch-invariant mode."""
     batch_invariant: bool = False
     """The same request gives bitwise the same tokens and logprobs whatever else runs beside
     it, however its prompt is chunked and wherever its prefix comes from (computed, or the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -356,3 +357,28 @@ def test_bf16_prefill_serves_long_products_as_tiles(quantized_gguf: Any) -> None
     got, want = logits
     assert got.shape[0] == 300 >= MIN_ROWS and not torch.equal(got, want)
     torch.testing.assert_close(got, want, atol=5e-2 * want.abs().max().item(), rtol=0)
+
+
+@needs_native
+def test_tiles_serve_the_formats_the_probe_chose(quantized_gguf: Any) -> None:
+    """`serve_long_rows_bf16` with the probe's formats: the Q4_1 matrices take tiles only where
+    Q4_1 is chosen, a Q8_0 head only where Q8_0 is."""
+    from deepinfer.kernels.linear.bf16_tiles import MIN_ROWS
+    from deepinfer.model.loading.quantized import serve_long_rows_bf16
+
+    path, _ = quantized_gguf
+    for formats in (frozenset({"Q8_0"}), frozenset({"Q4_1"}), frozenset({"Q4_1", "Q8_0"})):
+        loaded = load_model(path, torch.float32, "cpu", matmul_activations="int8")
+        model: Any = loaded.model
+        for m in model.modules():
+            if isinstance(getattr(m, "quantized", None), Int8PackedWeight):
+                m.quantized = replace(m.quantized, bf16_rows=0)  # whatever this machine chose
+        head = replace(model.lm_head_quantized, bf16_rows=0)
+        model.lm_head_quantized = head
+        count = serve_long_rows_bf16(model, formats)
+        weights = [m.quantized for m in model.modules() if getattr(m, "quantized", None)]
+        weights.append(model.lm_head_quantized)
+        tiled = [w for w in weights if w.bf16_rows == MIN_ROWS]
+        assert count == len(tiled) and (count > 0 or "Q4_1" not in formats)
+        assert all(w.fmt.name in formats for w in tiled)
+        assert all(w.bf16_rows == 0 for w in weights if w.fmt.name not in formats)

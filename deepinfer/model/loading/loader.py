@@ -26,7 +26,7 @@ from deepinfer.model.loading.quantized import (
     Served,
     float_matrices,
     int8_activations_wanted,
-    probe_passes,
+    probe_verdict,
     quantize_linears,
     quantized_matmul_wanted,
     serve_fixed_order,
@@ -100,8 +100,9 @@ def load_model(
     (`auto|float32|int8`): what that kernel multiplies them by. `batch_invariant`: every row's
     arithmetic independent of the step it runs in (see `check_batch_invariant`).
     `bf16_prefill` (`auto|on|off`): int8-served matrices take long products as bf16 tiles,
-    and long-context prefill chunks attend in bf16 (`auto`: where `Bf16Probe` finds bf16
-    matmuls fast; never when batch invariant). `tensor_parallel` (rank, world): load that
+    and long-context prefill chunks attend in bf16 (`auto`: attention where `Bf16Probe` finds
+    bf16 matmuls fast, tiles for the block formats where it finds them faster than the int8
+    kernel; never when batch invariant). `tensor_parallel` (rank, world): load that
     rank's shard alone (`sharding.py`), its model's `arch` the shard's.
 
     Blocking (seconds): call it from an executor when an event loop is running.
@@ -143,11 +144,17 @@ def load_model(
     if reader is not None:
         release_mapped_pages(reader)
     quantized = served.nbytes
-    tiles = int8 and (bf16_prefill == "on" or (probe is not None and probe_passes(probe)))
-    if tiles:
+    verdict = probe_verdict(probe) if int8 and probe is not None else None
+    tiled = attention = int8 and bf16_prefill == "on"
+    if tiled:  # asked for: every format
         serve_long_rows_bf16(model)
+    elif verdict is not None:
+        tiled = serve_long_rows_bf16(model, verdict.tiles) > 0
+        attention = verdict.attention
+    if attention:
         causal = cast(CausalLM, model)
         causal.set_attention_backend(with_bf16_long_prefill(backend))
+    tiles = tiled or attention
     if int8 and not quantized:
         raise ModelLoadError(
             f"--matmul-activations int8: {path} has no matrices in a format the quantized "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from deepinfer.errors import ModelLoadError
-from deepinfer.kernels.linear.bf16_probe import Bf16Probe
+from deepinfer.kernels.linear.bf16_probe import Bf16Probe, Bf16Verdict
 from deepinfer.kernels.linear.bf16_tiles import MIN_ROWS
 from deepinfer.kernels.linear.fixed_sum import FixedSumWeight
 from deepinfer.kernels.linear.int8_matmul import (
@@ -291,23 +291,34 @@ def _fused(
     return ready if len({(p.fmt, p.in_features) for p in ready}) == 1 else None
 
 
-def probe_passes(probe: Bf16Probe) -> bool:
+def probe_verdict(probe: Bf16Probe) -> Bf16Verdict:
     """The probe's answer, logged."""
-    fast, said = probe.result()
-    log.info("bf16 prefill tiles %s: %s", "on" if fast else "off", said)
-    return fast
+    verdict = probe.result()
+    log.info(
+        "bf16 prefill: attention %s, tiles %s: %s",
+        "on" if verdict.attention else "off",
+        ", ".join(sorted(verdict.tiles)) or "off",
+        verdict.said,
+    )
+    return verdict
 
 
-def serve_long_rows_bf16(model: nn.Module) -> int:
-    """Let every int8-served matrix (the LM head's too) take products of `MIN_ROWS` rows or
-    more as bf16 tiles; the number of matrices."""
+def serve_long_rows_bf16(model: nn.Module, formats: frozenset[str] | None = None) -> int:
+    """Let every int8-served matrix (the LM head's too) whose block formats are all in
+    `formats` (None: any) take products of `MIN_ROWS` rows or more as bf16 tiles; the number
+    of matrices."""
+
+    def serves(w: Int8PackedWeight) -> bool:
+        return formats is None or {w.fmt.name, w.second[0].name} <= formats
+
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and isinstance(module.quantized, Int8PackedWeight):
-            module.quantized = replace(module.quantized, bf16_rows=MIN_ROWS)
+        weight = module.quantized if isinstance(module, Linear) else None
+        if isinstance(weight, Int8PackedWeight) and serves(weight):
+            module.quantized = replace(weight, bf16_rows=MIN_ROWS)
             count += 1
     head = getattr(model, "lm_head_quantized", None)
-    if isinstance(head, Int8PackedWeight):
+    if isinstance(head, Int8PackedWeight) and serves(head):
         setattr(model, "lm_head_quantized", replace(head, bf16_rows=MIN_ROWS))  # noqa: B010
         count += 1
     return count

@@ -5,6 +5,8 @@ verdict kept for the next start on the same machine."""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer.kernels.linear import bf16_probe, bf16_tiles
-from deepinfer.kernels.linear.bf16_probe import Bf16Probe, machine_key, run_probe
+from deepinfer.kernels.linear.bf16_probe import Bf16Probe, Bf16Verdict, machine_key, run_probe
 from deepinfer.kernels.linear.bf16_tiles import bf16_tiled_linear, unpack_bf16
 from deepinfer.kernels.linear.int8_matmul import (
     block_linear,
@@ -108,13 +110,17 @@ def test_bad_rows_are_refused() -> None:
 
 @pytest.mark.slow
 def test_the_probe_measures_a_real_child() -> None:
-    """The child's rates are real numbers and its bf16 product is right; a child that cannot
-    start (a timeout of nothing) says no, with the reason."""
-    fast, said = run_probe()
-    assert "GFLOP/s" in said and "relative error" in said, said
-    assert isinstance(fast, bool)
-    no, why = run_probe(timeout_s=0.001)
-    assert not no and "did not finish" in why
+    """The child's rates are real numbers and its bf16 product is right, the tiles are measured
+    against the int8 kernel on every format and chosen for those they beat by `TILES_MIN`; a
+    child that cannot start (a timeout of nothing) says no, with the reason."""
+    verdict = run_probe()
+    assert "GFLOP/s" in verdict.said and "relative error" in verdict.said, verdict.said
+    assert isinstance(verdict.attention, bool)
+    ratios = dict(re.findall(r"(Q\w+) ([0-9.]+)x", verdict.said.split("int8 kernel:")[1]))
+    assert set(ratios) == {f.name for f in QuantFormat}, verdict.said
+    assert verdict.tiles == {f for f, r in ratios.items() if float(r) >= bf16_probe.TILES_MIN}
+    no = run_probe(timeout_s=0.001)
+    assert not no.attention and not no.tiles and "did not finish" in no.said
 
 
 def test_a_verdict_is_kept_for_this_machine_and_read_back(
@@ -124,26 +130,31 @@ def test_a_verdict_is_kept_for_this_machine_and_read_back(
     with the same file reads it instead of starting a child; a verdict under another key, a
     broken file or a probe that timed out is not used or kept."""
     runs: list[int] = []
+    measured = Bf16Verdict(True, frozenset({"Q6_K"}), "bf16 900 GFLOP/s, float32 100 (9.0x)")
 
-    def fake(timeout_s: float = bf16_probe.TIMEOUT_S) -> tuple[bool, str]:
+    def fake(timeout_s: float = bf16_probe.TIMEOUT_S) -> Bf16Verdict:
         runs.append(1)
-        return True, "bf16 900 GFLOP/s, float32 100 (9.0x)"
+        return measured
 
     monkeypatch.setattr(bf16_probe, "run_probe", fake)
     verdicts = tmp_path / "machine" / bf16_probe.VERDICT_FILE
-    assert Bf16Probe(verdicts).result() == (True, "bf16 900 GFLOP/s, float32 100 (9.0x)")
+    assert Bf16Probe(verdicts).result() == measured
     assert len(runs) == 1 and verdicts.is_file()
-    fast, said = Bf16Probe(verdicts).result()
-    assert fast and "9.0x" in said and "kept" in said and len(runs) == 1  # no child this time
+    kept = Bf16Probe(verdicts).result()
+    assert (kept.attention, kept.tiles) == (True, frozenset({"Q6_K"}))
+    assert "9.0x" in kept.said and "kept" in kept.said and len(runs) == 1  # no child this time
     assert bf16_probe.read_verdict(verdicts, machine_key()) is not None
     assert bf16_probe.read_verdict(verdicts, "another machine") is None
     verdicts.write_text("{not json")
-    assert Bf16Probe(verdicts).result()[0] and len(runs) == 2  # unreadable: probed again
+    assert Bf16Probe(verdicts).result().attention and len(runs) == 2  # unreadable: probed again
+    older = {"key": machine_key(), "fast": True, "said": "an older probe"}
+    verdicts.write_text(json.dumps(older))
+    assert Bf16Probe(verdicts).result() == measured and len(runs) == 3  # no tiles field: again
 
-    def timed_out(timeout_s: float = bf16_probe.TIMEOUT_S) -> tuple[bool, str]:
-        return False, f"{bf16_probe.NOT_FINISHED}: timed out"
+    def timed_out(timeout_s: float = bf16_probe.TIMEOUT_S) -> Bf16Verdict:
+        return Bf16Verdict(False, said=f"{bf16_probe.NOT_FINISHED}: timed out")
 
     monkeypatch.setattr(bf16_probe, "run_probe", timed_out)
     other = tmp_path / "other.json"
-    assert not Bf16Probe(other).result()[0]
+    assert not Bf16Probe(other).result().attention
     assert not other.exists()
