@@ -1,8 +1,10 @@
-"""Tensor-parallel shards of a dense Llama-family model (Megatron's split): rank r of N holds
-a run of the KV heads with their query heads (the q/k/v rows and the o_proj columns of those
-heads) and a run of the FFN's intermediate features (the gate/up rows and the down_proj columns
-of those features); everything else (embeddings, norms, the LM head) is whole on every rank.
-The o_proj and down_proj outputs are partial sums, added over the ranks (one all-reduce each).
+"""Tensor-parallel shards of a Llama-family model (Megatron's split): rank r of N holds a run
+of the KV heads with their query heads (the q/k/v rows and the o_proj columns of those heads)
+and a run of the FFN's intermediate features (the gate/up rows and the down_proj columns of
+those features); everything else (embeddings, norms, the LM head) is whole on every rank. The
+o_proj and down_proj outputs are partial sums, added over the ranks (`runner/tensor_ranks.py`).
+A Mixture of Experts' experts go over the same ranks, a `cut` of them each (every rank loads
+them all and computes the rows of its own), its shared expert cut by features like the FFN.
 With more ranks than KV heads (SmolLM2's 3 over 4 ranks) the last ranks hold no heads: their
 attention is skipped and adds nothing, while every rank still takes its share of the FFN (a
 KV head is never copied, so no rank stores another's keys and values).
@@ -43,8 +45,6 @@ class TPShard:
     """[first, end) of the FFN's intermediate features."""
     shared: tuple[int, int] = (0, 0)
     """[first, end) of a Mixture of Experts' shared expert's features."""
-    experts: tuple[int, int] = (0, 0)
-    """[first, end) of the experts this rank computes (the others' rows add nothing here)."""
 
 
 def cut(total: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -88,7 +88,7 @@ def shard_plan(arch: ModelArch, world: int, rank: int) -> TPShard:
         if moe.shared_intermediate_size
         else (0, 0)
     )
-    return TPShard(rank, world, kv, heads, ffn, shared, cut(moe.num_experts, world, rank))
+    return TPShard(rank, world, kv, heads, ffn, shared)
 
 
 def local_arch(arch: ModelArch, shard: TPShard) -> ModelArch:
