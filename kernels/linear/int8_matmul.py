@@ -95,16 +95,15 @@ def int8_linear(
     summed in order, a lane per output)."""
     x, y = linear_operands("int8_linear", x, w.out_features, w.in_features)
     m, n = y.shape
-    gemm = native_library().int8_gemm_split
     if going_on is not None:
         if going_on.shape != y.shape or going_on.dtype != y.dtype or not going_on.is_contiguous():
             raise ValueError(f"int8_linear goes on from a contiguous float32 {tuple(y.shape)}")
-        y, gemm = going_on, native_library().int8_gemm_acc
+        y = going_on
     if m:
         fmt2, rows2 = w.second
-        gemm(
+        native_library().int8_gemm_split(
             int(w.fmt), int(fmt2), rows2, w.packed.data_ptr(), x.data_ptr(), y.data_ptr(),
-            m, n, w.in_features, torch.get_num_threads(),
+            m, n, w.in_features, torch.get_num_threads(), going_on is not None,
         )  # fmt: skip
     return y
 

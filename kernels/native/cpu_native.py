@@ -102,26 +102,13 @@ class NativeLibrary:
         n: int,
         k: int,
         num_threads: int,
+        going_on: bool = False,
     ) -> None:
-        """`int8_gemm` of a weight whose last n2 rows are in fmt2 (see di_int8_gemm_split)."""
-        _check(self._lib.di_int8_gemm_split(fmt, fmt2, n2, packed, x, y, m, n, k, num_threads))
-
-    def int8_gemm_acc(
-        self,
-        fmt: int,
-        fmt2: int,
-        n2: int,
-        packed: int,
-        x: int,
-        y: int,
-        m: int,
-        n: int,
-        k: int,
-        num_threads: int,
-    ) -> None:
-        """`int8_gemm_split` with every output's sum going on from y's value (see
-        di_int8_gemm_acc): chained slices of K give one product's bits."""
-        _check(self._lib.di_int8_gemm_acc(fmt, fmt2, n2, packed, x, y, m, n, k, num_threads))
+        """`int8_gemm` of a weight whose last n2 rows are in fmt2 (see di_int8_gemm_split);
+        `going_on`: every output's sum continues from y's value (di_int8_gemm_acc), so chained
+        slices of K give one product's bits."""
+        gemm = self._lib.di_int8_gemm_acc if going_on else self._lib.di_int8_gemm_split
+        _check(gemm(fmt, fmt2, n2, packed, x, y, m, n, k, num_threads))
 
     def int8_unpack_bf16(
         self, fmt: int, packed: int, n: int, k: int, row0: int, rows: int, out: int, threads: int
