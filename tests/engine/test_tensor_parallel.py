@@ -5,9 +5,10 @@ none, only its share of the FFN) served in its Q4_1 blocks over 1, 2 and 4 ranks
 are identical and every prompt and sampled log-probability (top 5) within 1e-4 of one rank's,
 with float32 activations and KV. With the default int8 activations (and float16 KV), and in
 `--batch-invariant` mode, each rank's int8 products go on from the previous rank's sums and every
-bit is one rank's. A Qwen2-MoE's experts go over the same ranks; a draft model and prompt
-lookup speculate over the ranks. A prompt run again is a prefix-cache hit on every rank; a rank
-killed stops the engine with the reason instead of answering from part of the model."""
+bit is one rank's, on Gemma 3's sliding windows too. A Qwen2-MoE's experts go over the same
+ranks; a draft model and prompt lookup speculate over the ranks. A prompt run again is a
+prefix-cache hit on every rank; a rank killed stops the engine with the reason instead of
+answering from part of the model."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from deepinfer.config import (
 )
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.build import build_engine
+from deepinfer.environment import default_model_dir
 from deepinfer.errors import ConfigError, DeepInferError
 from deepinfer.request import SamplingParams
 from tests.server_proc import free_port
 
 pytestmark = pytest.mark.slow
+GEMMA3 = default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 128, 8, 4, 16, 1024, 2, 49152
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5,
@@ -198,6 +201,25 @@ async def test_int8_ranks_give_one_ranks_bits() -> None:
     assert results[2, False] == results[1, False]
     assert results[4, False] == results[1, False]
     assert results[2, True] == results[1, True]
+
+
+@pytest.mark.skipif(not GEMMA3.is_file(), reason="run `deepinfer pull gemma3-270m`")
+async def test_gemma3_sliding_windows_over_two_ranks() -> None:
+    """Gemma 3 270M (Q4_K_M: Q4_K, Q6_K and Q5_0 matrices; 15 of 18 layers attending a window;
+    one KV head, so the second rank holds no heads, only its half of the FFN): the default
+    flags give one rank's log-probabilities to the bit."""
+    results = {}
+    for ranks in (1, 2):
+        serving = Config(
+            model=ModelConfig(path=GEMMA3),
+            cache=CacheConfig(num_blocks=64),
+            disk_cache=DiskCacheConfig(enabled=False),
+            experts=ExpertsConfig(master_port=free_port()),
+            tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+        )
+        async with AsyncEngine(serving) as engine:
+            results[ranks] = await run(engine)
+    assert results[2] == results[1]
 
 
 @pytest.mark.parametrize("method", ["draft-model", "ngram"])
