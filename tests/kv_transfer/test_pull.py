@@ -206,6 +206,7 @@ async def test_a_cancelled_pull_frees_its_blocks_only_after_the_read(
     consumer.check_integrity()
 
 
+@pytest.mark.slow
 async def test_a_sliding_window_model_pulls_its_full_layers(
     gemma_dir: Path,  # noqa: F811
     tmp_path: Path,
