@@ -39,7 +39,12 @@ from deepinfer.request import SamplingParams
 from tests.server_proc import free_port
 
 pytestmark = pytest.mark.slow
-GEMMA3 = default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
+REAL = {
+    "gemma3-270m": default_model_dir() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf",
+    "qwen2.5-coder-1.5b": default_model_dir()
+    / "qwen2.5-coder-1.5b"
+    / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+}
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 128, 8, 4, 16, 1024, 2, 49152
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5,
@@ -203,15 +208,19 @@ async def test_int8_ranks_give_one_ranks_bits() -> None:
     assert results[2, True] == results[1, True]
 
 
-@pytest.mark.skipif(not GEMMA3.is_file(), reason="run `deepinfer pull gemma3-270m`")
-async def test_gemma3_sliding_windows_over_two_ranks() -> None:
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-1.5b"])
+async def test_real_files_over_two_ranks(name: str) -> None:
     """Gemma 3 270M (Q4_K_M: Q4_K, Q6_K and Q5_0 matrices; 15 of 18 layers attending a window;
-    one KV head, so the second rank holds no heads, only its half of the FFN): the default
-    flags give one rank's log-probabilities to the bit."""
+    one KV head, so the second rank holds no heads, only its half of the FFN) and, where it is
+    pulled, Qwen2.5-Coder 1.5B (Q4_K_M, q/k/v biases, 2 KV heads): the default flags give one
+    rank's log-probabilities to the bit."""
+    path = REAL[name]
+    if not path.is_file():
+        pytest.skip(f"run `deepinfer pull {name}`")
     results = {}
     for ranks in (1, 2):
         serving = Config(
-            model=ModelConfig(path=GEMMA3),
+            model=ModelConfig(path=path),
             cache=CacheConfig(num_blocks=64),
             disk_cache=DiskCacheConfig(enabled=False),
             experts=ExpertsConfig(master_port=free_port()),
