@@ -400,28 +400,7 @@ def _validate(config: Config) -> None:
         )
     _validate_speculative(config.speculative)
     _validate_experts(config.experts)
-    tp = config.tensor_parallel
-    if tp.tensor_parallel < 1 or tp.tensor_parallel_backend not in ("gloo", "nccl"):
-        raise ConfigError("tensor_parallel must be at least 1, its backend gloo or nccl")
-    ep = config.experts
-    if (
-        tp.tensor_parallel > 1
-        and ep.expert_parallel > 1
-        and (
-            ep.expert_parallel != tp.tensor_parallel
-            or ep.redundant_experts
-            or ep.eplb_interval
-            or ep.expert_devices
-            or ep.expert_parallel_backend not in ("local", tp.tensor_parallel_backend)
-        )
-    ):
-        raise ConfigError(
-            f"--tensor-parallel {tp.tensor_parallel} with --expert-parallel: the experts go over "
-            f"the same ranks (--expert-parallel {tp.tensor_parallel}, one expert each place: no "
-            "--redundant-experts, --eplb-interval or --expert-devices)"
-        )
-    if tp.tensor_parallel > 1 and config.kv_transfer.kv_transfer != "off":
-        raise ConfigError("--tensor-parallel with --kv-transfer: not yet, one or the other")
+    _validate_tensor_parallel(config)
     c, s = config.cache, config.scheduler
     if c.block_size <= 0 or c.block_size & (c.block_size - 1):
         raise ConfigError(f"cache.block_size must be a positive power of two, got {c.block_size}")
@@ -490,6 +469,33 @@ def _validate_speculative(s: SpeculativeConfig) -> None:
         raise ConfigError(f"draft_layers must be at least 1, got {s.draft_layers}")
     if s.speculative_gate not in ("on", "off"):
         raise ConfigError(f"speculative_gate must be on or off, got {s.speculative_gate!r}")
+
+
+def _validate_tensor_parallel(config: Config) -> None:
+    """The tensor-parallel flags, and what they compose with: experts over the same ranks
+    (static placement), no KV transfer yet."""
+    tp = config.tensor_parallel
+    if tp.tensor_parallel < 1 or tp.tensor_parallel_backend not in ("gloo", "nccl"):
+        raise ConfigError("tensor_parallel must be at least 1, its backend gloo or nccl")
+    ep = config.experts
+    if (
+        tp.tensor_parallel > 1
+        and ep.expert_parallel > 1
+        and (
+            ep.expert_parallel != tp.tensor_parallel
+            or ep.redundant_experts
+            or ep.eplb_interval
+            or ep.expert_devices
+            or ep.expert_parallel_backend not in ("local", tp.tensor_parallel_backend)
+        )
+    ):
+        raise ConfigError(
+            f"--tensor-parallel {tp.tensor_parallel} with --expert-parallel: the experts go over "
+            f"the same ranks (--expert-parallel {tp.tensor_parallel}, one expert each place: no "
+            "--redundant-experts, --eplb-interval or --expert-devices)"
+        )
+    if tp.tensor_parallel > 1 and config.kv_transfer.kv_transfer != "off":
+        raise ConfigError("--tensor-parallel with --kv-transfer: not yet, one or the other")
 
 
 def _validate_experts(e: ExpertsConfig) -> None:

@@ -95,6 +95,18 @@ def write_model(path: Path, qk_norm: bool) -> Path:
     return path
 
 
+def at_defaults(path: Path, ranks: int, batch_invariant: bool = False, blocks: int = 64) -> Config:
+    """`path` over `ranks` at the default numerics (int8 activations where the kernel serves
+    it, float16 KV)."""
+    return Config(
+        model=ModelConfig(path=path, batch_invariant=batch_invariant),
+        cache=CacheConfig(num_blocks=blocks),
+        disk_cache=DiskCacheConfig(enabled=False),
+        experts=ExpertsConfig(master_port=free_port()),
+        tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+    )
+
+
 def config(model: Path, ranks: int) -> Config:
     return Config(
         model=ModelConfig(path=model, dtype="float32", matmul_activations="float32"),
@@ -190,18 +202,9 @@ async def test_int8_ranks_give_one_ranks_bits() -> None:
     each rank's int8 products go on from the previous rank's sums."""
     from deepinfer.environment import default_model_path
 
-    def serving(ranks: int, batch_invariant: bool) -> Config:
-        return Config(
-            model=ModelConfig(path=default_model_path(), batch_invariant=batch_invariant),
-            cache=CacheConfig(num_blocks=64),
-            disk_cache=DiskCacheConfig(enabled=False),
-            experts=ExpertsConfig(master_port=free_port()),
-            tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
-        )
-
     results = {}
     for ranks, invariant in ((1, False), (2, False), (4, False), (1, True), (2, True)):
-        async with AsyncEngine(serving(ranks, invariant)) as engine:
+        async with AsyncEngine(at_defaults(default_model_path(), ranks, invariant)) as engine:
             results[ranks, invariant] = await run(engine)
     assert results[2, False] == results[1, False]
     assert results[4, False] == results[1, False]
@@ -219,14 +222,7 @@ async def test_real_files_over_two_ranks(name: str) -> None:
         pytest.skip(f"run `deepinfer pull {name}`")
     results = {}
     for ranks in (1, 2):
-        serving = Config(
-            model=ModelConfig(path=path),
-            cache=CacheConfig(num_blocks=64),
-            disk_cache=DiskCacheConfig(enabled=False),
-            experts=ExpertsConfig(master_port=free_port()),
-            tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
-        )
-        async with AsyncEngine(serving) as engine:
+        async with AsyncEngine(at_defaults(path, ranks)) as engine:
             results[ranks] = await run(engine)
     assert results[2] == results[1]
 
@@ -245,12 +241,7 @@ async def test_speculation_over_ranks(method: str) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     results = {}
     for ranks in (1, 2):
-        serving = Config(
-            model=ModelConfig(path=path),
-            cache=CacheConfig(num_blocks=128),
-            disk_cache=DiskCacheConfig(enabled=False),
-            experts=ExpertsConfig(master_port=free_port()),
-            tensor_parallel=TensorParallelConfig(tensor_parallel=ranks),
+        serving = at_defaults(path, ranks, blocks=128).replace(
             speculative=SpeculativeConfig(
                 speculative=method,  # type: ignore[arg-type]
                 draft_model=str(path) if method == "draft-model" else None,

@@ -144,7 +144,7 @@ def load_model(
     if reader is not None:
         release_mapped_pages(reader)
     quantized = served.nbytes
-    verdict = probe_verdict(probe) if int8 and probe is not None else None
+    verdict = probe_verdict(probe) if probe is not None else None  # (int8, auto)
     tiled = attention = int8 and bf16_prefill == "on"
     if tiled:  # asked for: every format
         serve_long_rows_bf16(model)
