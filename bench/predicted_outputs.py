@@ -14,8 +14,16 @@ and the prediction's accepted tokens (verified as drafts and kept) and rejected 
 mode, `answer`, sends the plain run's own answer as the prediction: the ceiling, where every
 predicted token is the model's.
 
+`--speculative` gives the engine a proposer besides predictions (suffix decoding, say, drafting
+what a prediction cannot: the answer's opening and closing sentences, from the tenant's earlier
+answers). `plain` is then plain decoding (the drafter taken away), and a fourth mode,
+`flags`, the proposer without a prediction. Suffix decoding's stores of earlier outputs are
+emptied before each mode's run of the three edits: the later edits may draft from the earlier
+ones' answers in the same run (an agent's session), never from the same edit answered before.
+
     python bench/predicted_outputs.py
     python bench/predicted_outputs.py --model qwen2.5-coder-1.5b --rounds 3
+    python bench/predicted_outputs.py --model qwen2.5-coder-1.5b --rounds 3 --speculative auto
 """
 
 from __future__ import annotations
@@ -28,17 +36,19 @@ from pathlib import Path
 
 import uvloop
 from common import provenance
-from speculative import AGENT, FILE
+from speculative import AGENT, FILE, forget_outputs
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
-from deepinfer.config import Config, DiskCacheConfig, ModelConfig
+from deepinfer.config import Config, DiskCacheConfig, ModelConfig, SpeculativeConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.types import Usage
 from deepinfer.environment import default_model_path, resolve_model
 from deepinfer.request import SamplingParams
+from deepinfer.scheduler.drafting import Drafter
 from deepinfer.text.messages import ChatMessage
 
-MODES = ("plain", "predicted", "answer")
+MODES = ("plain", "flags", "predicted", "answer")
+"""`flags` (the proposer without a prediction) runs only with `--speculative`."""
 
 
 async def one(
@@ -61,28 +71,47 @@ async def one(
 
 
 def _prediction(mode: str, answer: str) -> str | None:
-    return {"plain": None, "predicted": FILE, "answer": answer}[mode]
+    return {"plain": None, "flags": None, "predicted": FILE, "answer": answer}[mode]
+
+
+def set_mode(engine: AsyncEngine, drafter: Drafter, mode: str) -> None:
+    """Plain decoding takes the drafter away (no proposer, no prediction); every other mode
+    drafts with the engine's flags, its proposer's stores of earlier outputs emptied."""
+    core = engine._core
+    assert core is not None
+    core.scheduler.drafter = None if mode == "plain" else drafter  # type: ignore[assignment]
+    forget_outputs(drafter)
 
 
 async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     model = resolve_model(Path(ns.model))
-    config = Config(model=ModelConfig(path=model), disk_cache=DiskCacheConfig(enabled=False))
+    config = Config(
+        model=ModelConfig(path=model),
+        disk_cache=DiskCacheConfig(enabled=False),
+        speculative=SpeculativeConfig(speculative=ns.speculative),
+    )
+    modes = MODES if ns.speculative != "none" else tuple(m for m in MODES if m != "flags")
     figures: dict[str, dict[str, list[float]]] = {
-        m: {"single": [], "multi": [], "accepted": [], "rejected": []} for m in MODES
+        m: {"single": [], "multi": [], "accepted": [], "rejected": []} for m in modes
     }
     async with AsyncEngine(config) as engine:
+        assert engine._core is not None
+        drafter = engine._core.scheduler.drafter
+        assert drafter is not None
+        set_mode(engine, drafter, "plain")
         answers = {}
         for i, prompt in enumerate(AGENT):
             await one(engine, prompt, ns.max_tokens, None)  # warm-up, the prompt's prefix cached
             ids, text, *_ = await one(engine, prompt, ns.max_tokens, None)  # from the cache
             answers[i] = (ids, text)
         for r in range(ns.rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
-            decoded = {m: 0 for m in MODES}
-            seconds = {m: 0.0 for m in MODES}
-            for i, prompt in enumerate(AGENT):
-                want, answer = answers[i]
-                for mode in order:
+            order = modes if r % 2 == 0 else modes[::-1]
+            decoded = {m: 0 for m in modes}
+            seconds = {m: 0.0 for m in modes}
+            for mode in order:
+                set_mode(engine, drafter, mode)
+                for i, prompt in enumerate(AGENT):
+                    want, answer = answers[i]
                     ids, _, first, last, usage = await one(
                         engine, prompt, ns.max_tokens, _prediction(mode, answer)
                     )
@@ -93,7 +122,11 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
                     figures[mode]["accepted"].append(usage.accepted_prediction_tokens)
                     figures[mode]["rejected"].append(usage.rejected_prediction_tokens)
             for mode in order:
+                set_mode(engine, drafter, mode)
                 figures[mode]["single"].append(decoded[mode] / seconds[mode])
+                if not ns.streams:
+                    figures[mode]["multi"].append(0.0)
+                    continue
                 prompts = [i % len(AGENT) for i in range(ns.streams)]
                 start = time.perf_counter()
                 runs = await asyncio.gather(
@@ -108,7 +141,7 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
                 f"round {r + 1}: "
                 + ", ".join(
                     f"{m} {figures[m]['single'][-1]:.1f} / {figures[m]['multi'][-1]:.1f} tok/s"
-                    for m in MODES
+                    for m in modes
                 ),
                 flush=True,
             )
@@ -118,17 +151,21 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
 def report(ns: argparse.Namespace, figures: dict[str, dict[str, list[float]]]) -> None:
     med = {m: {k: statistics.median(v) for k, v in f.items()} for m, f in figures.items()}
     print(f"\n### Predicted Outputs: `bench/predicted_outputs.py`\n\n{provenance()}\n")
-    print(f"model {Path(ns.model).name}, {ns.rounds} rounds, max_tokens {ns.max_tokens}\n")
+    print(
+        f"model {Path(ns.model).name}, --speculative {ns.speculative}, {ns.rounds} rounds, "
+        f"max_tokens {ns.max_tokens}\n"
+    )
     print(f"| mode | 1 stream tok/s | x plain | {ns.streams} streams tok/s | x plain | "
           "accepted / rejected prediction tokens (median per request) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    for m in MODES:
+    for m in figures:
         single, multi = med[m]["single"], med[m]["multi"]
         ratio_1 = statistics.median(
             a / b for a, b in zip(figures[m]["single"], figures["plain"]["single"], strict=True)
         )
         ratio_n = statistics.median(
-            a / b for a, b in zip(figures[m]["multi"], figures["plain"]["multi"], strict=True)
+            a / max(b, 1e-9)
+            for a, b in zip(figures[m]["multi"], figures["plain"]["multi"], strict=True)
         )
         print(f"| {m} | {single:.1f} | {ratio_1:.2f}x | {multi:.1f} | {ratio_n:.2f}x | "
               f"{med[m]['accepted']:.0f} / {med[m]['rejected']:.0f} |")  # fmt: skip
@@ -139,7 +176,13 @@ def main() -> None:
     ap.add_argument("--model", default=str(default_model_path()), help="a GGUF file or a name")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=400)
-    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--streams", type=int, default=8, help="0: single stream only")
+    ap.add_argument(
+        "--speculative",
+        default="none",
+        choices=("none", "ngram", "suffix", "auto"),
+        help="the engine's proposer besides predictions (the default flags: none)",
+    )
     ns = ap.parse_args()
     figures = uvloop.run(measure(ns))
     report(ns, figures)

@@ -29,6 +29,7 @@ plain decoding's, token for token.
     python bench/speculative.py --proposers ngram,suffix,auto --streams 8,32
     python bench/speculative.py --proposers ngram,suffix,auto --streams "" --temperature 0.7
     python bench/speculative.py --proposers ngram,layers,draft-model --rounds 3 --streams 8,32
+    python bench/speculative.py --model qwen2.5-coder-1.5b --proposers ngram,suffix --streams ""
 
 Suffix decoding's stores of earlier outputs are emptied before each measurement (the bench
 repeats its prompts; their earlier outputs would draft whole answers): single stream, a
@@ -57,9 +58,9 @@ from engine_load import window_seconds
 from truncated_draft import truncate
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
-from deepinfer.config import Config, DiskCacheConfig, SpeculativeConfig
+from deepinfer.config import Config, DiskCacheConfig, ModelConfig, SpeculativeConfig
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.environment import default_model_path
+from deepinfer.environment import default_model_path, resolve_model
 from deepinfer.request import SamplingParams
 from deepinfer.runner.worker_draft import DRAFT_CONFIDENCE_MIN
 from deepinfer.scheduler.drafting import Drafter
@@ -313,6 +314,7 @@ async def run_round(
 
 
 async def run_proposer(
+    model: Path,
     proposer: str,
     draft_model: Path | None,
     params: SamplingParams,
@@ -324,7 +326,9 @@ async def run_proposer(
         speculative=proposer,  # type: ignore[arg-type]
         draft_model=str(draft_model) if proposer == "draft-model" else None,
     )
-    config = Config(disk_cache=DiskCacheConfig(enabled=False), speculative=spec)
+    config = Config(
+        model=ModelConfig(path=model), disk_cache=DiskCacheConfig(enabled=False), speculative=spec
+    )
     out = []
     async with AsyncEngine(config) as engine:
         assert engine._core is not None
@@ -345,6 +349,7 @@ def _median(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=str(default_model_path()), help="a GGUF file or a name")
     ap.add_argument("--proposers", default="ngram,layers,draft-model")
     ap.add_argument("--draft-model", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -377,15 +382,17 @@ def main() -> None:
         seed=7 if ns.temperature > 0 else None,
     )
     started = provenance()  # the code that runs is the tree at the start
+    model = resolve_model(Path(ns.model))
     proposers = ns.proposers.split(",")
     streams = [int(n) for n in ns.streams.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp:
         draft = ns.draft_model
         if draft is None and "draft-model" in proposers:
             draft = Path(tmp) / "smollm2-first-8-layers.gguf"
-            truncate(default_model_path(), draft, 8)
+            truncate(model, draft, 8)
         results = {
-            p: uvloop.run(run_proposer(p, draft, params, streams, ns.rounds)) for p in proposers
+            p: uvloop.run(run_proposer(model, p, draft, params, streams, ns.rounds))
+            for p in proposers
         }
     print(started)
     print()

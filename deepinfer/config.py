@@ -284,7 +284,7 @@ class SpeculativeConfig:
     one device group)."""
     num_draft_tokens: int = 5
     """Most draft tokens a request verifies in one step (`ngram`, `layers`, `draft-model`,
-    `mtp`; suffix decoding and a request's prediction size their own drafts, up to 16, and the
+    `mtp`; suffix decoding and a request's prediction size their own drafts, up to 15, and the
     gate cuts every draft to what pays)."""
     draft_layers: int = 8
     """`layers`: how many of the model's first layers draft (fewer than it has)."""

@@ -20,13 +20,13 @@ from array import array
 from dataclasses import dataclass
 
 from deepinfer.request import Request
-from deepinfer.scheduler.draft_gate import Draft
+from deepinfer.scheduler.draft_gate import LONG_DRAFT_TOKENS, Draft
 
 MAX_MATCH = 8
 """Longest run of the output's last tokens looked up in the prediction when realigning."""
 MIN_MATCH = 2
 """Shortest such run: one token (a newline, a bracket) occurs everywhere in code."""
-PREDICTION_DRAFT_TOKENS = 16
+PREDICTION_DRAFT_TOKENS = LONG_DRAFT_TOKENS
 """Most drafts a step verifies from a prediction: its drafts are accepted far more often than
 prompt lookup's, and the gate still cuts them to what pays."""
 

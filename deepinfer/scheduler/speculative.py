@@ -166,15 +166,34 @@ class WorkerProposer:
 
 
 CHOICE_RECENCY = 0.8
-"""A request's earlier verifications count this much less at each new one (`ChoiceProposer`)."""
+"""A request's earlier looks count this much less at each new one (`ChoiceProposer`)."""
+
+
+@dataclass
+class _Look:
+    """The drafts each proposer made for a request at one step, scored at the next."""
+
+    at: int
+    """The request's output length when they were made."""
+    drafts: list[tuple[int, ...]]
+    """Each proposer's tokens (empty: none, or drafted on the worker)."""
 
 
 class ChoiceProposer:
-    """`auto`: for each request, the proposer whose drafts it has accepted the larger share of
-    (verified drafts and accepted ones, recency-weighted, from an even prior of one in two; the
-    first listed wins ties), the next one where that one has nothing. The gate then cuts the
-    draft, to nothing where it would not pay. Signals: the chosen proposer's, padded with 0.5
-    (the gate's neutral value) to the most any of them has."""
+    """`auto`: for each request, the proposer whose drafts would have kept the most tokens
+    lately, the next one where that one has nothing; the gate then cuts the draft, to nothing
+    where it would not pay. Signals: the chosen proposer's, padded with 0.5 (the gate's neutral
+    value) to the most any of them has.
+
+    Every proposer that drafts tokens here is asked at each look, and its draft is scored when
+    the next one comes: how many of the tokens the request produced since agree with it (a
+    draft's kept tokens, whichever proposer's draft the step verified: the one not chosen is
+    judged on the same tokens, so a request that settles on one proposer still sees when the
+    other would do better). Tokens kept per look, recency-weighted from an even prior of one
+    token in two looks (the first listed wins ties), rank them: a proposer that drafts 15 tokens
+    and sees 8 kept makes a step worth more than one that drafts 5 and sees 4 kept (each
+    verified row's cost is the gate's to weigh). A proposer that drafts on the worker (no tokens
+    here) is scored by its verifications' accepted tokens instead, when chosen."""
 
     name = "auto"
 
@@ -183,17 +202,31 @@ class ChoiceProposer:
         self.num_signals = max(p.num_signals for p in self.proposers)
         self._limits = [p.max_draft_tokens or num_draft_tokens for p in self.proposers]
         self.max_draft_tokens: int | None = max(self._limits)
-        self._rates: dict[str, list[list[float]]] = {}
-        """Each request's [accepted, verified] by proposer."""
+        self._scores: dict[str, list[list[float]]] = {}
+        """Each request's [kept tokens, looks] by proposer."""
+        self._looks: dict[str, _Look] = {}
+        """Each request's latest drafts, to score at its next look."""
         self._last: dict[str, int] = {}
         """The proposer of each request's latest draft."""
 
     def propose(self, request: Request, max_tokens: int) -> Draft:
         rid = request.request_id
-        rates = self._rates.setdefault(rid, [[1.0, 2.0] for _ in self.proposers])
-        ranked = sorted(range(len(rates)), key=lambda i: -rates[i][0] / rates[i][1])
+        scores = self._scores.setdefault(rid, [[1.0, 2.0] for _ in self.proposers])
+        outputs = request.output_token_ids
+        look = self._looks.pop(rid, None)
+        if look is not None and len(outputs) > look.at:
+            produced = outputs[look.at :]
+            for score, drafted in zip(scores, look.drafts, strict=True):
+                if drafted:
+                    _add(score, _agreeing(drafted, produced))
+        drafts = [
+            p.propose(request, min(max_tokens, limit))
+            for p, limit in zip(self.proposers, self._limits, strict=True)
+        ]
+        self._looks[rid] = _Look(len(outputs), [d.token_ids for d in drafts])
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i][0] / scores[i][1])
         for i in ranked:
-            draft = self.proposers[i].propose(request, min(max_tokens, self._limits[i]))
+            draft = drafts[i]
             if draft.size:
                 self._last[rid] = i
                 pad = (0.5,) * (self.num_signals - len(draft.signals))
@@ -211,15 +244,31 @@ class ChoiceProposer:
         if i is None:
             return
         self.proposers[i].observe(request_id, num_drafts, num_accepted)
-        rate = self._rates[request_id][i]
-        rate[0] = rate[0] * CHOICE_RECENCY + num_accepted
-        rate[1] = rate[1] * CHOICE_RECENCY + num_drafts
+        look = self._looks.get(request_id)
+        if look is not None and not look.drafts[i]:  # drafted on the worker: no tokens to score
+            _add(self._scores[request_id][i], num_accepted)
 
     def forget(self, request_id: str) -> None:
-        self._rates.pop(request_id, None)
+        self._scores.pop(request_id, None)
+        self._looks.pop(request_id, None)
         self._last.pop(request_id, None)
         for proposer in self.proposers:
             proposer.forget(request_id)
+
+
+def _add(score: list[float], kept: float) -> None:
+    score[0] = score[0] * CHOICE_RECENCY + kept
+    score[1] = score[1] * CHOICE_RECENCY + 1.0
+
+
+def _agreeing(drafted: Sequence[int], produced: Sequence[int]) -> int:
+    """How many of a draft's first tokens the tokens produced after it agree with."""
+    n = 0
+    for d, t in zip(drafted, produced, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
 
 
 def build_proposer(config: SpeculativeConfig, mtp: bool = False) -> Proposer | None:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepinfer.request import Request
-from deepinfer.scheduler.draft_gate import Draft
+from deepinfer.scheduler.draft_gate import LONG_DRAFT_TOKENS, Draft
 from deepinfer.scheduler.prediction import find_aligned
 
 MIN_MATCH = 2
@@ -53,7 +53,7 @@ MIN_TOKEN_PROB = 0.1
 """A draft stops where its estimated probability would fall under this."""
 SPEC_FACTOR = 2.0
 """A match of m tokens drafts at most this many times m tokens."""
-SUFFIX_DRAFT_TOKENS = 16
+SUFFIX_DRAFT_TOKENS = LONG_DRAFT_TOKENS
 """Most drafts one proposal holds (the gate cuts them to what pays)."""
 WINDOW = 16384
 """The request's latest tokens searched."""

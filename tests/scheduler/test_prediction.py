@@ -10,7 +10,7 @@ from deepinfer.request import Request, SamplingParams
 from deepinfer.scheduler.cost_model import StepCostModel
 from deepinfer.scheduler.draft_gate import DraftGate
 from deepinfer.scheduler.drafting import Drafter
-from deepinfer.scheduler.prediction import MAX_MATCH, PredictionProposer
+from deepinfer.scheduler.prediction import MAX_MATCH, PREDICTION_DRAFT_TOKENS, PredictionProposer
 from deepinfer.scheduler.speculative import NgramProposer
 
 PRED = list(range(100, 160))
@@ -92,7 +92,7 @@ def test_the_drafter_drafts_predictions_without_a_proposer_and_counts_their_acce
     assert drafter.plan([plain], 1000) == {}  # no prediction anywhere: nothing asked
     drafts = drafter.plan([plain, predicted], 1000)
     assert set(drafts) == {"b"} and drafts["b"].token_ids[:3] == (101, 102, 103)
-    assert len(drafts["b"].token_ids) == 16  # a prediction drafts further than num_draft_tokens
+    assert len(drafts["b"].token_ids) == PREDICTION_DRAFT_TOKENS  # beyond num_draft_tokens
     out = RunnerOutput(
         step=1,
         sampled={"b": SampledToken(101)},

@@ -93,8 +93,8 @@ def test_drafts_match_the_counting_reference(seed: int) -> None:
         base = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
         tokens = (base * rng.randint(1, 4))[: rng.randint(1, 40)]
         tokens += [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
-        want = _reference(tokens, 16)
-        got = SuffixProposer().suffix_draft(make_request(f"r{i}", tokens), 16)
+        want = _reference(tokens, SUFFIX_DRAFT_TOKENS)
+        got = SuffixProposer().suffix_draft(make_request(f"r{i}", tokens), SUFFIX_DRAFT_TOKENS)
         assert got.token_ids == want.token_ids, tokens
         assert got.probs == pytest.approx(want.probs)
         checked += bool(want.token_ids)
@@ -189,24 +189,41 @@ class _Fixed:
         self.forgotten.append(request_id)
 
 
-def test_auto_follows_the_proposer_each_request_fares_better_with() -> None:
+def test_auto_follows_the_proposer_whose_drafts_the_output_agrees_with() -> None:
     first, second = _Fixed("first", (1, 2, 3)), _Fixed("second", (7, 8, 9))
     choice = ChoiceProposer([first, second], 3)  # type: ignore[list-item]
     request = make_request("r", [1, 2, 3])
     draft = choice.propose(request, 3)
     assert draft.token_ids == (1, 2, 3) and draft.signals == (1.0,)  # ties: the first
     assert choice.chosen("r") == "first"
-    choice.observe("r", 3, 0)  # the first's drafts fail: the second's turn
+    choice.observe("r", 3, 0)  # the first's draft fails: its proposer is told
+    assert first.observed == [(3, 0)] and second.observed == []
+    request.output_token_ids.append(7)  # the model went the second's way
     assert choice.propose(request, 3).token_ids == (7, 8, 9)
-    choice.observe("r", 3, 3)
+    assert choice.chosen("r") == "second"
+    request.output_token_ids.extend([7, 8, 9, 5])  # its draft kept whole, the first's not
     assert choice.propose(request, 3).token_ids == (7, 8, 9)
-    assert first.observed == [(3, 0)] and second.observed == [(3, 3)]
     other = make_request("o", [1])  # another request starts from the even prior
     assert choice.propose(other, 2).token_ids == (1, 2)
     first.tokens = ()  # the preferred one has nothing: the next one drafts
     assert choice.propose(other, 2).token_ids == (7, 8)
     choice.forget("r")
     assert first.forgotten == ["r"] and second.forgotten == ["r"]
+
+
+def test_auto_ranks_by_tokens_kept_per_look_the_unchosen_draft_judged_too() -> None:
+    """Both proposers are judged on the tokens the request produced, whichever draft the step
+    verified: a long draft that would have kept more wins over a short one whose tokens were
+    all kept, though it was never verified."""
+    short, long = _Fixed("short", (0, 1, 2)), _Fixed("long", tuple(range(15)))
+    choice = ChoiceProposer([short, long], 15)  # type: ignore[list-item]
+    request = make_request("r", [1, 2, 3])
+    assert choice.propose(request, 15).token_ids == (0, 1, 2)  # ties: the first listed
+    choice.observe("r", 3, 3)
+    request.output_token_ids.extend([0, 1, 2, 3])  # the three kept, and the model's next
+    assert choice.propose(request, 15).token_ids == tuple(range(15))
+    assert choice.chosen("r") == "long"
+    assert long.observed == []  # only the verified draft's proposer hears of its verification
 
 
 def test_auto_pads_signals_for_the_gate() -> None:
