@@ -167,6 +167,12 @@ class WorkerProposer:
 
 CHOICE_RECENCY = 0.8
 """A request's earlier looks count this much less at each new one (`ChoiceProposer`)."""
+CHOICE_NEAR = 0.9
+"""Proposers whose tokens kept per look are within this share of the best one's count as
+near-best (`ChoiceProposer`), and the longest draft among them is taken: a look judges a draft
+only on the tokens produced after it, at most what the verified draft held plus one, so a short
+draft whose tokens were all kept ties with a longer one that agrees as far and might have kept
+more. Taking the longer one lets it show that."""
 
 
 @dataclass
@@ -190,9 +196,10 @@ class ChoiceProposer:
     draft's kept tokens, whichever proposer's draft the step verified: the one not chosen is
     judged on the same tokens, so a request that settles on one proposer still sees when the
     other would do better). Tokens kept per look, recency-weighted from an even prior of one
-    token in two looks (the first listed wins ties), rank them: a proposer that drafts 15 tokens
-    and sees 8 kept makes a step worth more than one that drafts 5 and sees 4 kept (each
-    verified row's cost is the gate's to weigh). A proposer that drafts on the worker (no tokens
+    token in two looks, rank them (a proposer that drafts 15 tokens and sees 8 kept makes a step
+    worth more than one that drafts 5 and sees 4 kept; each verified row's cost is the gate's
+    to weigh), and among those near the best (`CHOICE_NEAR`) the longest draft is verified
+    (equal lengths: the better ranked, then the first listed). A proposer that drafts on the worker (no tokens
     here) is scored by its verifications' accepted tokens instead, when chosen."""
 
     name = "auto"
@@ -224,15 +231,17 @@ class ChoiceProposer:
             for p, limit in zip(self.proposers, self._limits, strict=True)
         ]
         self._looks[rid] = _Look(len(outputs), [d.token_ids for d in drafts])
-        ranked = sorted(range(len(scores)), key=lambda i: -scores[i][0] / scores[i][1])
-        for i in ranked:
-            draft = drafts[i]
-            if draft.size:
-                self._last[rid] = i
-                pad = (0.5,) * (self.num_signals - len(draft.signals))
-                return Draft(draft.token_ids, draft.signals + pad, draft.num_worker_tokens)
-        self._last.pop(rid, None)
-        return Draft()
+        rated = [(score[0] / score[1], i) for i, score in enumerate(scores) if drafts[i].size]
+        if not rated:
+            self._last.pop(rid, None)
+            return Draft()
+        best = max(rate for rate, _ in rated)
+        near = [(drafts[i].size, rate, -i) for rate, i in rated if rate >= best * CHOICE_NEAR]
+        i = -max(near)[2]  # the longest near-best draft; then the better ranked, the first listed
+        self._last[rid] = i
+        draft = drafts[i]
+        pad = (0.5,) * (self.num_signals - len(draft.signals))
+        return Draft(draft.token_ids, draft.signals + pad, draft.num_worker_tokens)
 
     def chosen(self, request_id: str) -> str | None:
         """The proposer of the request's latest draft."""

@@ -213,17 +213,20 @@ def test_auto_follows_the_proposer_whose_drafts_the_output_agrees_with() -> None
 
 def test_auto_ranks_by_tokens_kept_per_look_the_unchosen_draft_judged_too() -> None:
     """Both proposers are judged on the tokens the request produced, whichever draft the step
-    verified: a long draft that would have kept more wins over a short one whose tokens were
-    all kept, though it was never verified."""
-    short, long = _Fixed("short", (0, 1, 2)), _Fixed("long", tuple(range(15)))
+    verified; near the best, the longer draft is taken (a look cannot tell a short draft kept
+    whole from a longer one agreeing as far), and a clear winner is taken though shorter."""
+    short, long = _Fixed("short", (0, 1, 2)), _Fixed("long", (0, 1, *range(20, 33)))
     choice = ChoiceProposer([short, long], 15)  # type: ignore[list-item]
     request = make_request("r", [1, 2, 3])
-    assert choice.propose(request, 15).token_ids == (0, 1, 2)  # ties: the first listed
-    choice.observe("r", 3, 3)
-    request.output_token_ids.extend([0, 1, 2, 3])  # the three kept, and the model's next
-    assert choice.propose(request, 15).token_ids == tuple(range(15))
+    assert choice.propose(request, 15).token_ids == long.tokens  # even prior: the longer
+    choice.observe("r", 15, 2)
+    assert long.observed == [(15, 2)] and short.observed == []  # the verified one's proposer
+    request.output_token_ids.extend([0, 1, 2, 3])  # the short draft would have kept 3, not 2
+    assert choice.propose(request, 15).token_ids == (0, 1, 2)
+    assert choice.chosen("r") == "short"
+    request.output_token_ids.extend([0, 1, 20, 21, 22])  # the long one would have kept 5
+    assert choice.propose(request, 15).token_ids == long.tokens
     assert choice.chosen("r") == "long"
-    assert long.observed == []  # only the verified draft's proposer hears of its verification
 
 
 def test_auto_pads_signals_for_the_gate() -> None:
