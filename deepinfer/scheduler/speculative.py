@@ -199,8 +199,9 @@ class ChoiceProposer:
     token in two looks, rank them (a proposer that drafts 15 tokens and sees 8 kept makes a step
     worth more than one that drafts 5 and sees 4 kept; each verified row's cost is the gate's
     to weigh), and among those near the best (`CHOICE_NEAR`) the longest draft is verified
-    (equal lengths: the better ranked, then the first listed). A proposer that drafts on the worker (no tokens
-    here) is scored by its verifications' accepted tokens instead, when chosen."""
+    (equal lengths: the better ranked, then the first listed). A proposer that drafts on the
+    worker (no tokens here) is scored by its verifications' accepted tokens instead, when
+    chosen."""
 
     name = "auto"
 
