@@ -125,7 +125,6 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
                 set_mode(engine, drafter, mode)
                 figures[mode]["single"].append(decoded[mode] / seconds[mode])
                 if not ns.streams:
-                    figures[mode]["multi"].append(0.0)
                     continue
                 prompts = [i % len(AGENT) for i in range(ns.streams)]
                 start = time.perf_counter()
@@ -140,7 +139,11 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
             print(
                 f"round {r + 1}: "
                 + ", ".join(
-                    f"{m} {figures[m]['single'][-1]:.1f} / {figures[m]['multi'][-1]:.1f} tok/s"
+                    f"{m} "
+                    + " / ".join(
+                        f"{figures[m][k][-1]:.1f}" for k in ("single", "multi") if figures[m][k]
+                    )
+                    + " tok/s"
                     for m in modes
                 ),
                 flush=True,
@@ -149,26 +152,27 @@ async def measure(ns: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
 
 
 def report(ns: argparse.Namespace, figures: dict[str, dict[str, list[float]]]) -> None:
-    med = {m: {k: statistics.median(v) for k, v in f.items()} for m, f in figures.items()}
+    """The table; the columns of `--streams` only where they ran."""
+    med = {m: {k: statistics.median(v) for k, v in f.items() if v} for m, f in figures.items()}
     print(f"\n### Predicted Outputs: `bench/predicted_outputs.py`\n\n{provenance()}\n")
     print(
         f"model {Path(ns.model).name}, --speculative {ns.speculative}, {ns.rounds} rounds, "
         f"max_tokens {ns.max_tokens}\n"
     )
-    print(f"| mode | 1 stream tok/s | x plain | {ns.streams} streams tok/s | x plain | "
-          "accepted / rejected prediction tokens (median per request) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    columns = ["mode", "1 stream tok/s", "x plain"]
+    columns += [f"{ns.streams} streams tok/s", "x plain"] if ns.streams else []
+    columns.append("accepted / rejected prediction tokens (median per request)")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for m in figures:
-        single, multi = med[m]["single"], med[m]["multi"]
-        ratio_1 = statistics.median(
-            a / b for a, b in zip(figures[m]["single"], figures["plain"]["single"], strict=True)
-        )
-        ratio_n = statistics.median(
-            a / max(b, 1e-9)
-            for a, b in zip(figures[m]["multi"], figures["plain"]["multi"], strict=True)
-        )
-        print(f"| {m} | {single:.1f} | {ratio_1:.2f}x | {multi:.1f} | {ratio_n:.2f}x | "
-              f"{med[m]['accepted']:.0f} / {med[m]['rejected']:.0f} |")  # fmt: skip
+        cells = [m]
+        for kind in ("single", "multi") if ns.streams else ("single",):
+            ratio = statistics.median(
+                a / b for a, b in zip(figures[m][kind], figures["plain"][kind], strict=True)
+            )
+            cells += [f"{med[m][kind]:.1f}", f"{ratio:.2f}x"]
+        cells.append(f"{med[m]['accepted']:.0f} / {med[m]['rejected']:.0f}")
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
