@@ -5,8 +5,11 @@ stream count sends the same chat prompts three ways, one after another, `--repea
 unconstrained (`ignore_eos`), constrained by a mid-size `json_schema` with the masks filled while
 the forward pass runs, and constrained with the fill after the forward pass (the A/B of the
 overlap). The schema's shortest instance is longer than `--max-tokens`, so every request of
-every run ends by length with the same number of tokens. Also times schema compilation, cold
-(a new schema each time) and cached.
+every run ends by length with the same number of tokens. With `--tools`, a fourth way: the
+grammar a request with tools gets under `auto` (text, or calls once `<tool_call>` is written;
+`api/tools/grammar.py`), on the same prompts, which answer in text (`ignore_eos`): what the
+lazy call grammar costs a request that never calls. Also times schema compilation, cold (a new
+schema each time) and cached.
 
     python bench/structured.py --streams 1 32 --max-tokens 96 --repeats 2
 """
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deepinfer.api.tools.grammar import answer_constraint
+from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.request import FinishReason, SamplingParams, StructuredKind, StructuredSpec
@@ -65,6 +70,16 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }  # fmt: skip
 """Ten fields, a nested object, an enum, arrays; at least ~200 tokens in any instance."""
+TOOLS = tuple(
+    ToolSchema(name, json.dumps(schema), f"tools[{k}].function.parameters", strict=k == 0)
+    for k, (name, schema) in enumerate([
+        ("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"], "additionalProperties": False}),
+        ("search", {"type": "object", "properties": {"query": {"type": "string"}}}),
+        ("read_file", {"type": "object", "properties": {"path": {"type": "string"}}}),
+    ])
+)  # fmt: skip
+"""Three tools, one strict: the grammar of `auto` calls of the `--tools` run."""
 TOPICS = ["the ocean", "volcanoes", "a lighthouse", "bread", "the moon", "trains", "chess",
           "rain", "honeybees", "a library", "glaciers", "jazz", "bicycles", "deserts"]  # fmt: skip
 
@@ -136,12 +151,22 @@ async def one_stream(
     return tokens, first, time.perf_counter()
 
 
+def tools_spec() -> StructuredSpec:
+    spec = answer_constraint(SamplingParams(), ToolPlan(schemas=TOOLS), None).structured
+    assert spec is not None
+    return spec
+
+
 async def run(
-    engine: AsyncEngine, label: str, streams: int, max_tokens: int, constrained: bool
+    engine: AsyncEngine, label: str, streams: int, max_tokens: int, constrained: str
 ) -> Run:
-    spec = spec_of(SCHEMA) if constrained else None
+    """`constrained`: "" (none), "schema" or "tools"."""
+    spec = {"": None, "schema": spec_of(SCHEMA), "tools": tools_spec()}[constrained]
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=not constrained, structured=spec
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=constrained != "schema",
+        structured=spec,
     )
     prompts = [
         [ChatMessage("user", f"Make up a JSON record of a person who loves {TOPICS[i % 14]}.")]
@@ -164,12 +189,14 @@ async def main_async(ns: argparse.Namespace) -> dict[str, Any]:
         compiled = compile_times(engine, ns.compiles)
         print(json.dumps({k: round(v, 3) for k, v in compiled.items()}))
         has_overlap = set_overlap(engine, True)
-        configs = [("unconstrained", False, True), ("constrained", True, True)]
+        configs = [("unconstrained", "", True), ("constrained", "schema", True)]
         if has_overlap:
-            configs.append(("constrained, fill after forward", True, False))
+            configs.append(("constrained, fill after forward", "schema", False))
+        if ns.tools:
+            configs.append(("auto tools grammar, text answers", "tools", True))
         results: list[dict[str, Any]] = []
         for streams in ns.streams:
-            await run(engine, "warm-up", streams, 8, False)  # prompts into the prefix cache
+            await run(engine, "warm-up", streams, 8, "")  # prompts into the prefix cache
             runs: dict[str, list[Run]] = {c[0]: [] for c in configs}
             for _ in range(ns.repeats):
                 for label, constrained, overlap in configs:
@@ -201,6 +228,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compiles", type=int, default=100, help="schemas timed cold and cached")
     parser.add_argument("--label", default="this tree")
+    parser.add_argument("--tools", action="store_true", help="also the `auto` tools grammar")
     parser.add_argument("--json", default=None, help="also write the figures here")
     ns = parser.parse_args()
     figures = asyncio.run(main_async(ns))

@@ -266,7 +266,8 @@ MAX_DRAFT_TOKENS = 32
 class SpeculativeConfig:
     """Speculative decoding: each decode step verifies a request's draft tokens along with its
     next token, in one forward pass, and keeps the drafts the model agrees with (the output is
-    the same tokens as without it, greedy or seeded; requests with a grammar never draft)."""
+    the same tokens as without it, greedy or seeded; requests with a grammar draft too: each
+    verified position has its own mask)."""
 
     speculative: Literal["none", "ngram", "suffix", "auto", "layers", "draft-model", "mtp"] = "none"
     """How drafts are proposed: `none`; `ngram` (prompt lookup: the request's own context

@@ -85,8 +85,8 @@ class ModelRunner:
         accepted: dict[str, tuple[SampledToken, ...]] = {}
         if sampled_ids:
             sampling = [c for c in so.chunks if c.sample]
-            requests = [c.request for c in sampling for _ in range(c.num_logits)]
-            with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
+            verified = [(c.request, c.draft_token_ids) for c in sampling]
+            with self.masks.fill(verified, self.model.arch.vocab_size) as mask:
                 logits = self._forward(batch, so)  # [B_sample, V]
                 rows = [row for c in sampling for row in self._rows(c)]
                 streams = DrawnStreams.save(so.chunks, self._generators)
@@ -112,7 +112,8 @@ class ModelRunner:
             else cast(list[SamplingRow], known)
         )
         batch = decode_batch(so.chunks, requests, self.block_size, self.device)
-        with self.masks.fill(requests, self.model.arch.vocab_size) as mask:
+        plain = [(r, ()) for r in requests]
+        with self.masks.fill(plain, self.model.arch.vocab_size) as mask:
             logits = self._forward(batch, so)
             tokens = self.sampler.sample(logits, rows, mask.wait() if mask else None)
         sampled = dict(zip(ids, tokens, strict=True))

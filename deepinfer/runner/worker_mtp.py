@@ -35,7 +35,6 @@ from deepinfer.runner.worker_draft import (
     greedy_picks,
 )
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
-from deepinfer.scheduler.speculative import can_speculate
 
 MAX_KEPT_POSITIONS = 4096
 """Most positions of final hidden states kept per request for the MTP layer (the oldest go)."""
@@ -108,12 +107,11 @@ class MTPDrafter:
         offset = 0
         for c in chunks:
             n = c.num_new_tokens  # the chunk's rows: its tokens and drafts
-            if can_speculate(c.request):
-                kept = self._kept.setdefault(c.request_id, _Kept())
-                kept.add(c.start_position, hidden[offset : offset + n].clone())
-                written = self._written.get(c.request_id)
-                if written is not None:  # the entries before its start are in the layer's KV
-                    kept.drop_before(written.start - 1)
+            kept = self._kept.setdefault(c.request_id, _Kept())
+            kept.add(c.start_position, hidden[offset : offset + n].clone())
+            written = self._written.get(c.request_id)
+            if written is not None:  # the entries before its start are in the layer's KV
+                kept.drop_before(written.start - 1)
             offset += n
 
     def release(self, request_ids: Sequence[str]) -> None:

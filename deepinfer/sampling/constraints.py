@@ -10,7 +10,8 @@
   a deep copy.
 - `ConstraintMatcher`: one per request, owned by the model runner beside its random stream.
   `fill` writes the row of allowed tokens into a packed int32 bitmask (bit t of word t // 32);
-  `accept` advances by a sampled token, once per token, on the worker thread.
+  `fill_drafts` one row per position of a speculative step (the drafts walked, then rolled
+  back); `accept` advances by a kept token, once per token, on the worker thread.
 
 Stop tokens: the grammar knows one end token (`GrammarVocabulary.eos_token_id`); a row's mask
 allows every stop token of its request exactly when the grammar allows that end token, and only
@@ -71,6 +72,31 @@ class ConstraintMatcher:
             for token_id in stop_token_ids:
                 if 0 <= token_id < row.size * 32:
                     _set_bit(row, token_id, True)
+
+    def fill_drafts(
+        self, rows: np.ndarray, drafts: Sequence[int], stop_token_ids: frozenset[int]
+    ) -> None:
+        """Write the allowed tokens at each position of a verified run into `rows` (`[1 + D,
+        W]`): row j as `fill` would after `drafts[:j]` were accepted, walking the drafts and
+        rolling back, so the matcher ends where it began. A draft its row refuses (or a stop
+        token) ends the walk: the rows after it are left as they are, since verification keeps
+        no token past a draft the model's pick disagrees with (the pick honours the mask)."""
+        assert len(rows) == 1 + len(drafts), "a row per position"
+        walked = 0
+        try:
+            for j, row in enumerate(rows):
+                self.fill(row, stop_token_ids)
+                if j == len(drafts):
+                    break
+                token_id = drafts[j]
+                if token_id in stop_token_ids or not _test_bit(row, token_id):
+                    break
+                if not self._matcher.consume_token(token_id):
+                    break
+                walked += 1
+        finally:
+            if walked:
+                self._matcher.rollback(walked)
 
     def accept(self, token_id: int, stop_token_ids: frozenset[int]) -> None:
         """Advance by one sampled token (a stop token ends the request: it is passed over)."""

@@ -10,7 +10,8 @@ the forward pass) and waited for only when the sampler needs it (`PendingMask.wa
 2. A job on the runner's fill pool (one thread per worker lane) catches each row's matcher up
    with its request's kept outputs (the token sampled by the step before is accepted here, off
    the sampling path), writes its row of the packed bitmask (llguidance computes it with the
-   GIL released), then makes the mask the sampler applies: on CPU an additive float32 `[B, V]`
+   GIL released; a request verifying drafts gets a row per position, its matcher walked along
+   the drafts and rolled back), then makes the mask the sampler applies: on CPU an additive float32 `[B, V]`
    (0 or -inf: the sampler's copy of the logits and the mask become one add), elsewhere the
    packed words (32x fewer bytes to the device, unpacked there).
 3. The sampler's input is `wait()`: the job's mask, or its exception raised on the worker.
@@ -37,9 +38,8 @@ from contextlib import contextmanager, suppress
 import numpy as np
 import torch
 
-from deepinfer.request import Request
 from deepinfer.sampling.masking import additive_mask
-from deepinfer.sampling.matchers import MaskRow, MatcherTable, fill_rows
+from deepinfer.sampling.matchers import MaskRow, MatcherTable, SampledRequest, fill_rows
 
 NUM_FILL_THREADS = 2
 """One per worker lane (prefill and decode share a runner on one device group)."""
@@ -96,22 +96,26 @@ class MaskFiller:
         self._lock = threading.Lock()
 
     @contextmanager
-    def fill(self, requests: Sequence[Request], vocab_size: int) -> Iterator[PendingMask | None]:
-        """The mask of a step sampling `requests` (in order), started now; None when none of
-        them is constrained. On exit the job has ended, whatever the body did."""
-        pending = self.start(requests, vocab_size)
+    def fill(
+        self, sampled: Sequence[SampledRequest], vocab_size: int
+    ) -> Iterator[PendingMask | None]:
+        """The mask of a step sampling `sampled` (in order: each request's row, then one per
+        draft it verifies), started now; None when none of them is constrained. On exit the
+        job has ended, whatever the body did."""
+        pending = self.start(sampled, vocab_size)
         try:
             yield pending
         finally:
             if pending is not None:
                 pending.settle()
 
-    def start(self, requests: Sequence[Request], vocab_size: int) -> PendingMask | None:
+    def start(self, sampled: Sequence[SampledRequest], vocab_size: int) -> PendingMask | None:
         """Start filling (see `fill`, which also waits for the job on the way out)."""
-        rows = self.matchers.mask_rows(requests)
+        rows = self.matchers.mask_rows(sampled)
         if not rows:
             return None
-        job = MaskJob(rows, len(requests), vocab_size, self.additive)
+        num_rows = sum(1 + len(drafts) for _, drafts in sampled)
+        job = MaskJob(rows, num_rows, vocab_size, self.additive)
         return PendingMask(self._executor().submit(job) if self.overlap else None, job)
 
     def _executor(self) -> ThreadPoolExecutor:

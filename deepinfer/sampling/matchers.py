@@ -31,17 +31,28 @@ class MaskRow:
     output list is the request's own, read only while its step runs (nothing appends then)."""
 
     index: int
+    """The request's first row; a speculative step's request has one more per draft."""
     matcher: ConstraintMatcher
     output_token_ids: Sequence[int]
     end_token_ids: frozenset[int]
+    draft_token_ids: Sequence[int] = ()
+    """The drafts the step verifies: rows `index + 1 ..` are the positions after each."""
+
+
+SampledRequest = tuple[Request, Sequence[int]]
+"""A request a step samples and the drafts it verifies (empty: one row)."""
 
 
 def fill_rows(words: np.ndarray, rows: Sequence[MaskRow]) -> None:
-    """Catch each row's matcher up with its outputs, then write its row of `words` (packed int32
-    `[B, W]`, all ones beforehand; the rows not named stay unconstrained)."""
+    """Catch each row's matcher up with its outputs, then write its rows of `words` (packed
+    int32 `[B, W]`, all ones beforehand; the rows not named stay unconstrained)."""
     for row in rows:
         row.matcher.sync(row.output_token_ids, row.end_token_ids)
-        row.matcher.fill(words[row.index], row.end_token_ids)
+        if row.draft_token_ids:
+            end = row.index + 1 + len(row.draft_token_ids)
+            row.matcher.fill_drafts(words[row.index : end], row.draft_token_ids, row.end_token_ids)
+        else:
+            row.matcher.fill(words[row.index], row.end_token_ids)
 
 
 class MatcherTable:
@@ -49,17 +60,20 @@ class MatcherTable:
         self.compiler = compiler
         self._matchers: dict[str, ConstraintMatcher] = {}
 
-    def mask_rows(self, requests: Sequence[Request]) -> list[MaskRow]:
-        """The constrained rows of a step's sampled `requests` (in order), their matchers made
-        on first use; empty when none is constrained."""
-        if self.compiler is None or all(r.sampling.structured is None for r in requests):
+    def mask_rows(self, sampled: Sequence[SampledRequest]) -> list[MaskRow]:
+        """The constrained rows of a step's `sampled` requests (in order, each with its drafts:
+        one row per position), their matchers made on first use; empty when none is
+        constrained."""
+        if self.compiler is None or all(r.sampling.structured is None for r, _ in sampled):
             return []
         rows: list[MaskRow] = []
-        for i, request in enumerate(requests):
+        index = 0
+        for request, drafts in sampled:
             matcher = self._matcher(request)
             if matcher is not None:
                 ends = end_token_ids(request)
-                rows.append(MaskRow(i, matcher, request.output_token_ids, ends))
+                rows.append(MaskRow(index, matcher, request.output_token_ids, ends, drafts))
+            index += 1 + len(drafts)
         return rows
 
     def _matcher(self, request: Request) -> ConstraintMatcher | None:

@@ -23,7 +23,7 @@ from deepinfer.scheduler.cost_model import ChunkShape
 from deepinfer.scheduler.draft_gate import Draft, DraftGate
 from deepinfer.scheduler.output import ScheduledChunk, ScheduleOutput
 from deepinfer.scheduler.prediction import PREDICTION_DRAFT_TOKENS, PredictionProposer
-from deepinfer.scheduler.speculative import Proposer, SpeculativeCounts, can_speculate
+from deepinfer.scheduler.speculative import Proposer, SpeculativeCounts
 
 PLAIN_STEPS_OBSERVED = 16
 """One decode step in this many without drafts feeds the gate's cost model (a fit is ~0.5 ms
@@ -121,8 +121,6 @@ class Drafter:
 
     def _propose(self, request: Request, max_tokens: int) -> Draft:
         self._from_prediction.discard(request.request_id)
-        if not can_speculate(request):
-            return Draft()
         room = min(
             request.sampling.max_tokens - len(request.output_token_ids) - 1,
             max_tokens - request.num_tokens,

@@ -7,12 +7,12 @@ agree with, plus the model's pick after them (`runner/speculative.py`). Rejected
 KV sits past `num_computed_tokens`: never registered in the prefix cache (which registers only
 fully computed blocks), overwritten by the request's next step.
 
-Drafts are asked for wherever verifying them cannot change the output (`can_speculate`): any
-sampling (greedy, or sampled with the request's own random numbers, penalties, `min_tokens`;
-`runner/speculative.py` says why the picks stay the plain ones) and stop strings (the stream
-reads a verified run token by token and ends at the one completing a stop, the tokens after it
-neither output nor counted: `engine/stream.py`), but no grammar (its matcher would have to walk
-the drafts).
+Drafts are asked for whatever a request asks of sampling, since verifying them cannot change
+its output: greedy, or sampled with the request's own random numbers, penalties, `min_tokens`
+(`runner/speculative.py` says why the picks stay the plain ones), stop strings (the stream reads
+a verified run token by token and ends at the one completing a stop, the tokens after it neither
+output nor counted: `engine/stream.py`) and grammars (the step's mask has a row per position,
+its matcher walked along the drafts: `sampling/constraints.py`, `ConstraintMatcher.fill_drafts`).
 """
 
 from __future__ import annotations
@@ -68,12 +68,6 @@ class Proposer(Protocol):
     def forget(self, request_id: str) -> None:
         """The request finished: drop what the proposer kept for it."""
         ...
-
-
-def can_speculate(request: Request) -> bool:
-    """Whether verifying drafts leaves this request's tokens exactly as plain decoding picks
-    them (see the module docstring)."""
-    return request.sampling.structured is None
 
 
 class NgramProposer:

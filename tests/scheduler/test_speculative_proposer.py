@@ -3,7 +3,6 @@ requests may speculate at all (the gate: `test_draft_gate.py`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -11,11 +10,10 @@ import pytest
 from deepinfer.config import Config, SpeculativeConfig, WorkersConfig
 from deepinfer.errors import ConfigError
 from deepinfer.outputs import SampledToken
-from deepinfer.request import StructuredKind, StructuredSpec
 from deepinfer.runner.speculative import verify_drafts
 from deepinfer.scheduler.draft_gate import Draft
 from deepinfer.scheduler.output import ScheduledChunk
-from deepinfer.scheduler.speculative import NgramProposer, can_speculate, ngram_lookup
+from deepinfer.scheduler.speculative import NgramProposer, ngram_lookup
 from tests.scheduler.sched_fakes import make_request
 
 
@@ -94,21 +92,6 @@ def test_verification_keeps_the_agreed_run(
     assert sampled["r"].token_id == first
     got = accepted.get("r")
     assert (None if got is None else tuple(s.token_id for s in got)) == after
-
-
-def test_requests_speculate_unless_grammar() -> None:
-    for change in (
-        {},
-        {"temperature": 0.7, "top_p": 0.9},
-        {"repetition_penalty": 1.2, "presence_penalty": 0.5},
-        {"min_tokens": 3},
-        {"stop": ("###",)},
-    ):
-        request = make_request("x", [1, 2], temperature=0.0)
-        request.sampling = dataclasses.replace(request.sampling, **change)  # type: ignore[arg-type]
-        assert can_speculate(request), change
-    request = make_request("x", [1, 2], structured=StructuredSpec(StructuredKind.JSON_OBJECT))
-    assert not can_speculate(request)
 
 
 def test_config_refuses_what_is_not_built_only() -> None:

@@ -120,6 +120,7 @@ class ToolIn(msgspec.Struct):
     input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None
+    strict: bool | None = None
 
 
 class ToolChoiceIn(msgspec.Struct):

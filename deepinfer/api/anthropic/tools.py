@@ -88,7 +88,7 @@ def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     parameters = EMPTY_PARAMETERS
     if tool.input_schema is not None:
         parameters = json.dumps(tool.input_schema, ensure_ascii=False)
-    schema = ToolSchema(tool.name, parameters, f"tools.{i}.input_schema")
+    schema = ToolSchema(tool.name, parameters, f"tools.{i}.input_schema", strict=bool(tool.strict))
     spec = ToolSpec.from_definition(tool.name, {"type": "function", "function": function})
     return spec, schema
 

@@ -1,7 +1,8 @@
 """OpenAI function tools: request fields -> `ToolPlan` and history calls; answers -> wire calls.
 
-`strict: true` changes nothing under `auto` (see `api/tools/grammar.py`); a forced choice always
-constrains the arguments to their schema.
+`strict: true` makes a call the model writes under `auto` follow the tool's schema (else its
+arguments are any JSON object, see `api/tools/grammar.py`); a forced choice always constrains
+the arguments to their schema.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     parameters = EMPTY_PARAMETERS
     if function.parameters is not None:
         parameters = json.dumps(function.parameters, ensure_ascii=False)
-    schema = ToolSchema(function.name, parameters, f"tools[{i}].function.parameters")
+    param = f"tools[{i}].function.parameters"
+    schema = ToolSchema(function.name, parameters, param, strict=bool(function.strict))
     return ToolSpec.from_definition(function.name, definition), schema
 
 

@@ -77,7 +77,8 @@ def _spec(raw: msgspec.Raw, i: int) -> tuple[ToolSpec, ToolSchema]:
     parameters = EMPTY_PARAMETERS
     if tool.parameters is not None:
         parameters = json.dumps(tool.parameters, ensure_ascii=False)
-    schema = ToolSchema(tool.name, parameters, f"tools[{i}].parameters")
+    strict = tool.strict is not False  # the Responses API's default is strict
+    schema = ToolSchema(tool.name, parameters, f"tools[{i}].parameters", strict=strict)
     spec = ToolSpec.from_definition(tool.name, {"type": "function", "function": function})
     return spec, schema
 

@@ -15,8 +15,14 @@ What applies, as OpenAI does it (`answer_constraint`):
 - `auto` with a response format: one grammar, either calls (arguments valid for their schemas)
   or a text answer matching the format (`%json`, a regex, a choice, or the client's grammar
   nested with `%lark`), so a tool stays callable;
-- `auto` alone is not constrained, `strict: true` tools included: the model may answer in text,
-  and a call it writes is parsed as written (its arguments are not checked against the schema);
+- `auto` alone: the model may answer in text, and once it opens a call (the family's opener:
+  Hermes' `<tool_call>` as text or token, Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>` or
+  a `{` that begins the answer) the rest is calls, as forced ones are written: a declared tool's
+  name, arguments that are a JSON object (valid for the tool's schema where the tool says
+  `strict: true`), and the answer ends after the last call. The text before is free (a lazy
+  lexeme up to the opener, llguidance's tool-calling pattern), so a call the model writes is
+  always one the parser reads back and a client can parse: llama.cpp's lazy grammars, OpenAI's
+  strict tools;
 - no tools (`none`, or none declared): the response format alone, if any.
 """
 
@@ -31,11 +37,14 @@ import llguidance as llg
 
 from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
+from deepinfer.text.detokenizer import CONTROL_MARK
 from deepinfer.text.tool_markup import CallMarkup, FamilyTools, Piece
 from deepinfer.text.tools import ToolFormat
 
 GRAMMAR_PARAM = "tool_choice"
 """The field a forced call's grammar is reported under."""
+AUTO_PARAM = "tools"
+"""The field the grammar of `auto` calls is reported under."""
 ANY_OBJECT = '{"type": "object"}'
 """The schema of `json_object`: any JSON object."""
 _COMPACT = {"whitespace_flexible": False}
@@ -60,30 +69,70 @@ def _compact(source: str) -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
-def _call_rules(fmt: FamilyTools, tools: Sequence[ToolSchema], max_calls: int | None) -> list[str]:
+def _call_rules(
+    fmt: FamilyTools,
+    tools: Sequence[ToolSchema],
+    max_calls: int | None,
+    opened: bool = False,
+    strict_only: bool = False,
+) -> list[str]:
     """The rules of `calls`: one call of `tools` without parallel calls (or where the family
-    writes one), else one or more, inside the family's prefix and suffix."""
+    writes one), else one or more, inside the family's prefix and suffix. `opened`: the first
+    call's opener is already read (a lazy lead ended with it), so `calls` starts after it.
+    `strict_only`: only `strict` tools' arguments follow their schema, the others' are a JSON
+    object (`auto`); else every tool's schema applies (a forced choice)."""
     assert tools, "calls need at least one tool"
     markup: CallMarkup = fmt.markup
     if markup.max_calls is not None:
         max_calls = markup.max_calls if max_calls is None else min(max_calls, markup.max_calls)
-    calls = "call" if max_calls == 1 else f"call ({_literal(markup.separator)} call)*"
-    whole = [_pieces(markup.prefix), calls, _pieces(markup.suffix)]
+    first = "body" if opened else "call"
+    calls = first if max_calls == 1 else f"{first} ({_literal(markup.separator)} call)*"
+    whole = [_pieces(() if opened else markup.prefix), calls, _pieces(markup.suffix)]
     rules = [
         "calls: " + " ".join(p for p in whole if p),
         "call: " + " | ".join(f"call_{k}" for k in range(len(tools))),
     ]
+    if opened:
+        rules.append("body: " + " | ".join(f"body_{k}" for k in range(len(tools))))
+    call_open = _pieces(markup.call_open)
     for k, tool in enumerate(tools):
-        head = _literal(markup.head(tool.name))
-        parts = [_pieces(markup.call_open), head, f"%json {_compact(tool.parameters)}"]
-        parts.append(_pieces(markup.call_close))
-        rules.append(f"call_{k}: " + " ".join(p for p in parts if p))
+        schema = tool.parameters if tool.strict or not strict_only else ANY_OBJECT
+        body = [_literal(markup.head(tool.name)), f"%json {_compact(schema)}"]
+        body.append(_pieces(markup.call_close))
+        rules.append(f"call_{k}: " + " ".join(p for p in (call_open, f"body_{k}") if p))
+        rules.append(f"body_{k}: " + " ".join(p for p in body if p))
     return rules
 
 
 def call_grammar(fmt: FamilyTools, tools: Sequence[ToolSchema], max_calls: int | None) -> str:
     """A Lark grammar (llguidance's dialect) of answers made of calls of `tools` only."""
     return "\n".join(["start: calls", *_call_rules(fmt, tools, max_calls)]) + "\n"
+
+
+def auto_grammar(fmt: FamilyTools, tools: Sequence[ToolSchema], max_calls: int | None) -> str:
+    """A Lark grammar of `auto` answers: free text, or free text then calls of `tools` once the
+    family's opener is written (see the module docstring)."""
+    markup = fmt.markup
+    text = "TEXT_NOT_CALL" if markup.bare_start else "TEXT"
+    rules = ["TEXT_NOT_CALL: /\\s*([^\\s{](.|\\n)*)?/" if markup.bare_start else "TEXT: /(.|\\n)*/"]
+    alternatives = [text]
+    opened = False
+    if markup.opener == CONTROL_MARK:  # a control token no text can spell opens the calls
+        tag = markup.shown_ids[0]
+        entry = (*markup.prefix, *markup.call_open)[:1]
+        opens = "calls" if entry == (tag,) else f"<[{tag}]> calls"
+        alternatives.append(f"{text} {opens}")
+    elif markup.opener:  # text (or an added token spelling it) opens the first call
+        assert not markup.prefix, "a text opener opens the first call"
+        rules.append(f"lead[lazy]: /(.|\\n)*/ {_literal(markup.opener)}")
+        alternatives.append("lead calls")
+        opened = True
+    if markup.bare_start:  # an answer that begins with a call object is a call
+        rules.append("WS: /\\s+/")
+        alternatives += ["calls", "WS calls"]
+    start = "start: " + " | ".join(alternatives)
+    calls = _call_rules(fmt, tools, max_calls, opened=opened, strict_only=True)
+    return "\n".join([start, *rules, *calls]) + "\n"
 
 
 def calls_or_text_grammar(
@@ -124,14 +173,17 @@ def answer_constraint(
     if plan.parses_calls and fmt.markup.shown_ids:
         params = dataclasses.replace(params, shown_token_ids=fmt.markup.shown_ids)
     text = params.structured
-    if not plan.forced and (text is None or not plan.schemas):
+    if not plan.forced and not plan.schemas:
         return params
     if plan.forced:
         grammar = call_grammar(fmt, plan.forced, plan.max_calls)
         parts = tuple(schema_part(tool) for tool in plan.forced)
         spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, GRAMMAR_PARAM, parts)
+    elif text is None:
+        grammar = auto_grammar(fmt, plan.schemas, plan.max_calls)
+        parts = tuple(schema_part(tool) for tool in plan.schemas if tool.strict)
+        spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, AUTO_PARAM, parts)
     else:
-        assert text is not None
         grammar = calls_or_text_grammar(fmt, plan.schemas, plan.max_calls, text)
         parts = (*(schema_part(tool) for tool in plan.schemas), text)
         spec = StructuredSpec(StructuredKind.GRAMMAR, grammar, text.param, parts)

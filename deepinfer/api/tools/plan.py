@@ -41,6 +41,9 @@ class ToolSchema:
     """The JSON schema (JSON text) the arguments validate against."""
     param: str
     """The request field holding the schema, named when the schema cannot be compiled."""
+    strict: bool = False
+    """`strict: true`: a call the model chooses to write (`auto`) follows the schema too; else
+    its arguments are only a JSON object."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Forced calls in Mistral's and Llama 3.1's markup: the grammar accepts the calls its family's
 markup spells, with the control tokens as those tokens, and nothing else; what it accepts
-decodes (control tokens shown) and parses back to the same calls.
+decodes (control tokens shown) and parses back to the same calls. Under `auto`: text, or text
+then calls once the family's opener (its control token, or Llama's `{` at the start) is written.
 
 Vocabularies: SmolLM2's with the family's control tokens added, as in the recipe tests.
 """
@@ -15,7 +16,12 @@ import gguf
 import numpy as np
 import pytest
 
-from deepinfer.api.tools.grammar import answer_constraint, call_grammar, recipe_format
+from deepinfer.api.tools.grammar import (
+    answer_constraint,
+    auto_grammar,
+    call_grammar,
+    recipe_format,
+)
 from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
 from deepinfer.model.loading.gguf_loader import open_gguf
@@ -81,10 +87,10 @@ def allowed(matcher: ConstraintMatcher, tok: Tokenizer, stops: frozenset[int]) -
     return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist())
 
 
-def accepts(family: Any, max_calls: int | None, ids: list[int]) -> bool:
+def accepts(family: Any, max_calls: int | None, ids: list[int], auto: bool = False) -> bool:
     _, tok, fmt, compiler = family
     stops = frozenset({tok.eos_token_id})
-    grammar = call_grammar(fmt, TOOLS, max_calls)
+    grammar = (auto_grammar if auto else call_grammar)(fmt, TOOLS, max_calls)
     matcher = compiler.matcher(StructuredSpec(StructuredKind.GRAMMAR, grammar, "tool_choice"))
     for token_id in ids:
         if token_id not in allowed(matcher, tok, stops):
@@ -136,3 +142,66 @@ def test_answer_constraint_shows_the_markers_the_parser_reads(family: Any) -> No
     params = answer_constraint(SamplingParams(), ToolPlan(specs=(spec,)), fmt)
     assert params.shown_token_ids == fmt.markup.shown_ids and len(params.shown_token_ids) == 1
     assert params.structured is None
+
+
+@pytest.mark.slow
+def test_auto_is_text_or_calls_once_opened(family: Any) -> None:
+    name, tok, fmt, _ = family
+    markup = fmt.markup
+    text = tok.encode("It is sunny in Paris.")
+    calls = answer_ids(tok, markup, [WEATHER])
+    opened = (
+        [*text, *calls]
+        if name == "mistral"  # the calls' own control token opens them
+        else [*text, markup.shown_ids[0], *calls]  # Llama: after <|python_tag|>
+    )
+    for ids in (text, [], opened, calls if name != "mistral" else opened):
+        assert accepts(family, None, ids, auto=True), tok.decode(ids)
+    answer = parse_answer(decoded(tok, fmt, opened), markup=fmt.markup)
+    assert answer.content == "It is sunny in Paris." and len(answer.calls) == 1
+    bad_name = answer_ids(tok, markup, [("get_date", '{"city":"P"}')])
+    wrong = [
+        [*opened, *tok.encode(" More text.")],  # the answer ends after its calls
+        [*opened[: len(opened) - len(calls)], *bad_name],
+        [*text, *tok.encode(" "), markup.shown_ids[0], *tok.encode("Sure")],
+    ]
+    if name != "mistral":  # an answer that begins with `{` is a call
+        wrong += [bad_name, tok.encode('{"answer": 1}')]
+    for ids in wrong:
+        assert not accepts(family, None, ids, auto=True), tok.decode(ids)
+
+
+@pytest.mark.slow
+def test_auto_reads_hermes_markers_held_as_tokens(tmp_path: Path) -> None:
+    """Qwen3's vocabulary holds `<tool_call>` and `</tool_call>` as added tokens (not control
+    tokens): under `auto` the marker token opens a call as its text does, and the call ends with
+    the closing marker's token."""
+    template, controls, bos, eos, user = FAMILIES["qwen3"]
+    path = tmp_path / "qwen3.gguf"
+    write_tokenizer_gguf(path, open_gguf(default_model_path()), template, controls, bos, eos, user)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    fmt = recipe_format(recipe_for(tok))
+    assert fmt is not None and tok.eos_token_id is not None
+    markup = fmt.markup
+    open_id, close_id = markup.call_open[0], markup.call_close[-1]
+    assert isinstance(open_id, int) and isinstance(close_id, int)
+    family = (
+        "qwen3",
+        tok,
+        fmt,
+        ConstraintCompiler(lambda: vocabulary_from(tok, tok.eos_token_id or 0)),
+    )
+    text = tok.encode("Let me check.")
+    calls = answer_ids(tok, markup, [WEATHER, TIME])
+    assert calls[0] == open_id and close_id in calls
+    assert accepts(family, None, text, auto=True)
+    assert accepts(family, None, [*text, *calls], auto=True)
+    assert (
+        parse_answer(decoded(tok, fmt, [*text, *calls]), markup=markup).calls[1].name == "get_time"
+    )
+    for ids in (
+        [*text, open_id, *tok.encode("I will call get_weather.")],
+        [*text, *calls, *tok.encode("Done.")],
+        [*text, *answer_ids(tok, markup, [("get_date", "{}")])],
+    ):
+        assert not accepts(family, None, ids, auto=True), tok.decode(ids)

@@ -5,12 +5,18 @@ compiles the format on its own)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from deepinfer.api.tools.grammar import answer_constraint, call_grammar, calls_or_text_grammar
+from deepinfer.api.tools.grammar import (
+    answer_constraint,
+    auto_grammar,
+    call_grammar,
+    calls_or_text_grammar,
+)
 from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.environment import default_model_path
 from deepinfer.errors import InvalidRequestError
@@ -146,7 +152,12 @@ def test_each_choice_and_format_make_one_constraint() -> None:
     assert spec.source == calls_or_text_grammar(ToolFormat(), TOOLS, None, FORMAT)
     assert spec.param == FORMAT.param and spec.parts[-1] == FORMAT
     assert [part.param for part in spec.parts[:-1]] == [t.param for t in TOOLS]
-    assert answer_constraint(SamplingParams(), AUTO, None) == SamplingParams()
+    spec = answer_constraint(SamplingParams(), AUTO, None).structured
+    assert spec is not None and spec.source == auto_grammar(ToolFormat(), TOOLS, None)
+    assert spec.param == "tools" and spec.parts == ()  # no tool is strict
+    strict = ToolPlan(schemas=(TOOLS[0], dataclasses.replace(TOOLS[1], strict=True)))
+    spec = answer_constraint(SamplingParams(), strict, None).structured
+    assert spec is not None and [part.param for part in spec.parts] == [TOOLS[1].param]
     assert answer_constraint(with_format, ToolPlan(), None) == with_format
 
 
@@ -207,3 +218,48 @@ def test_a_format_the_library_refuses_names_its_field(compiler: ConstraintCompil
     with pytest.raises(InvalidRequestError) as info:
         compiler.compile(spec)
     assert info.value.param == "guided_regex"
+
+
+STRICT_TIME = dataclasses.replace(TOOLS[1], strict=True)
+
+
+def auto_alone(
+    compiler: ConstraintCompiler, fmt: ToolFormat, max_calls: int | None
+) -> ConstraintMatcher:
+    spec = answer_constraint(
+        SamplingParams(), ToolPlan(max_calls=max_calls, schemas=(TOOLS[0], STRICT_TIME)), fmt
+    )
+    assert spec.structured is not None
+    compiler.compile(spec.structured)
+    return compiler.matcher(spec.structured)
+
+
+def test_auto_is_text_then_calls_once_opened(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer
+) -> None:
+    """Under `auto` alone: any text, and once `<tool_call>` is written, calls of declared tools
+    (a strict tool's arguments valid for its schema, the others' any JSON object) that end the
+    answer (`test_family_grammar.py`: the markers as tokens, as Qwen's vocabulary holds them)."""
+    fmt = ToolFormat()
+    weather = rendered(ToolCall("get_weather", '{"town":["any","object"]}'))
+    time = rendered(ToolCall(STRICT_TIME.name, '{"tz":2}'))
+    good = [
+        "It is sunny.",
+        "",
+        "Let me look. " + weather,
+        weather + "\n" + time,
+        "<tool_ca",
+        "a < b and <tool> is not a call",
+    ]
+    bad = [
+        weather + " And more text.",
+        weather + "\n" + time,  # (max_calls 1)
+        'Sure <tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>',
+        time.replace('{"tz":2}', '{"tz":"two"}'),  # the strict tool's schema holds
+        "<tool_call>\nI will call it",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"type": "summer}", "q": {Tag',
+    ]
+    for text in good:
+        assert accepts(auto_alone(compiler, fmt, None), tokenizer, text), text
+    for k, text in enumerate(bad):
+        assert not accepts(auto_alone(compiler, fmt, 1 if k == 1 else None), tokenizer, text), text

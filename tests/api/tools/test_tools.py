@@ -137,7 +137,14 @@ def test_openai_forced_choice_is_a_grammar(oai: openai.OpenAI, reply: FakeEngine
     grammar = forced_grammar(reply)
     assert "get_time" in grammar and "get_weather" not in grammar and "calls: call\n" in grammar
     oai.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="auto")
-    assert reply.last_params is not None and reply.last_params.structured is None
+    params = reply.last_params
+    assert params is not None and params.structured is not None  # calls constrained once opened
+    assert params.structured.param == "tools" and "lead[lazy]" in params.structured.source
+    strict: Any = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+    oai.chat.completions.create(model="m", messages=USER, tools=[strict], tool_choice="auto")
+    params = reply.last_params
+    assert params is not None and params.structured is not None
+    assert [p.param for p in params.structured.parts] == ["tools[0].function.parameters"]
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,15 @@ usage, and a prediction longer than the context is refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 
 import pytest
 
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.types import Usage
 from deepinfer.errors import InvalidRequestError
-from deepinfer.request import SamplingParams
+from deepinfer.request import SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.text.recipe import ChatMessage
 
 pytestmark = pytest.mark.slow
@@ -68,6 +70,24 @@ async def test_a_prediction_leaves_the_answer_as_it_was(real_engine: AsyncEngine
         _run(real_engine, GREEDY),
     )
     assert [r[0] for r in runs] == [want, want_seeded, want]
+    real_engine.check_integrity()
+
+
+async def test_a_prediction_drafts_under_a_grammar(real_engine: AsyncEngine) -> None:
+    """A JSON schema's answer, greedy and seeded: the prediction (the answer itself, then the
+    answer as prose the grammar refuses at once) leaves the tokens as they were."""
+    schema = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
+    spec = StructuredSpec(StructuredKind.JSON_SCHEMA, json.dumps(schema))
+    greedy, seeded = (dataclasses.replace(p, structured=spec) for p in (GREEDY, SEEDED))
+    want, answer, _ = await _run(real_engine, greedy)
+    want_seeded, _, _ = await _run(real_engine, seeded)
+    got, _, usage = await _run(real_engine, greedy, prediction=answer)
+    assert got == want and usage.accepted_prediction_tokens > 0
+    runs = await asyncio.gather(
+        _run(real_engine, seeded, prediction=answer),
+        _run(real_engine, greedy, prediction="Here is the code: " + answer),
+    )
+    assert [r[0] for r in runs] == [want_seeded, want]
     real_engine.check_integrity()
 
 

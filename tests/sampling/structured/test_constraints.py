@@ -116,3 +116,50 @@ def test_compiles_are_cached(compiler: ConstraintCompiler) -> None:
     size = len(compiler._cache)
     compiler.compile(StructuredSpec(StructuredKind.REGEX, "[xyz]{2}", "guided_regex"))
     assert len(compiler._cache) == size
+
+
+def _rows(num_rows: int, size: int) -> np.ndarray:
+    return np.full((num_rows, -(-size // 32)), -1, dtype=np.int32)
+
+
+def _bits(row: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist())
+
+
+def test_draft_rows_are_the_masks_after_each_draft(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer
+) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    spec = StructuredSpec(StructuredKind.JSON_SCHEMA, json.dumps(schema))
+    answer = tokenizer.encode('{"city":"Paris"}')
+    size = tokenizer.vocab_size
+    for kept in (0, 2):  # drafts from the start, and after outputs already kept
+        walked = compiler.matcher(spec)
+        walked.sync(answer[:kept], STOPS)
+        drafts = [*answer[kept:], 2]  # the answer, then the end token
+        rows = _rows(1 + len(drafts), size)
+        walked.fill_drafts(rows, drafts, STOPS)
+        assert walked.num_tokens == kept  # rolled back: where it began
+        assert _bits(rows[0]) == _allowed(walked, size)
+        stepped = compiler.matcher(spec)  # the same positions, one accepted token at a time
+        stepped.sync(answer[:kept], STOPS)
+        for j, token_id in enumerate(drafts):
+            assert _bits(rows[j]) == _allowed(stepped, size), j
+            if token_id not in STOPS:
+                stepped.accept(token_id, STOPS)
+        assert _allowed(stepped, size) == set(STOPS)
+        assert _bits(rows[-1]) == set(range(size + 31 & ~31))  # past the end token: untouched
+
+
+def test_a_refused_draft_ends_the_walk(compiler: ConstraintCompiler, tokenizer: Tokenizer) -> None:
+    spec = StructuredSpec(StructuredKind.REGEX, "[0-9]+")
+    digits, letter = tokenizer.encode("12"), tokenizer.encode("x")[0]
+    drafts = [*digits, letter, *digits]
+    matcher = compiler.matcher(spec)
+    rows = _rows(1 + len(drafts), tokenizer.vocab_size)
+    matcher.fill_drafts(rows, drafts, STOPS)
+    refused = len(digits)  # the row that refuses the letter is written; those after it are not
+    assert letter not in _bits(rows[refused]) and digits[0] in _bits(rows[refused])
+    assert all(r.min() == r.max() == -1 for r in rows[refused + 1 :])
+    assert matcher.num_tokens == 0 and not matcher.is_finished
+    assert _allowed(matcher, tokenizer.vocab_size) == _bits(rows[0])
