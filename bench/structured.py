@@ -2,9 +2,9 @@
 
 Loads the default model with the default engine flags (`AsyncEngine(Config())`), then for each
 stream count sends the same chat prompts three ways, one after another, `--repeats` times:
-unconstrained (`ignore_eos`), constrained by a mid-size `json_schema` with the masks filled while
-the forward pass runs, and constrained with the fill after the forward pass (the A/B of the
-overlap). The schema's shortest instance is longer than `--max-tokens`, so every request of
+unconstrained (`ignore_eos`), constrained by a mid-size `json_schema` with the default fill
+(beside the forward pass where a core is left for it, else after it), and constrained with the
+fill always beside, and always after, the forward pass (the A/B of the overlap). The schema's shortest instance is longer than `--max-tokens`, so every request of
 every run ends by length with the same number of tokens. With `--tools`, a fourth way: the
 grammar a request with tools gets under `auto` (text, or calls once `<tool_call>` is written;
 `api/tools/grammar.py`), on the same prompts, which answer in text (`ignore_eos`): what the
@@ -102,8 +102,9 @@ def spec_of(schema: dict[str, Any]) -> StructuredSpec:
     return StructuredSpec(StructuredKind.JSON_SCHEMA, json.dumps(schema))
 
 
-def set_overlap(engine: AsyncEngine, on: bool) -> bool:
-    """Switch the fill overlap on both runners; False where the engine has none (older trees)."""
+def set_overlap(engine: AsyncEngine, on: bool | None) -> bool:
+    """Set the fill overlap on both runners (None: the default, where a core is left for the
+    fill); False where the engine has none (older trees)."""
     runners = {id(r): r for r in (engine.core.runner, engine.core.decode_runner)}.values()
     masks = [getattr(r, "masks", None) for r in runners]
     for m in masks:
@@ -188,12 +189,16 @@ async def main_async(ns: argparse.Namespace) -> dict[str, Any]:
         print(f"{info.model_name} on {info.device}, default flags, label {ns.label!r}")
         compiled = compile_times(engine, ns.compiles)
         print(json.dumps({k: round(v, 3) for k, v in compiled.items()}))
-        has_overlap = set_overlap(engine, True)
-        configs = [("unconstrained", "", True), ("constrained", "schema", True)]
+        has_overlap = set_overlap(engine, None)
+        configs: list[tuple[str, str, bool | None]] = [
+            ("unconstrained", "", None),
+            ("constrained", "schema", None),
+        ]
         if has_overlap:
+            configs.append(("constrained, fill beside the forward pass", "schema", True))
             configs.append(("constrained, fill after forward", "schema", False))
         if ns.tools:
-            configs.append(("auto tools grammar, text answers", "tools", True))
+            configs.append(("auto tools grammar, text answers", "tools", None))
         results: list[dict[str, Any]] = []
         for streams in ns.streams:
             await run(engine, "warm-up", streams, 8, "")  # prompts into the prefix cache
@@ -204,7 +209,7 @@ async def main_async(ns: argparse.Namespace) -> dict[str, Any]:
                     runs[label].append(
                         await run(engine, label, streams, ns.max_tokens, constrained)
                     )
-            set_overlap(engine, True)
+            set_overlap(engine, None)
             base = statistics.median(r.tok_s for r in runs["unconstrained"])
             for label, got in runs.items():
                 tok_s = statistics.median(r.tok_s for r in got)

@@ -23,6 +23,8 @@ Invariants:
   a handoff to another runner (`take`/`adopt`) and the request's next step all come after its
   job ended. The scheduler puts a request in one step at a time, so the jobs of two workers'
   overlapping steps touch disjoint matchers.
+- The overlap is taken only where a core is left for the fill (`MaskFiller.overlap`): on CPU,
+  a step whose forward pass runs on every core fills after it instead.
 - The mask does not depend on the overlap: with `overlap` off (the A/B switch of tests and
   benchmarks) the same job runs on the worker's thread when the sampler asks for the mask,
   after the forward pass, as a synchronous fill would.
@@ -30,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +44,10 @@ import torch
 from deepinfer.sampling.masking import additive_mask
 from deepinfer.sampling.matchers import MaskRow, MatcherTable, SampledRequest, fill_rows
 
+NUM_CORES = (
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+)
+"""The cores this process may run on."""
 NUM_FILL_THREADS = 2
 """One per worker lane (prefill and decode share a runner on one device group)."""
 
@@ -69,18 +76,47 @@ class PendingMask:
 class MaskJob:
     """Filling one step's mask: the rows, then the sampler's form of it."""
 
-    def __init__(self, rows: Sequence[MaskRow], num_rows: int, vocab_size: int, additive: bool):
+    def __init__(
+        self,
+        rows: Sequence[MaskRow],
+        num_rows: int,
+        vocab_size: int,
+        buffers: LaneBuffers | None,
+    ):
         self.rows = rows
         self.num_rows = num_rows
         self.vocab_size = vocab_size
-        self.additive = additive
+        self.buffers = buffers
+        """The lane's reused arrays (CPU: the additive form); None: packed words, new each
+        step (they go to the device)."""
 
     def __call__(self) -> torch.Tensor:
-        words = np.full((self.num_rows, -(-self.vocab_size // 32)), -1, dtype=np.int32)  # [B, W]
+        num_words = -(-self.vocab_size // 32)
+        if self.buffers is None:
+            words = np.full((self.num_rows, num_words), -1, dtype=np.int32)  # [B, W]
+            fill_rows(words, self.rows)
+            return torch.from_numpy(words)
+        words, out = self.buffers.get(self.num_rows, num_words)
+        words.fill(-1)
         fill_rows(words, self.rows)
-        if self.additive:
-            return torch.from_numpy(additive_mask(words, self.vocab_size))  # [B, V] float32
-        return torch.from_numpy(words)
+        return torch.from_numpy(additive_mask(words, self.vocab_size, out))  # [B, V] float32
+
+
+class LaneBuffers:
+    """One worker lane's arrays for its steps' CPU masks, grown to the most rows a step has had
+    and reused: a lane's next step starts its job only after this step's sampler has read the
+    mask, so a step never overwrites a mask in use, and no page is faulted in again each step."""
+
+    def __init__(self) -> None:
+        self._words = np.empty((0, 0), dtype=np.int32)
+        self._out = np.empty((0, 0), dtype=np.uint32)
+
+    def get(self, num_rows: int, num_words: int) -> tuple[np.ndarray, np.ndarray]:
+        """The packed words `[B, W]` and the additive form's buffer (`additive_mask`'s `out`)."""
+        if len(self._words) < num_rows or self._words.shape[1] != num_words:
+            self._words = np.empty((num_rows, num_words), dtype=np.int32)
+            self._out = np.empty((num_rows, 32 * num_words), dtype=np.uint32)
+        return self._words[:num_rows], self._out
 
 
 class MaskFiller:
@@ -90,10 +126,16 @@ class MaskFiller:
         self.matchers = matchers
         self.additive = device.type == "cpu"
         """CPU: the additive form (the add replaces the sampler's copy); elsewhere packed."""
-        self.overlap = True
-        """Fill while the forward pass runs; False fills after it, on the worker's thread."""
+        self.overlap: bool | None = None
+        """Fill while the forward pass runs: None (the default) where a core is left for the
+        fill, True always (tests), False never: after the forward pass, on the worker's thread.
+        A CPU forward pass on every core of the process waits for the thread whose core the fill
+        takes (its threads meet at each op), so there the fill costs more beside it than after
+        it (`bench/structured.py`)."""
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._buffers: dict[int, LaneBuffers] = {}
+        """Per worker lane (the thread that starts its steps' fills)."""
 
     @contextmanager
     def fill(
@@ -115,8 +157,16 @@ class MaskFiller:
         if not rows:
             return None
         num_rows = sum(1 + len(drafts) for _, drafts in sampled)
-        job = MaskJob(rows, num_rows, vocab_size, self.additive)
-        return PendingMask(self._executor().submit(job) if self.overlap else None, job)
+        buffers = None
+        if self.additive:
+            buffers = self._buffers.setdefault(threading.get_ident(), LaneBuffers())
+        job = MaskJob(rows, num_rows, vocab_size, buffers)
+        overlap = self.overlap if self.overlap is not None else self._core_left()
+        return PendingMask(self._executor().submit(job) if overlap else None, job)
+
+    def _core_left(self) -> bool:
+        """Whether this step's forward pass leaves a core for the fill."""
+        return not self.additive or torch.get_num_threads() < NUM_CORES
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -25,6 +25,10 @@ from deepinfer.sampling.row import SamplingRow
 
 _NEG_INF_BITS = np.uint32(0xFF800000)
 """The bits of float32 -inf (0 is all zero bits)."""
+_BIT_FLOATS = np.where(
+    (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1 == 1, np.uint32(0), _NEG_INF_BITS
+).astype(np.uint32)
+"""`[256, 8]`: the float32 bits of a mask byte's 8 tokens, bit k (little-endian) -> column k."""
 
 
 def bias_and_mask(
@@ -80,19 +84,28 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed[:, :vocab_size]
 
 
-def additive_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+def additive_mask(words: np.ndarray, vocab_size: int, out: np.ndarray | None = None) -> np.ndarray:
     """Packed int32 `[B, W]` -> float32 `[B, V]`: 0 where a token is allowed, -inf where not
-    (tokens past the mask's width are not allowed). Plain numpy, a few ms for 32 x 49k."""
+    (tokens past the mask's width are not allowed). Each byte of the words looks up its 8
+    floats in one table (`np.take`, written straight into `out`). `out`: a reused uint32 buffer
+    of at least B rows and `32 * max(W, ceil(V / 32))` columns (a view of it is returned, so no
+    page is faulted in again each step); None allocates one."""
     assert words.dtype == np.int32 and words.ndim == 2, "packed int32 [B, W]"
     assert sys.byteorder == "little", "bit t of a word is bit t % 8 of its byte t // 8"
-    width = min(vocab_size, words.shape[1] * 32)
-    out = np.empty((words.shape[0], vocab_size), dtype=np.uint32)  # [B, V]
-    out[:, width:] = _NEG_INF_BITS
-    refused = np.unpackbits(  # [B, V'] uint8: 1 where not allowed
-        np.ascontiguousarray(np.invert(words)).view(np.uint8),
-        axis=1,
-        count=width,
-        bitorder="little",
+    num_rows, num_words = words.shape
+    if num_words * 32 < vocab_size:  # the ids past the words are not allowed: zero bits
+        pad = -(-vocab_size // 32) - num_words
+        words = np.pad(words, ((0, 0), (0, pad)))
+        num_words += pad
+    if out is None:
+        out = np.empty((num_rows, num_words * 32), dtype=np.uint32)
+    assert out.dtype == np.uint32 and out.shape[1] == num_words * 32 and len(out) >= num_rows
+    rows = out[:num_rows]  # [B, 32 W], contiguous
+    np.take(
+        _BIT_FLOATS,
+        np.ascontiguousarray(words).view(np.uint8),  # [B, 4 W]
+        axis=0,
+        out=rows.reshape(num_rows, num_words * 4, 8),
+        mode="clip",  # in range anyway; "raise" would buffer the output
     )
-    np.multiply(refused, _NEG_INF_BITS, out=out[:, :width], casting="unsafe")
-    return out.view(np.float32)
+    return rows.view(np.float32)[:, :vocab_size]

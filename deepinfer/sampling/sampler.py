@@ -79,11 +79,16 @@ class Sampler:
         """One token per row of `logits` (`[B, V]`, on the sampler's device; never modified).
         `token_mask` (packed int32 `[B, W]` or additive float32 `[B, V]`, see `masking.py`):
         the tokens each row may take; None allows every token."""
-        if token_mask is None and logits.dtype in _WIDENS_EXACTLY and all(map(_PLAIN, rows)):
+        plain = logits.dtype in _WIDENS_EXACTLY and all(map(_PLAIN, rows))
+        if plain and token_mask is None:
             ids: list[int] = greedy_ids(logits).tolist()  # the common step: argmax alone
             if not ids or min(ids) >= 0:
                 return _plain_tokens(ids, self._plain)
         base = bias_and_mask(logits, rows, token_mask)  # [B, V] float32
+        if plain and token_mask is not None:  # a grammar's step: the argmax of masked logits
+            ids = greedy_ids(base).tolist()
+            if not ids or min(ids) >= 0:
+                return _plain_tokens(ids, self._plain)
         processed = self.process_logits(base, rows)  # [B, V]
         token_ids = self.choose(processed, rows)  # [B], -1 where unsound
         ids = token_ids.tolist()  # checked on the list: no more ops (GIL retakes)

@@ -38,6 +38,11 @@ def test_additive_mask_is_the_unpacked_bitmask() -> None:
         allowed = unpack_bitmask(torch.from_numpy(words), vocab).numpy()
         assert mask.shape == (3, vocab) and mask.dtype == np.float32
         assert ((mask == 0) == allowed).all() and (np.isneginf(mask) == ~allowed).all()
+        buffer = np.full((5, 32 * max(10, -(-vocab // 32))), 7, dtype=np.uint32)  # reused
+        for rows in (3, 2):  # a step of fewer rows after a larger one
+            again = additive_mask(words[:rows], vocab, out=buffer)
+            assert np.shares_memory(again, buffer) and again.shape == (rows, vocab)
+            assert np.array_equal(again.view(np.uint32), mask[:rows].view(np.uint32))
 
 
 def test_both_forms_sample_alike() -> None:

@@ -14,14 +14,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 import deepinfer.sampling.mask_fill as mask_fill
 from deepinfer.config import WorkersConfig
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.environment import default_model_path
 from deepinfer.errors import RequestFailedError
-from deepinfer.request import FinishReason, SamplingParams
+from deepinfer.model.loading.gguf_loader import open_gguf
+from deepinfer.request import FinishReason, SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.runner.model_runner import ModelRunner
-from deepinfer.sampling.matchers import MaskRow, fill_rows
+from deepinfer.sampling.constraints import ConstraintCompiler
+from deepinfer.sampling.mask_fill import MaskFiller
+from deepinfer.sampling.matchers import MaskRow, MatcherTable, fill_rows
+from deepinfer.sampling.vocabulary import vocabulary_from
+from deepinfer.text.tokenizer import Tokenizer
 from tests.sampling.structured.conftest import tiny_structured_config
 from tests.sampling.structured.corpus_run import (
     PROMPT_IDS,
@@ -30,7 +37,9 @@ from tests.sampling.structured.corpus_run import (
     schema_params,
 )
 from tests.sampling.structured.schema_corpus import schema_corpus
+from tests.scheduler.sched_fakes import make_request
 
+CPU = torch.device("cpu")
 MODES = {
     "colocated": WorkersConfig(colocated=True),
     "disaggregated": WorkersConfig(prefill_step_ms=5.0, prefill_buckets=(16, 48)),
@@ -42,7 +51,7 @@ def _runners(engine: AsyncEngine) -> list[ModelRunner]:
     return [core.runner] if core.decode_runner is core.runner else [core.runner, core.decode_runner]
 
 
-def _set_overlap(engine: AsyncEngine, on: bool) -> None:
+def _set_overlap(engine: AsyncEngine, on: bool | None) -> None:
     for runner in _runners(engine):
         runner.masks.overlap = on
 
@@ -155,6 +164,7 @@ async def test_finish_and_abort_while_fills_run(
     schemas = [s for s in schema_corpus(96) if len(str(s)) > 300][:8]
     config = tiny_structured_config(tiny_llama_dir, MODES[mode], max_num_seqs=16)
     async with AsyncEngine(config) as engine:
+        _set_overlap(engine, True)  # beside the forward pass, whatever the cores
         probe = FillProbe(delay_s=0.02)
         seen = _probe_runners(engine, probe, monkeypatch)
 
@@ -192,6 +202,7 @@ async def test_failed_forward_waits_for_its_fill(
 ) -> None:
     config = tiny_structured_config(tiny_llama_dir, WorkersConfig(colocated=True))
     async with AsyncEngine(config) as engine:
+        _set_overlap(engine, True)
         probe = FillProbe(delay_s=0.2)
         seen = _probe_runners(engine, probe, monkeypatch)
         runner = engine.core.runner
@@ -218,3 +229,23 @@ async def test_unconstrained_steps_start_nothing(tiny_llama_dir: Path) -> None:
         runner = engine.core.runner
         assert not runner.masks.has_pool and len(runner.matchers) == 0
         assert runner.masks.start([], 100) is None
+
+
+def test_the_fill_goes_beside_the_forward_pass_only_where_a_core_is_left() -> None:
+    """The default (`overlap` None): a CPU step on every core fills after its forward pass (no
+    pool made), one on fewer threads fills beside it (on the pool)."""
+    tok = Tokenizer.from_gguf(open_gguf(default_model_path()))
+    masks = MaskFiller(MatcherTable(ConstraintCompiler(lambda: vocabulary_from(tok, 2))), CPU)
+    assert masks.overlap is None
+    request = make_request("r", [1, 2], structured=StructuredSpec(StructuredKind.REGEX, "[0-9]+"))
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, pooled in ((mask_fill.NUM_CORES, False), (1, True)):
+            torch.set_num_threads(num_threads)
+            pending = masks.start([(request, ())], tok.vocab_size)
+            assert pending is not None and masks.has_pool == pooled
+            digit = tok.encode("7")[0]
+            assert pending.wait()[0, digit] == 0 and pending.wait()[0, tok.encode("x")[0]] < 0
+    finally:
+        torch.set_num_threads(threads)
+        masks.close()
