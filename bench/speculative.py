@@ -36,6 +36,10 @@ repeats its prompts; their earlier outputs would draft whole answers): single st
 workload's own earlier answers still draft for its later prompts (the trace's turns); with
 several streams the store fills within the run, where the same prompts recur by design.
 `--temperature` above 0 makes every request sampled and seeded: the same tokens in every mode.
+`--tool-grammar` gives every request the grammar a request declaring the trace's three tools gets
+under `tool_choice: auto` (`api/tools/grammar.py`: text, or calls once `<tool_call>` is
+written), plain decoding included: what speculation gains under a grammar, each verified
+position masked.
 
 `draft-model` drafts with `--draft-model PATH`; without it, with SmolLM2's first 8 layers
 written as a GGUF of their own (`bench/truncated_draft.py`): no smaller model with SmolLM2's
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import tempfile
 import time
@@ -58,6 +63,8 @@ from engine_load import window_seconds
 from truncated_draft import truncate
 
 import deepinfer  # noqa: F401  (before torch: OpenMP's waits)
+from deepinfer.api.tools.grammar import answer_constraint
+from deepinfer.api.tools.plan import ToolPlan, ToolSchema
 from deepinfer.config import Config, DiskCacheConfig, ModelConfig, SpeculativeConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.environment import default_model_path, resolve_model
@@ -154,6 +161,15 @@ def _trace() -> list[list[ChatMessage]]:
 
 
 TRACE = _trace()
+TRACE_TOOLS = tuple(
+    ToolSchema(name, json.dumps({"type": "object", "properties": props}), f"tools[{k}]")
+    for k, (name, props) in enumerate([
+        ("run_tests", {}),
+        ("read_file", {"path": {"type": "string"}}),
+        ("write_file", {"path": {"type": "string"}, "content": {"type": "string"}}),
+    ])
+)  # fmt: skip
+"""The trace's tools, declared (`--tool-grammar`)."""
 WORKLOADS = {
     "agent": AGENT,
     "trace": TRACE,
@@ -370,6 +386,11 @@ def main() -> None:
         default=",".join(WORKLOADS),
         help="the workloads measured, comma-separated (all by default)",
     )
+    ap.add_argument(
+        "--tool-grammar",
+        action="store_true",
+        help="every request under the `auto` grammar of three declared tools",
+    )
     ns = ap.parse_args()
     unknown = set(ns.workloads.split(",")) - set(WORKLOADS)
     if unknown:
@@ -381,6 +402,8 @@ def main() -> None:
         temperature=ns.temperature,
         seed=7 if ns.temperature > 0 else None,
     )
+    if ns.tool_grammar:
+        params = answer_constraint(params, ToolPlan(schemas=TRACE_TOOLS), None)
     started = provenance()  # the code that runs is the tree at the start
     model = resolve_model(Path(ns.model))
     proposers = ns.proposers.split(",")
