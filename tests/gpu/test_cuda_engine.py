@@ -8,6 +8,8 @@ how the GPU run is made (kernel, model and engine tests run there too, on CUDA).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ from deepinfer.config import (
 )
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.core import EngineCore
-from deepinfer.request import Request, SamplingParams
+from deepinfer.request import Request, SamplingParams, StructuredKind, StructuredSpec
 from deepinfer.text.recipe import ChatMessage
 
 pytestmark = [
@@ -157,3 +159,30 @@ def test_split_device_groups_give_the_one_device_tokens() -> None:
     graphs = core.decode_runner.graphs
     assert graphs is not None and graphs.decode is not None and graphs.decode.num_replays > 0
     assert tokens == one
+
+
+async def test_drafts_under_a_grammar_keep_the_tokens() -> None:
+    """Packed masks with a row per verified position (the grammar walked along each request's
+    drafts) on CUDA, float32: a JSON schema's answer drafted from a prediction of itself, and
+    from one the grammar refuses at once, gives the tokens it gives without one."""
+    schema = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
+    spec = StructuredSpec(StructuredKind.JSON_SCHEMA, json.dumps(schema))
+    params = SamplingParams(max_tokens=48, temperature=0.0, structured=spec)
+    messages = [ChatMessage("user", "Write a Python function that adds two numbers, as JSON.")]
+
+    async def run(engine: AsyncEngine, prediction: str | None) -> tuple[list[int], str, int]:
+        ids: list[int] = []
+        text, accepted = "", 0
+        async for out in engine.generate(messages, params, prediction=prediction):
+            ids += out.token_ids
+            text += out.text
+            accepted = out.usage.accepted_prediction_tokens if out.usage else accepted
+        return ids, text, accepted
+
+    async with AsyncEngine(_config("cuda", "triton")) as engine:
+        want, answer, _ = await run(engine, None)
+        got, _, accepted = await run(engine, answer)
+        assert got == want and accepted > 0
+        refused, _, _ = await run(engine, "Sure! Here it is: " + answer)
+        assert refused == want
+        engine.check_integrity()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -125,17 +126,21 @@ def test_auto_calls_always_parse(oai: openai.OpenAI) -> None:
             "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
         },
     }
-    calls: list[tuple[str, Any]] = []
-    for seed in range(16):
-        r = oai.chat.completions.create(
+
+    def answer(seed: int) -> Any:
+        return oai.chat.completions.create(
             model="m",
             messages=USER,
             tools=[strict, loose],
-            max_tokens=64,
+            max_tokens=48,
             temperature=0.7,
             seed=seed,
-        )
-        choice = r.choices[0]
+        ).choices[0]
+
+    calls: list[tuple[str, Any]] = []
+    with ThreadPoolExecutor(8) as pool:  # eight at a time
+        choices = list(pool.map(answer, range(24)))
+    for choice in choices:
         made = choice.message.tool_calls or []
         if choice.finish_reason == "length":
             made = made[:-1]  # a call cut by max_tokens may end inside its arguments
@@ -147,4 +152,4 @@ def test_auto_calls_always_parse(oai: openai.OpenAI) -> None:
             if c.function.name == "get_weather":
                 jsonschema.validate(arguments, city)
             calls.append((c.function.name, arguments))
-    assert len(calls) >= 2, calls  # the model does call (4 of 16 here), and each call parsed
+    assert calls, calls  # the model does call (about one answer in four here); each parsed
