@@ -117,3 +117,27 @@ def test_a_plain_request_gets_no_tools_and_no_constraint(
     r = oai.chat.completions.create(model="m", messages=USER)
     assert reply.last_params is not None and reply.last_params.structured is None
     assert r.choices[0].message.content == REPLY and r.choices[0].message.tool_calls is None
+
+
+def test_auto_alone_constrains_calls_strict_tools_by_their_schema(
+    oai: openai.OpenAI, claude: anthropic.Anthropic, reply: FakeEngine
+) -> None:
+    """`auto` without a format: the grammar of calls once opened in every API, a tool's schema a
+    checked part of it where the tool is strict (the Responses API's default)."""
+    reply.reply = CALL
+    strict: Any = [{**OPENAI_TOOLS[0], "function": {**OPENAI_TOOLS[0]["function"], "strict": True}}]
+    for tools, parts in ((OPENAI_TOOLS, []), (strict, ["tools[0].function.parameters"])):
+        oai.chat.completions.create(model="m", messages=USER, tools=tools)
+        spec = sent(reply)
+        assert spec.param == "tools" and [p.param for p in spec.parts] == parts
+    flat = {"type": "function", "name": "get_weather", "parameters": PARAMETERS}
+    for tool, parts in (({**flat}, ["tools[0].parameters"]), ({**flat, "strict": False}, [])):
+        oai.responses.create(model="m", input=USER, tools=[tool])  # type: ignore[list-item]
+        spec = sent(reply)
+        assert spec.param == "tools" and [p.param for p in spec.parts] == parts
+    custom: Any = {"name": "get_weather", "input_schema": PARAMETERS}
+    for tool, parts in ((custom, []), ({**custom, "strict": True}, ["tools.0.input_schema"])):
+        claude.messages.create(model="m", max_tokens=8, messages=USER, tools=[tool])
+        spec = sent(reply)
+        assert spec.param == "tools" and [p.param for p in spec.parts] == parts
+        assert spec.kind is StructuredKind.GRAMMAR and "lead[lazy]" in spec.source
