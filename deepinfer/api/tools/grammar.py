@@ -4,7 +4,8 @@ The calls' grammar spells exactly the text the family's tool format renders and 
 back (its `CallMarkup`, `text/tool_markup.py`: e.g. Hermes' `<tool_call>`, `call_head(name)`,
 the arguments, `CALL_TAIL`, `</tool_call>`, calls separated by `CALL_SEPARATOR`; Mistral's
 `[TOOL_CALLS]` and a JSON list); markers the vocabulary holds as tokens are those tokens. Each
-tool is one alternative, its arguments one instance of its `parameters` schema (compact JSON).
+tool is one alternative, its arguments one instance of its `parameters` schema, spelled as the
+recipe renders arguments in the history (`json.dumps`'s `", "` and `": "`, no other whitespace).
 One call without parallel calls (or where the family writes one), else one or more; the grammar
 ends after the last call, so the answer ends there (end of turn) and its finish reason is
 `tool_calls`.
@@ -48,7 +49,11 @@ AUTO_PARAM = "tools"
 ANY_OBJECT = '{"type": "object"}'
 """The schema of `json_object`: any JSON object."""
 _COMPACT = {"whitespace_flexible": False}
-"""Arguments as compact JSON: no unbounded runs of whitespace for a model to wander into."""
+"""A text format's JSON compact: no unbounded runs of whitespace for a model to wander into."""
+_AS_RENDERED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""Call arguments spelled as the recipe renders a call in the history (`arguments_json`, a chat
+template's `tojson`): no runs of whitespace either, and the call the model writes is the text
+the next turn renders, so an agent's next request reuses the cached prefix through it."""
 
 
 def _literal(text: str) -> str:
@@ -61,11 +66,12 @@ def _pieces(pieces: Sequence[Piece]) -> str:
     return " ".join(_literal(p) if isinstance(p, str) else f"<[{p}]>" for p in pieces if p != "")
 
 
-def _compact(source: str) -> str:
-    """A JSON schema with compact JSON unless it sets its own `x-guidance` options."""
+def _compact(source: str, options: dict[str, object] = _COMPACT) -> str:
+    """A JSON schema with llguidance's JSON `options` (compact JSON by default) unless it sets
+    its own `x-guidance` ones."""
     schema: Any = json.loads(source)
     if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
+        schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
     return json.dumps(schema, ensure_ascii=False)
 
 
@@ -97,7 +103,7 @@ def _call_rules(
     call_open = _pieces(markup.call_open)
     for k, tool in enumerate(tools):
         schema = tool.parameters if tool.strict or not strict_only else ANY_OBJECT
-        body = [_literal(markup.head(tool.name)), f"%json {_compact(schema)}"]
+        body = [_literal(markup.head(tool.name)), f"%json {_compact(schema, _AS_RENDERED)}"]
         body.append(_pieces(markup.call_close))
         rules.append(f"call_{k}: " + " ".join(p for p in (call_open, f"body_{k}") if p))
         rules.append(f"body_{k}: " + " ".join(p for p in body if p))
@@ -159,7 +165,8 @@ def _text_rule(spec: StructuredSpec) -> str:
 def schema_part(tool: ToolSchema) -> StructuredSpec:
     """A tool's schema as a piece of its call grammar: the engine checks it (in the grammar
     probe's child process, like every new grammar) and a refusal names `tool.param`."""
-    return StructuredSpec(StructuredKind.JSON_SCHEMA, _compact(tool.parameters), tool.param)
+    source = _compact(tool.parameters, _AS_RENDERED)
+    return StructuredSpec(StructuredKind.JSON_SCHEMA, source, tool.param)
 
 
 def answer_constraint(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from openai import AsyncOpenAI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tests.api.frameworks.recorder import Recorder
 
@@ -34,7 +34,7 @@ class City(BaseModel):
 
 class Forecast(BaseModel):
     city: str
-    summary: str
+    summary: str = Field(max_length=60)  # greedy SmolLM2 can run on inside a string
 
 
 @pytest.fixture

@@ -43,8 +43,8 @@ TOOLS = (
     ToolSchema("get_weather", json.dumps(CITY), "tools[0].function.parameters"),
     ToolSchema("get_time", json.dumps(TZ), "tools[1].function.parameters"),
 )
-WEATHER = ("get_weather", '{"city":"Paris"}')
-TIME = ("get_time", '{"tz":2}')
+WEATHER = ("get_weather", '{"city": "Paris"}')
+TIME = ("get_time", '{"tz": 2}')
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3.1"])
@@ -121,14 +121,14 @@ def test_grammar_refuses_anything_else(family: Any) -> None:
     name, tok, fmt, _ = family
     markup = fmt.markup
     wrong = [
-        answer_ids(tok, markup, [("get_date", '{"city":"P"}')]),
-        answer_ids(tok, markup, [("get_weather", '{"town":"P"}')]),
+        answer_ids(tok, markup, [("get_date", '{"city": "P"}')]),
+        answer_ids(tok, markup, [("get_weather", '{"town": "P"}')]),
         tok.encode("Sure! ") + answer_ids(tok, markup, [WEATHER]),
         answer_ids(tok, markup, [WEATHER, WEATHER]),  # one call at most (max_calls 1)
     ]
     if name == "mistral":  # the marker typed as text is not the marker
         wrong.append(
-            tok.encode('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city":"P"}}]')
+            tok.encode('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "P"}}]')
         )
     for ids in wrong:
         assert not accepts(family, 1, ids)
@@ -159,7 +159,7 @@ def test_auto_is_text_or_calls_once_opened(family: Any) -> None:
         assert accepts(family, None, ids, auto=True), tok.decode(ids)
     answer = parse_answer(decoded(tok, fmt, opened), markup=fmt.markup)
     assert answer.content == "It is sunny in Paris." and len(answer.calls) == 1
-    bad_name = answer_ids(tok, markup, [("get_date", '{"city":"P"}')])
+    bad_name = answer_ids(tok, markup, [("get_date", '{"city": "P"}')])
     wrong = [
         [*opened, *tok.encode(" More text.")],  # the answer ends after its calls
         [*opened[: len(opened) - len(calls)], *bad_name],

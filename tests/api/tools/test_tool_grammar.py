@@ -79,8 +79,8 @@ def grammar_matcher(compiler: ConstraintCompiler, max_calls: int | None) -> Cons
 def test_grammar_accepts_rendered_calls_that_parse_back(
     compiler: ConstraintCompiler, tokenizer: Tokenizer
 ) -> None:
-    one = ToolCall("get_weather", '{"city":"Paris"}')
-    two = ToolCall(TOOLS[1].name, '{"tz":2}')
+    one = ToolCall("get_weather", '{"city": "Paris"}')
+    two = ToolCall(TOOLS[1].name, '{"tz": 2}')
     for calls, max_calls in (((one,), 1), ((one, two, one), None)):
         text = rendered(*calls)
         matcher = grammar_matcher(compiler, max_calls)
@@ -97,13 +97,13 @@ def test_grammar_accepts_rendered_calls_that_parse_back(
 @pytest.mark.parametrize(
     ("text", "max_calls"),
     [
-        ('<tool_call>\n{"name": "get_time", "arguments": {"city":"P"}}\n</tool_call>', None),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"town":"P"}}\n</tool_call>', None),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city":3}}\n</tool_call>', None),
-        ('Sure! <tool_call>\n{"name": "get_weather", "arguments": {"city":"P"}}\n</tool_call>', None),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"P"}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "get_weather", "arguments": {"city":"O"}}\n</tool_call>', 1),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"P"}}\n</tool_call> ok', None),
+        ('<tool_call>\n{"name": "get_time", "arguments": {"city": "P"}}\n</tool_call>', None),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"town": "P"}}\n</tool_call>', None),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>', None),
+        ('Sure! <tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>', None),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "O"}}\n</tool_call>', 1),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call> ok', None),
     ],
 )  # fmt: skip
 def test_grammar_refuses_anything_else(
@@ -171,8 +171,10 @@ def auto_matcher(compiler: ConstraintCompiler, text: StructuredSpec) -> Constrai
 def test_auto_with_a_format_is_a_call_or_the_format(
     compiler: ConstraintCompiler, tokenizer: Tokenizer
 ) -> None:
-    one = rendered(ToolCall("get_weather", '{"city":"Paris"}'))
-    two = rendered(ToolCall("get_weather", '{"city":"Paris"}'), ToolCall(TOOLS[1].name, '{"tz":1}'))
+    one = rendered(ToolCall("get_weather", '{"city": "Paris"}'))
+    two = rendered(
+        ToolCall("get_weather", '{"city": "Paris"}'), ToolCall(TOOLS[1].name, '{"tz": 1}')
+    )
     for text in (one, two, '{"answer":"Paris"}'):
         assert accepts(auto_matcher(compiler, FORMAT), tokenizer, text), text
     for text in (
@@ -207,7 +209,7 @@ def test_the_text_branch_accepts_what_the_format_alone_does(
     verdicts = [accepts(compiler.matcher(text), tokenizer, sample) for sample in samples]
     assert any(verdicts) and not all(verdicts)
     assert [accepts(auto_matcher(compiler, text), tokenizer, s) for s in samples] == verdicts
-    call = rendered(ToolCall("get_weather", '{"city":"Oslo"}'))
+    call = rendered(ToolCall("get_weather", '{"city": "Oslo"}'))
     assert accepts(auto_matcher(compiler, text), tokenizer, call)
 
 
@@ -241,8 +243,8 @@ def test_auto_is_text_then_calls_once_opened(
     (a strict tool's arguments valid for its schema, the others' any JSON object) that end the
     answer (`test_family_grammar.py`: the markers as tokens, as Qwen's vocabulary holds them)."""
     fmt = ToolFormat()
-    weather = rendered(ToolCall("get_weather", '{"town":["any","object"]}'))
-    time = rendered(ToolCall(STRICT_TIME.name, '{"tz":2}'))
+    weather = rendered(ToolCall("get_weather", '{"town": ["any", "object"]}'))
+    time = rendered(ToolCall(STRICT_TIME.name, '{"tz": 2}'))
     good = [
         "It is sunny.",
         "",
@@ -255,7 +257,8 @@ def test_auto_is_text_then_calls_once_opened(
         weather + " And more text.",
         weather + "\n" + time,  # (max_calls 1)
         'Sure <tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>',
-        time.replace('{"tz":2}', '{"tz":"two"}'),  # the strict tool's schema holds
+        time.replace('{"tz": 2}', '{"tz": "two"}'),  # the strict tool's schema holds
+        weather.replace('": [', '":['),  # spelled otherwise than the history renders it
         "<tool_call>\nI will call it",
         '<tool_call>\n{"name": "get_weather", "arguments": {"type": "summer}", "q": {Tag',
     ]

@@ -59,10 +59,13 @@ def claude(real_server: LiveServer) -> Iterator[anthropic.Anthropic]:
 
 
 def check_call(name: str, arguments: str | object, only: str | None = None) -> None:
-    """The call names a declared tool (`only`, when named) with arguments valid for it."""
+    """The call names a declared tool (`only`, when named) with arguments valid for it, spelled
+    as the next turn renders them (`json.dumps`: the cached prefix reaches through the call)."""
     assert name in SCHEMAS and name == (only or name)
     value = json.loads(arguments) if isinstance(arguments, str) else arguments
     jsonschema.validate(value, SCHEMAS[name])
+    if isinstance(arguments, str):
+        assert arguments == json.dumps(value, ensure_ascii=False)
 
 
 @pytest.mark.parametrize(
