@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llguidance as llg
@@ -48,9 +48,13 @@ AUTO_PARAM = "tools"
 """The field the grammar of `auto` calls is reported under."""
 ANY_OBJECT = '{"type": "object"}'
 """The schema of `json_object`: any JSON object."""
-_COMPACT = {"whitespace_flexible": False}
+_COMPACT: Mapping[str, object] = {"whitespace_flexible": False}
 """A text format's JSON compact: no unbounded runs of whitespace for a model to wander into."""
-_AS_RENDERED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_AS_RENDERED: Mapping[str, object] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 """Call arguments spelled as the recipe renders a call in the history (`arguments_json`, a chat
 template's `tojson`): no runs of whitespace either, and the call the model writes is the text
 the next turn renders, so an agent's next request reuses the cached prefix through it."""
@@ -66,7 +70,7 @@ def _pieces(pieces: Sequence[Piece]) -> str:
     return " ".join(_literal(p) if isinstance(p, str) else f"<[{p}]>" for p in pieces if p != "")
 
 
-def _compact(source: str, options: dict[str, object] = _COMPACT) -> str:
+def _compact(source: str, options: Mapping[str, object] = _COMPACT) -> str:
     """A JSON schema with llguidance's JSON `options` (compact JSON by default) unless it sets
     its own `x-guidance` ones."""
     schema: Any = json.loads(source)
